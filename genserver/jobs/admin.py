@@ -1,0 +1,37 @@
+"""Django admin for jobs: filters, search, and actions that go through the job service."""
+from django.contrib import admin, messages
+
+from genserver.jobs import services
+from genserver.jobs.models import Job
+
+
+@admin.register(Job)
+class JobAdmin(admin.ModelAdmin):
+    list_display = ("id", "owner", "model", "status", "stage", "duration_class", "priority",
+                    "steps_done", "steps", "attempts", "created_at", "finished_at")
+    list_filter = ("status", "duration_class", "model", "kind", "backend")
+    search_fields = ("id", "prompt", "owner__username", "error")
+    date_hierarchy = "created_at"
+    actions = ("cancel_jobs", "retry_from_checkpoint", "move_to_front")
+    # The job service alone changes state: everything is read-only here, actions do the writing.
+    readonly_fields = [f.name for f in Job._meta.fields]
+
+    def has_add_permission(self, request) -> bool:
+        return False
+
+    @admin.action(description="Cancel selected jobs")
+    def cancel_jobs(self, request, queryset):
+        ended = sum(1 for job in queryset if services.cancel_job(job).status == "cancelled")
+        self.message_user(request, f"Cancel requested for {queryset.count()} job(s); {ended} ended at once.")
+
+    @admin.action(description="Retry failed jobs from their last checkpoint")
+    def retry_from_checkpoint(self, request, queryset):
+        retried = sum(1 for job in queryset if services.retry_failed(job))
+        self.message_user(request, f"Re-queued {retried} failed job(s).",
+                          messages.SUCCESS if retried else messages.WARNING)
+
+    @admin.action(description="Re-prioritise: move to the front of their class")
+    def move_to_front(self, request, queryset):
+        for job in queryset:
+            services.reprioritise(job, {"short": 0, "medium": 4, "long": 6}.get(job.duration_class, 0))
+        self.message_user(request, f"Re-prioritised {queryset.count()} job(s).")

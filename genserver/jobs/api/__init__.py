@@ -1,0 +1,1 @@
+"""The REST API: serializers, one view per endpoint, routes, and the error format."""

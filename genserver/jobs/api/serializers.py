@@ -1,0 +1,169 @@
+"""Request validation against the model registry, and the job's public representation."""
+from __future__ import annotations
+
+import math
+import secrets
+from typing import Any
+
+from drf_spectacular.types import OpenApiTypes
+from drf_spectacular.utils import extend_schema_field
+from rest_framework import serializers
+from rest_framework.reverse import reverse
+
+from genserver import policy
+from genserver.jobs.models import Job
+from genserver.registry import RegistryError
+
+
+class StrictFloatField(serializers.FloatField):
+    """A float that must be finite: NaN and ±inf are refused, not stored."""
+
+    default_error_messages = {"not_finite": "A finite number is required (not NaN or infinity)."}
+
+    def to_internal_value(self, data: Any) -> float:
+        if isinstance(data, bool):
+            self.fail("invalid")
+        value = super().to_internal_value(data)
+        if not math.isfinite(value):
+            self.fail("not_finite")
+        return value
+
+
+class StrictIntegerField(serializers.IntegerField):
+    """An integer given as a JSON number or digit string; booleans are refused."""
+
+    def to_internal_value(self, data: Any) -> int:
+        if isinstance(data, bool):
+            self.fail("invalid")
+        return super().to_internal_value(data)
+
+
+class JobCreateSerializer(serializers.Serializer):
+    model = serializers.CharField(max_length=100)
+    prompt = serializers.CharField(max_length=20000, trim_whitespace=True)
+    negative_prompt = serializers.CharField(max_length=20000, required=False, allow_blank=True, default="")
+    width = StrictIntegerField(required=False, min_value=1, max_value=16384)
+    height = StrictIntegerField(required=False, min_value=1, max_value=16384)
+    num_frames = StrictIntegerField(required=False, min_value=1, max_value=10000)
+    steps = StrictIntegerField(required=False, min_value=1, max_value=10000)
+    guidance_scale = StrictFloatField(required=False, min_value=0.0, max_value=1000.0)
+    seed = StrictIntegerField(required=False, min_value=0, max_value=2**63 - 1)
+    num_outputs = StrictIntegerField(required=False, default=1, min_value=1, max_value=4)
+    preview_every = StrictIntegerField(required=False, default=0, min_value=0, max_value=10000)
+
+    def to_internal_value(self, data: Any) -> dict[str, Any]:
+        if not isinstance(data, dict):
+            raise serializers.ValidationError({"non_field_errors": ["Send a JSON object of job fields."]})
+        unknown = sorted(set(data) - set(self.fields))
+        if unknown:
+            raise serializers.ValidationError({k: ["Unknown field; see GET /api/v1/models/ and the schema."]
+                                               for k in unknown})
+        return super().to_internal_value(data)
+
+    def validate_model(self, value: str) -> str:
+        try:
+            policy.registry().get(value)
+        except RegistryError:
+            raise serializers.ValidationError(
+                f"Unknown model {value!r}; available: {', '.join(policy.registry().names())}.") from None
+        return value
+
+    def validate(self, attrs: dict[str, Any]) -> dict[str, Any]:
+        spec = policy.registry().get(attrs["model"])
+        lim, dflt = spec.limits, spec.defaults
+        attrs.setdefault("width", dflt.width)
+        attrs.setdefault("height", dflt.height)
+        attrs.setdefault("num_frames", dflt.num_frames)
+        attrs.setdefault("steps", dflt.steps)
+        attrs.setdefault("guidance_scale", dflt.guidance_scale)
+        if "seed" not in attrs:
+            attrs["seed"] = secrets.randbelow(2**32)
+        errors: dict[str, list[str]] = {}
+        for field, maximum in (("width", lim.max_width), ("height", lim.max_height)):
+            value = attrs[field]
+            if not lim.min_size <= value <= maximum:
+                errors[field] = [f"Must be between {lim.min_size} and {maximum} for {spec.name}."]
+            elif value % lim.size_multiple:
+                errors[field] = [f"Must be a multiple of {lim.size_multiple} for {spec.name}."]
+        if spec.kind == "image" and attrs["num_frames"] != 1:
+            errors["num_frames"] = [f"{spec.name} makes images; leave num_frames out or set it to 1."]
+        elif spec.kind == "video":
+            frames = attrs["num_frames"]
+            if frames > lim.max_frames:
+                errors["num_frames"] = [f"At most {lim.max_frames} frames for {spec.name}."]
+            elif (frames - 1) % lim.frames_step:
+                errors["num_frames"] = [f"Must be 1 + a multiple of {lim.frames_step} for {spec.name} (e.g. 81)."]
+        if attrs["steps"] > lim.max_steps:
+            errors["steps"] = [f"At most {lim.max_steps} steps for {spec.name}."]
+        if attrs["guidance_scale"] > lim.max_guidance:
+            errors["guidance_scale"] = [f"At most {lim.max_guidance} for {spec.name}."]
+        for field in ("prompt", "negative_prompt"):
+            if len(attrs.get(field, "")) > lim.max_prompt_chars:
+                errors[field] = [f"At most {lim.max_prompt_chars} characters for {spec.name}."]
+        if attrs["preview_every"] > attrs["steps"]:
+            errors["preview_every"] = ["Must not exceed steps (0 turns previews off)."]
+        if errors:
+            raise serializers.ValidationError(errors)
+        return attrs
+
+
+class ProgressSerializer(serializers.Serializer):
+    step = serializers.IntegerField()
+    total_steps = serializers.IntegerField()
+
+
+class OutputSerializer(serializers.Serializer):
+    url = serializers.URLField()
+    content_type = serializers.CharField()
+
+
+class JobSerializer(serializers.ModelSerializer):
+    """A job as its owner sees it. Needs `snapshot` (a QueueSnapshot) and `request` in the context."""
+
+    progress = serializers.SerializerMethodField()
+    queue_position = serializers.SerializerMethodField()
+    eta_seconds = serializers.SerializerMethodField()
+    estimated_seconds = serializers.SerializerMethodField()
+    preview_url = serializers.SerializerMethodField()
+    outputs = serializers.SerializerMethodField()
+    owner = serializers.CharField(source="owner.username", read_only=True)
+
+    class Meta:
+        model = Job
+        fields = [
+            "id", "owner", "model", "kind", "status", "stage", "progress", "queue_position", "eta_seconds",
+            "estimated_seconds", "duration_class", "preview_url", "preview_step", "outputs", "error",
+            "prompt", "negative_prompt", "width", "height", "num_frames", "steps", "guidance_scale", "seed",
+            "num_outputs", "preview_every", "attempts", "cancel_requested",
+            "created_at", "started_at", "finished_at",
+        ]
+        read_only_fields = fields
+
+    @extend_schema_field(ProgressSerializer)
+    def get_progress(self, job: Job) -> dict[str, int]:
+        return {"step": job.steps_done, "total_steps": job.steps}
+
+    @extend_schema_field(OpenApiTypes.INT)
+    def get_queue_position(self, job: Job) -> int | None:
+        return self.context["snapshot"].queue_position(job)
+
+    @extend_schema_field(OpenApiTypes.FLOAT)
+    def get_eta_seconds(self, job: Job) -> float | None:
+        return self.context["snapshot"].eta_seconds(job)
+
+    @extend_schema_field(OpenApiTypes.FLOAT)
+    def get_estimated_seconds(self, job: Job) -> float:
+        return round(job.estimated_seconds * job.clock_scale, 3)
+
+    @extend_schema_field(OpenApiTypes.URI)
+    def get_preview_url(self, job: Job) -> str | None:
+        if not job.preview_key:
+            return None
+        return reverse("job-preview", args=[job.pk], request=self.context.get("request"))
+
+    @extend_schema_field(OutputSerializer(many=True))
+    def get_outputs(self, job: Job) -> list[dict[str, str]]:
+        request = self.context.get("request")
+        return [{"url": reverse("job-output", args=[job.pk, i], request=request),
+                 "content_type": out["content_type"]} for i, out in enumerate(job.outputs)]
+

@@ -1,0 +1,116 @@
+"""One thin view per endpoint: parse, call a service or selector, render."""
+from __future__ import annotations
+
+from django.http import FileResponse, Http404
+from django.shortcuts import get_object_or_404
+from drf_spectacular.types import OpenApiTypes
+from drf_spectacular.utils import OpenApiParameter, OpenApiResponse, extend_schema
+from rest_framework import status
+from rest_framework.generics import GenericAPIView
+from rest_framework.request import Request
+from rest_framework.response import Response
+from rest_framework.views import APIView
+
+from genserver import policy
+from genserver.jobs import selectors, services
+from genserver.jobs.api.serializers import JobCreateSerializer, JobSerializer
+from genserver.jobs.models import JobStatus
+from genserver.storage import StorageError, default_storage
+
+
+def _job_context(request: Request) -> dict:
+    return {"request": request, "snapshot": selectors.QueueSnapshot.load()}
+
+
+class JobListCreateView(GenericAPIView):
+    serializer_class = JobSerializer
+
+    def get_queryset(self):
+        qs = selectors.jobs_visible_to(self.request.user).select_related("owner")
+        wanted = self.request.query_params.get("status")
+        if wanted:
+            if wanted not in JobStatus.values:
+                from rest_framework.exceptions import ValidationError
+
+                raise ValidationError({"status": [f"Must be one of {', '.join(JobStatus.values)}."]})
+            qs = qs.filter(status=wanted)
+        return qs.order_by("-created_at")
+
+    @extend_schema(parameters=[OpenApiParameter("status", OpenApiTypes.STR, enum=JobStatus.values)],
+                   responses=JobSerializer(many=True))
+    def get(self, request: Request) -> Response:
+        page = self.paginate_queryset(self.get_queryset())
+        data = JobSerializer(page, many=True, context=_job_context(request)).data
+        return self.get_paginated_response(data)
+
+    @extend_schema(request=JobCreateSerializer, responses={
+        201: JobSerializer, 400: OpenApiResponse(description="field errors"),
+        429: OpenApiResponse(description="overloaded; see Retry-After")})
+    def post(self, request: Request) -> Response:
+        incoming = JobCreateSerializer(data=request.data)
+        incoming.is_valid(raise_exception=True)
+        try:
+            job = services.submit_job(request.user, incoming.validated_data)
+        except services.AdmissionRefused as refused:
+            d = refused.decision
+            return Response({"detail": d.reason, "reason": "overloaded", "duration_class": refused.duration_class,
+                             "expected_wait_seconds": round(d.expected_wait_seconds, 1),
+                             "limit_seconds": d.limit_seconds, "retry_after": d.retry_after_seconds},
+                            status=status.HTTP_429_TOO_MANY_REQUESTS,
+                            headers={"Retry-After": str(d.retry_after_seconds)})
+        return Response(JobSerializer(job, context=_job_context(request)).data, status=status.HTTP_201_CREATED)
+
+
+class JobDetailView(APIView):
+    @extend_schema(responses=JobSerializer)
+    def get(self, request: Request, job_id) -> Response:
+        job = get_object_or_404(selectors.jobs_visible_to(request.user), pk=job_id)
+        return Response(JobSerializer(job, context=_job_context(request)).data)
+
+
+class JobCancelView(APIView):
+    @extend_schema(request=None, responses={202: JobSerializer})
+    def post(self, request: Request, job_id) -> Response:
+        job = get_object_or_404(selectors.jobs_visible_to(request.user), pk=job_id)
+        job = services.cancel_job(job)
+        return Response(JobSerializer(job, context=_job_context(request)).data, status=status.HTTP_202_ACCEPTED)
+
+
+def _serve(key: str, content_type: str) -> FileResponse:
+    try:
+        path = default_storage().path(key)
+        return FileResponse(open(path, "rb"), content_type=content_type)
+    except (OSError, StorageError):
+        raise Http404("that file is no longer stored") from None
+
+
+class JobOutputView(APIView):
+    @extend_schema(responses={(200, "image/png"): OpenApiTypes.BINARY})
+    def get(self, request: Request, job_id, index: int):
+        job = get_object_or_404(selectors.jobs_visible_to(request.user), pk=job_id)
+        if index >= len(job.outputs):
+            raise Http404("no such output")
+        out = job.outputs[index]
+        return _serve(out["key"], out["content_type"])
+
+
+class JobPreviewView(APIView):
+    @extend_schema(responses={(200, "image/png"): OpenApiTypes.BINARY})
+    def get(self, request: Request, job_id):
+        job = get_object_or_404(selectors.jobs_visible_to(request.user), pk=job_id)
+        if not job.preview_key:
+            raise Http404("no preview yet")
+        return _serve(job.preview_key, "image/png")
+
+
+class ModelListView(APIView):
+    @extend_schema(responses=OpenApiTypes.OBJECT)
+    def get(self, request: Request) -> Response:
+        reg = policy.registry()
+        return Response([reg.get(name).public() for name in reg.names()])
+
+
+class QueueListView(APIView):
+    @extend_schema(responses=OpenApiTypes.OBJECT)
+    def get(self, request: Request) -> Response:
+        return Response(selectors.queue_overview())

@@ -1,0 +1,8 @@
+"""App config for jobs."""
+from django.apps import AppConfig
+
+
+class JobsConfig(AppConfig):
+    name = "genserver.jobs"
+    label = "jobs"
+    default_auto_field = "django.db.models.BigAutoField"

@@ -1,0 +1,95 @@
+"""The Job: one row per accepted request, the source of truth for its state."""
+from __future__ import annotations
+
+import uuid
+
+from django.conf import settings
+from django.db import models
+
+
+class JobStatus(models.TextChoices):
+    QUEUED = "queued"
+    ENCODING = "encoding"
+    DENOISING = "denoising"
+    DECODING = "decoding"
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+
+
+TERMINAL = (JobStatus.SUCCEEDED, JobStatus.FAILED, JobStatus.CANCELLED)
+ACTIVE = (JobStatus.QUEUED, JobStatus.ENCODING, JobStatus.DENOISING, JobStatus.DECODING)
+
+
+class Job(models.Model):
+    id = models.UUIDField(primary_key=True, default=uuid.uuid4, editable=False)
+    owner = models.ForeignKey(settings.AUTH_USER_MODEL, on_delete=models.CASCADE, related_name="jobs")
+
+    # What was asked for (immutable after submit).
+    model = models.CharField(max_length=100)
+    family = models.CharField(max_length=20)
+    kind = models.CharField(max_length=10)
+    backend = models.CharField(max_length=20)
+    prompt = models.TextField()
+    negative_prompt = models.TextField(blank=True, default="")
+    width = models.PositiveIntegerField()
+    height = models.PositiveIntegerField()
+    num_frames = models.PositiveIntegerField(default=1)
+    steps = models.PositiveIntegerField()
+    guidance_scale = models.FloatField()
+    seed = models.BigIntegerField()
+    num_outputs = models.PositiveSmallIntegerField(default=1)
+    preview_every = models.PositiveIntegerField(default=0)
+
+    # How the scheduler sees it.
+    estimated_seconds = models.FloatField(help_text="expected seconds of denoising work (cost model, corrected)")
+    clock_scale = models.FloatField(default=1.0, help_text="wall seconds per second of work (simulated backend)")
+    duration_class = models.CharField(max_length=10)
+    priority = models.PositiveSmallIntegerField(help_text="Redis priority of the job's next message, 0 first")
+    chunk_steps = models.PositiveIntegerField(help_text="denoising steps per chunk task")
+
+    # Where it is.
+    status = models.CharField(max_length=20, choices=JobStatus.choices, default=JobStatus.QUEUED, db_index=True)
+    stage = models.CharField(max_length=20, default="queued")
+    steps_done = models.PositiveIntegerField(default=0)
+    cancel_requested = models.BooleanField(default=False)
+    attempts = models.PositiveIntegerField(default=0, help_text="runs lost or failed so far")
+    error = models.TextField(blank=True, default="")
+
+    # Recovery: who holds it, until when, and what to continue from.
+    lease_owner = models.CharField(max_length=200, blank=True, default="")
+    lease_expires_at = models.DateTimeField(null=True, blank=True)
+    published_at = models.DateTimeField(null=True, blank=True, help_text="when its next task was last published")
+    embeddings_key = models.CharField(max_length=300, blank=True, default="")
+    checkpoint_key = models.CharField(max_length=300, blank=True, default="")
+    checkpoint_step = models.PositiveIntegerField(default=0)
+    preview_key = models.CharField(max_length=300, blank=True, default="")
+    preview_step = models.PositiveIntegerField(default=0)
+    outputs = models.JSONField(default=list, blank=True, help_text="[{key, content_type}]")
+    measured_step_seconds = models.FloatField(null=True, blank=True)
+
+    created_at = models.DateTimeField(auto_now_add=True, db_index=True)
+    started_at = models.DateTimeField(null=True, blank=True, help_text="first denoising step")
+    finished_at = models.DateTimeField(null=True, blank=True)
+    updated_at = models.DateTimeField(auto_now=True)
+
+    class Meta:
+        ordering = ["-created_at"]
+        indexes = [
+            models.Index(fields=["owner", "-created_at"]),
+            models.Index(fields=["status", "priority", "created_at"]),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.model} {self.width}x{self.height} [{self.status}] {self.id}"
+
+    @property
+    def is_terminal(self) -> bool:
+        return self.status in TERMINAL
+
+    @property
+    def remaining_seconds(self) -> float:
+        """Expected seconds of denoising work left."""
+        if self.steps <= 0:
+            return 0.0
+        return self.estimated_seconds * max(0, self.steps - self.steps_done) / self.steps

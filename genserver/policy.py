@@ -1,0 +1,41 @@
+"""The scheduling core's objects, built once from settings (the bridge between Django and plain Python)."""
+from __future__ import annotations
+
+from functools import lru_cache
+
+from django.conf import settings
+
+from genserver.registry import Registry, load_registry
+from genserver.scheduling.admission import AdmissionLimits
+from genserver.scheduling.classes import ClassThresholds
+from genserver.scheduling.pools import PoolLayout, detect_gpus, load_layout
+
+
+@lru_cache(maxsize=1)
+def registry() -> Registry:
+    return load_registry(settings.REGISTRY_PATH)
+
+
+@lru_cache(maxsize=1)
+def thresholds() -> ClassThresholds:
+    return ClassThresholds(short=settings.CLASS_SHORT_SECONDS, medium=settings.CLASS_MEDIUM_SECONDS)
+
+
+@lru_cache(maxsize=1)
+def limits() -> AdmissionLimits:
+    return AdmissionLimits(short=settings.ADMIT_SHORT_SECONDS, medium=settings.ADMIT_MEDIUM_SECONDS,
+                           long=settings.ADMIT_LONG_SECONDS)
+
+
+def num_gpus() -> int:
+    return int(settings.NUM_GPUS) if settings.NUM_GPUS not in (None, "") else detect_gpus()
+
+
+@lru_cache(maxsize=1)
+def layout() -> PoolLayout:
+    return load_layout(settings.POOLS, num_gpus(), settings.CPU_WORKERS)
+
+
+def clock_scale(backend: str) -> float:
+    """Wall seconds per second of modelled work: the simulated backend runs compressed."""
+    return settings.TIME_SCALE if backend == "simulated" else 1.0

@@ -1,0 +1,126 @@
+"""The model registry: which models the service offers, their limits, costs and weights.
+
+Plain Python, read from a TOML file (`GENSERVER_REGISTRY`, default the bundled
+`registry.toml`). Used by the API (validation, `GET /models/`), the cost model
+(calibration points), and the worker runtime (family, backend, local path).
+"""
+from __future__ import annotations
+
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from genserver.scheduling.cost import FAMILY_GEOMETRY
+
+BACKENDS = ("simulated", "diffusers")
+KINDS = ("image", "video")
+DEFAULT_REGISTRY_PATH = Path(__file__).with_name("registry.toml")
+
+
+@dataclass(frozen=True)
+class Limits:
+    min_size: int = 64
+    max_width: int = 1024
+    max_height: int = 1024
+    size_multiple: int = 16  # latent cell: VAE downsampling × patch
+    max_frames: int = 1
+    frames_step: int = 1  # num_frames must be 1 + a multiple of this (Wan's VAE: 4)
+    max_steps: int = 100
+    max_prompt_chars: int = 2000
+    max_guidance: float = 30.0
+
+
+@dataclass(frozen=True)
+class Defaults:
+    width: int = 512
+    height: int = 512
+    num_frames: int = 1
+    steps: int = 20
+    guidance_scale: float = 7.0
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    name: str
+    family: str  # unet | flux | wan
+    kind: str  # image | video
+    backend: str  # simulated | diffusers
+    cost_points: dict[int, float]  # tokens → TFLOP per 1k tokens per forward pass
+    path: str = ""  # local directory of a diffusers checkpoint (backend = diffusers)
+    description: str = ""
+    max_batch: int = 1  # identically shaped outputs denoised together
+    limits: Limits = field(default_factory=Limits)
+    defaults: Defaults = field(default_factory=Defaults)
+    scheduler: str = "euler"
+
+    def resolved_path(self, data_dir: Path) -> Path:
+        return Path(self.path.replace("{data_dir}", str(data_dir))).expanduser()
+
+    def public(self) -> dict[str, Any]:
+        """What `GET /api/v1/models/` shows."""
+        return {
+            "name": self.name, "family": self.family, "kind": self.kind, "backend": self.backend,
+            "description": self.description,
+            "limits": self.limits.__dict__ | {"max_outputs": 4},
+            "defaults": self.defaults.__dict__,
+        }
+
+
+class RegistryError(ValueError):
+    pass
+
+
+def _spec_from(name: str, raw: dict[str, Any]) -> ModelSpec:
+    where = f"registry entry [models.{name}]"
+    family, kind, backend = raw.get("family"), raw.get("kind", "image"), raw.get("backend", "simulated")
+    if family not in FAMILY_GEOMETRY:
+        raise RegistryError(f"{where}: family must be one of {sorted(FAMILY_GEOMETRY)}, got {family!r}")
+    if kind not in KINDS:
+        raise RegistryError(f"{where}: kind must be one of {KINDS}, got {kind!r}")
+    if backend not in BACKENDS:
+        raise RegistryError(f"{where}: backend must be one of {BACKENDS}, got {backend!r}")
+    points = {int(k): float(v) for k, v in (raw.get("cost_points") or {}).items()}
+    if not points or any(v <= 0 for v in points.values()):
+        raise RegistryError(f"{where}: cost_points needs at least one positive entry, e.g. {{\"4096\" = 2.9}}")
+    if backend == "diffusers" and not raw.get("path"):
+        raise RegistryError(f"{where}: a diffusers model needs `path`, the local checkpoint directory")
+    try:
+        limits = Limits(**raw.get("limits", {}))
+        defaults = Defaults(**raw.get("defaults", {}))
+    except TypeError as exc:
+        raise RegistryError(f"{where}: {exc}") from None
+    if kind == "image" and limits.max_frames != 1:
+        raise RegistryError(f"{where}: an image model must have max_frames = 1")
+    return ModelSpec(name=name, family=family, kind=kind, backend=backend, cost_points=points,
+                     path=str(raw.get("path", "")), description=str(raw.get("description", "")),
+                     max_batch=int(raw.get("max_batch", 1)), limits=limits, defaults=defaults,
+                     scheduler=str(raw.get("scheduler", "euler")))
+
+
+@dataclass(frozen=True)
+class Registry:
+    models: dict[str, ModelSpec]
+
+    def get(self, name: str) -> ModelSpec:
+        try:
+            return self.models[name]
+        except KeyError:
+            raise RegistryError(f"unknown model {name!r}; available: {sorted(self.models)}") from None
+
+    def __contains__(self, name: object) -> bool:
+        return name in self.models
+
+    def names(self) -> list[str]:
+        return sorted(self.models)
+
+
+def load_registry(path: str | Path | None = None) -> Registry:
+    path = Path(path) if path else DEFAULT_REGISTRY_PATH
+    if not path.exists():
+        raise RegistryError(f"model registry {path} does not exist; set GENSERVER_REGISTRY to a TOML file")
+    raw = tomllib.loads(path.read_text())
+    models = {name: _spec_from(name, entry) for name, entry in raw.get("models", {}).items()}
+    if not models:
+        raise RegistryError(f"model registry {path} defines no [models.NAME] entry")
+    return Registry(models)

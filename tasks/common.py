@@ -1,0 +1,30 @@
+"""What every stage task needs: who this worker is, and the job as the runtime sees it."""
+from __future__ import annotations
+
+import os
+
+from genserver import policy
+from genserver.jobs.models import Job
+from genserver.storage import default_storage
+from workers.runtime.base import Family, GenerationRequest
+from workers.runtime.cache import model_cache
+
+
+def worker_id(task) -> str:
+    """Unique per worker process, so a restarted worker never mistakes an old lease for its own."""
+    return f"{task.request.hostname or 'worker'}:{os.getpid()}"
+
+
+def request_of(job: Job) -> GenerationRequest:
+    return GenerationRequest(
+        job_id=str(job.pk), model=job.model, prompt=job.prompt, negative_prompt=job.negative_prompt,
+        width=job.width, height=job.height, num_frames=job.num_frames, steps=job.steps,
+        guidance_scale=job.guidance_scale, seed=job.seed, num_outputs=job.num_outputs,
+    )
+
+
+def family_of(job: Job) -> Family:
+    return model_cache().get(policy.registry().get(job.model))
+
+
+storage = default_storage

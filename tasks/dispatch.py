@@ -1,0 +1,21 @@
+"""Publishing: which queue and priority each stage's message goes to (the routing step)."""
+from __future__ import annotations
+
+from uuid import UUID
+
+from genserver.celery import app
+from genserver.scheduling.pools import DECODE, ENCODE
+
+
+def send_encode(job_id: UUID, priority: int) -> None:
+    app.send_task("tasks.encode.encode", args=[str(job_id)], queue=ENCODE, priority=priority)
+
+
+def send_chunk(job_id: UUID, from_step: int, duration_class: str, priority: int) -> None:
+    """The next denoise chunk goes to the job's class queue at its current priority band."""
+    app.send_task("tasks.denoise.run_chunk", args=[str(job_id), from_step], queue=duration_class,
+                  priority=priority)
+
+
+def send_decode(job_id: UUID, priority: int) -> None:
+    app.send_task("tasks.decode.decode", args=[str(job_id)], queue=DECODE, priority=priority)

@@ -1,0 +1,1 @@
+"""Worker side: the launcher (pools, GPU pinning) and the model runtime."""

@@ -1,0 +1,71 @@
+"""The worker launcher: one Celery worker per pool entry, pinned to its cards, restarted if it exits.
+
+    python -m workers.launcher            # the layout from GENSERVER_POOLS, or generated
+    python -m workers.launcher --print    # show the layout and the commands, start nothing
+
+Each worker runs with concurrency 1 (a denoise step is compute-bound: one job
+per card), no prefetch, CUDA_VISIBLE_DEVICES set to its cards (empty on CPU),
+and loads its models lazily in the process that runs the tasks.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+
+from genserver.scheduling.pools import PoolLayout, WorkerSpec
+
+from .supervise import Supervisor, python
+
+
+def worker_argv(spec: WorkerSpec, loglevel: str = "INFO") -> list[str]:
+    return [python(), "-m", "celery", "-A", "genserver", "worker",
+            "--hostname", f"{spec.name}@%h", "--queues", ",".join(spec.queues),
+            "--concurrency", "1", "--pool", "prefork", "--prefetch-multiplier", "1",
+            "--without-gossip", "--without-mingle", "--task-events", "--loglevel", loglevel]
+
+
+def worker_env(spec: WorkerSpec) -> dict[str, str]:
+    env = {"CUDA_VISIBLE_DEVICES": ",".join(str(d) for d in spec.devices),
+           "GENSERVER_WORKER_NAME": spec.name}
+    if spec.models:
+        env["GENSERVER_WORKER_MODELS"] = ",".join(spec.models)
+    return env
+
+
+def start_workers(supervisor: Supervisor, layout: PoolLayout, loglevel: str = "INFO") -> None:
+    for spec in layout.workers:
+        supervisor.add(f"worker {spec.name}", worker_argv(spec, loglevel), worker_env(spec))
+
+
+def current_layout() -> PoolLayout:
+    os.environ.setdefault("DJANGO_SETTINGS_MODULE", "genserver.settings")
+    import django
+
+    django.setup()
+    from genserver import policy
+
+    return policy.layout()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--print", action="store_true", help="print the layout and commands, start nothing")
+    parser.add_argument("--loglevel", default=os.environ.get("GENSERVER_WORKER_LOGLEVEL", "INFO"))
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s launcher %(message)s")
+    layout = current_layout()
+    if args.print:
+        print(json.dumps(layout.to_dict(), indent=2))
+        for spec in layout.workers:
+            env = " ".join(f"{k}={v}" for k, v in worker_env(spec).items())
+            print(env, " ".join(worker_argv(spec, args.loglevel)))
+        return
+    supervisor = Supervisor()
+    start_workers(supervisor, layout, args.loglevel)
+    supervisor.run_forever()
+
+
+if __name__ == "__main__":
+    main()

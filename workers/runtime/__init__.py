@@ -1,0 +1,1 @@
+"""The model runtime: family adapters, the per-process model cache, and the stage runners tasks call."""

@@ -1,0 +1,101 @@
+"""The family adapter interface every model backend implements.
+
+The flow mirrors a diffusers pipeline, cut at step boundaries so a job can
+stop after any step and continue in another process:
+
+    1. encode    prompts → embeddings (cached by the encode stage)
+    2. prepare   initial latents from the seed, scheduler set for `steps`
+    3. step      one denoising step (the scheduler's `step` contract)
+    4. checkpoint / restore   everything needed to continue exactly
+    5. preview   a cheap latent → RGB picture
+    6. decode    VAE decode → PIL images (one per output; video: frames)
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from genserver.registry import ModelSpec
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    """Everything about a job that the runtime needs, detached from the ORM."""
+
+    job_id: str
+    model: str
+    prompt: str
+    negative_prompt: str
+    width: int
+    height: int
+    num_frames: int
+    steps: int
+    guidance_scale: float
+    seed: int
+    num_outputs: int = 1
+
+
+@dataclass
+class DenoiseState:
+    """A job between two steps. `step` is the number of steps done."""
+
+    request: GenerationRequest
+    step: int
+    latents: Any  # torch.Tensor
+    embeddings: dict[str, Any]
+    scheduler: Any = None  # a diffusers scheduler, positioned at `step`
+    generator: Any = None  # torch.Generator whose state is part of the checkpoint
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def done(self) -> bool:
+        return self.step >= self.request.steps
+
+
+class Family(ABC):
+    """One loaded model. Instances are cached per worker process (see cache.py)."""
+
+    def __init__(self, spec: ModelSpec, device: str, data_dir: Path) -> None:
+        self.spec = spec
+        self.device = device
+        self.data_dir = data_dir
+
+    @property
+    def encoder_identity(self) -> str:
+        """Names the text encoder, so cached embeddings are shared only where valid."""
+        return f"{self.spec.family}:{self.spec.name}"
+
+    @abstractmethod
+    def encode(self, prompts: list[tuple[str, str]]) -> list[dict[str, Any]]:
+        """Embeddings for each (prompt, negative_prompt), as dicts of CPU tensors."""
+
+    @abstractmethod
+    def prepare(self, request: GenerationRequest, embeddings: dict[str, Any]) -> DenoiseState:
+        """Initial latents from the request's seed; state.step == 0."""
+
+    @abstractmethod
+    def step(self, state: DenoiseState) -> None:
+        """Run one denoising step in place; increments state.step."""
+
+    @abstractmethod
+    def checkpoint(self, state: DenoiseState) -> dict[str, Any]:
+        """A dict of CPU tensors and plain values from which `restore` continues exactly."""
+
+    @abstractmethod
+    def restore(self, request: GenerationRequest, embeddings: dict[str, Any],
+                data: dict[str, Any]) -> DenoiseState:
+        """Rebuild the state saved by `checkpoint`."""
+
+    @abstractmethod
+    def preview(self, state: DenoiseState) -> Any:
+        """A small PIL image of the current latents (cheap: no full VAE decode)."""
+
+    @abstractmethod
+    def decode(self, state: DenoiseState) -> list[Any]:
+        """Final PIL images, one per output."""
+
+    def memory_bytes(self) -> int:
+        """Approximate resident size, for the model cache's budget."""
+        return 0

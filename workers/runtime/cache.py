@@ -1,0 +1,78 @@
+"""The per-process model cache: load lazily, keep under a byte budget, evict least recently used."""
+from __future__ import annotations
+
+import logging
+import os
+from collections import OrderedDict
+from pathlib import Path
+
+from genserver.registry import ModelSpec
+
+from .base import Family
+
+log = logging.getLogger(__name__)
+
+
+def default_device() -> str:
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+class ModelCache:
+    def __init__(self, budget_bytes: int, data_dir: Path, *, time_scale: float, effective_tflops: float) -> None:
+        self.budget_bytes = budget_bytes
+        self.data_dir = data_dir
+        self.time_scale = time_scale
+        self.effective_tflops = effective_tflops
+        self._loaded: OrderedDict[str, Family] = OrderedDict()
+        self.pid = os.getpid()
+
+    def get(self, spec: ModelSpec) -> Family:
+        family = self._loaded.get(spec.name)
+        if family is not None:
+            self._loaded.move_to_end(spec.name)
+            return family
+        family = self._load(spec)
+        self._loaded[spec.name] = family
+        self._evict(keep=spec.name)
+        return family
+
+    def _load(self, spec: ModelSpec) -> Family:
+        if spec.backend == "simulated":
+            from .simulated import SimulatedFamily
+
+            return SimulatedFamily(spec, "cpu", self.data_dir, time_scale=self.time_scale,
+                                   effective_tflops=self.effective_tflops)
+        if spec.family == "unet":
+            from .unet import UNetFamily
+
+            log.info("loading %s from %s", spec.name, spec.resolved_path(self.data_dir))
+            return UNetFamily(spec, default_device(), self.data_dir)
+        raise NotImplementedError(f"no diffusers runtime for family {spec.family!r} yet (model {spec.name})")
+
+    def _evict(self, keep: str) -> None:
+        while self.used_bytes() > self.budget_bytes and len(self._loaded) > 1:
+            name = next(n for n in self._loaded if n != keep)
+            log.info("model cache over budget: unloading %s", name)
+            del self._loaded[name]
+
+    def used_bytes(self) -> int:
+        return sum(f.memory_bytes() for f in self._loaded.values())
+
+    def loaded(self) -> list[str]:
+        return list(self._loaded)
+
+
+_cache: ModelCache | None = None
+
+
+def model_cache() -> ModelCache:
+    """This process's cache (created on first use, so nothing loads in a fork parent)."""
+    global _cache
+    if _cache is None or _cache.pid != os.getpid():
+        from django.conf import settings
+
+        _cache = ModelCache(settings.MODEL_CACHE_BYTES, settings.DATA_DIR, time_scale=settings.TIME_SCALE,
+                            effective_tflops=settings.EFFECTIVE_TFLOPS)
+    return _cache

@@ -1,0 +1,76 @@
+"""The simulated backend: steps take the cost model's time (× GENSERVER_TIME_SCALE), no GPU.
+
+Everything else is real: latents are tensors, checkpoints are files written
+through storage, previews and outputs are PNGs. It exists for capacity
+planning and load tests of the real Django/Celery/Redis stack.
+"""
+from __future__ import annotations
+
+import hashlib
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from PIL import Image
+
+from genserver.registry import ModelSpec
+from genserver.scheduling.cost import JobShape, estimate_job_seconds
+
+from .base import DenoiseState, Family, GenerationRequest
+
+LATENT_SIDE = 8  # simulated latents stay tiny whatever the resolution
+MAX_OUTPUT_SIDE = 1024  # outputs keep the requested aspect, capped to stay cheap to encode
+
+
+class SimulatedFamily(Family):
+    def __init__(self, spec: ModelSpec, device: str, data_dir: Path, *, time_scale: float = 1.0,
+                 effective_tflops: float = 450.0) -> None:
+        super().__init__(spec, device, data_dir)
+        self.time_scale = time_scale
+        self.effective_tflops = effective_tflops
+
+    def step_seconds(self, request: GenerationRequest) -> float:
+        shape = JobShape(self.spec.family, request.width, request.height, request.num_frames, request.steps,
+                         request.guidance_scale, request.num_outputs)
+        return estimate_job_seconds(shape, self.spec.cost_points, self.effective_tflops) / request.steps
+
+    def encode(self, prompts: list[tuple[str, str]]) -> list[dict[str, Any]]:
+        out = []
+        for prompt, negative in prompts:
+            digest = hashlib.sha256(f"{prompt}\0{negative}".encode()).digest()
+            out.append({"prompt_embeds": torch.tensor(list(digest[:16]), dtype=torch.float32) / 255.0})
+        return out
+
+    def prepare(self, request: GenerationRequest, embeddings: dict[str, Any]) -> DenoiseState:
+        generator = torch.Generator("cpu").manual_seed(request.seed)
+        latents = torch.randn(request.num_outputs, 4, LATENT_SIDE, LATENT_SIDE, generator=generator)
+        return DenoiseState(request=request, step=0, latents=latents, embeddings=embeddings, generator=generator)
+
+    def step(self, state: DenoiseState) -> None:
+        time.sleep(self.step_seconds(state.request) * self.time_scale)
+        # A deterministic pull towards a prompt-dependent target: outputs depend on prompt and seed.
+        target = state.embeddings["prompt_embeds"][:4].view(1, 4, 1, 1)
+        state.latents = state.latents * 0.85 + target * 0.15
+        state.step += 1
+
+    def checkpoint(self, state: DenoiseState) -> dict[str, Any]:
+        return {"step": state.step, "latents": state.latents.clone()}
+
+    def restore(self, request: GenerationRequest, embeddings: dict[str, Any], data: dict[str, Any]) -> DenoiseState:
+        return DenoiseState(request=request, step=int(data["step"]), latents=data["latents"], embeddings=embeddings)
+
+    def _render(self, latents: torch.Tensor, width: int, height: int) -> Image.Image:
+        rgb = latents[:3].unsqueeze(0)
+        rgb = torch.nn.functional.interpolate(rgb, size=(height, width), mode="bilinear", align_corners=False)[0]
+        rgb = ((rgb - rgb.min()) / (rgb.max() - rgb.min() + 1e-6) * 255).clamp(0, 255).to(torch.uint8)
+        return Image.fromarray(rgb.permute(1, 2, 0).numpy(), "RGB")
+
+    def preview(self, state: DenoiseState) -> Image.Image:
+        return self._render(state.latents[0], 64, 64)
+
+    def decode(self, state: DenoiseState) -> list[Image.Image]:
+        r = state.request
+        scale = min(1.0, MAX_OUTPUT_SIDE / max(r.width, r.height))
+        size = (max(1, int(r.width * scale)), max(1, int(r.height * scale)))
+        return [self._render(latents, *size) for latents in state.latents]

