@@ -6,6 +6,7 @@ Plain Python, read from a TOML file (`GENSERVER_REGISTRY`, default the bundled
 """
 from __future__ import annotations
 
+import os
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -53,6 +54,7 @@ class ModelSpec:
     limits: Limits = field(default_factory=Limits)
     defaults: Defaults = field(default_factory=Defaults)
     scheduler: str = "euler"
+    fault_at_step: int = 0  # simulated backend only: raise at this step every time (poison-job drills)
 
     def resolved_path(self, data_dir: Path) -> Path:
         return Path(self.path.replace("{data_dir}", str(data_dir))).expanduser()
@@ -95,7 +97,7 @@ def _spec_from(name: str, raw: dict[str, Any]) -> ModelSpec:
     return ModelSpec(name=name, family=family, kind=kind, backend=backend, cost_points=points,
                      path=str(raw.get("path", "")), description=str(raw.get("description", "")),
                      max_batch=int(raw.get("max_batch", 1)), limits=limits, defaults=defaults,
-                     scheduler=str(raw.get("scheduler", "euler")))
+                     scheduler=str(raw.get("scheduler", "euler")), fault_at_step=int(raw.get("fault_at_step", 0)))
 
 
 @dataclass(frozen=True)
@@ -115,12 +117,15 @@ class Registry:
         return sorted(self.models)
 
 
-def load_registry(path: str | Path | None = None) -> Registry:
-    path = Path(path) if path else DEFAULT_REGISTRY_PATH
-    if not path.exists():
-        raise RegistryError(f"model registry {path} does not exist; set GENSERVER_REGISTRY to a TOML file")
-    raw = tomllib.loads(path.read_text())
-    models = {name: _spec_from(name, entry) for name, entry in raw.get("models", {}).items()}
+def load_registry(paths: str | Path | None = None) -> Registry:
+    """Read one registry file, or several joined by os.pathsep (later files add or replace models)."""
+    files = [Path(p) for p in str(paths).split(os.pathsep) if p] if paths else [DEFAULT_REGISTRY_PATH]
+    models: dict[str, ModelSpec] = {}
+    for path in files:
+        if not path.exists():
+            raise RegistryError(f"model registry {path} does not exist; set GENSERVER_REGISTRY to a TOML file")
+        raw = tomllib.loads(path.read_text())
+        models.update({name: _spec_from(name, entry) for name, entry in raw.get("models", {}).items()})
     if not models:
-        raise RegistryError(f"model registry {path} defines no [models.NAME] entry")
+        raise RegistryError(f"model registry {files} defines no [models.NAME] entry")
     return Registry(models)

@@ -54,6 +54,7 @@ class Job(models.Model):
     steps_done = models.PositiveIntegerField(default=0)
     cancel_requested = models.BooleanField(default=False)
     attempts = models.PositiveIntegerField(default=0, help_text="runs lost or failed so far")
+    chunks_run = models.PositiveIntegerField(default=0, help_text="denoise chunks started, redone ones included")
     error = models.TextField(blank=True, default="")
 
     # Recovery: who holds it, until when, and what to continue from.

@@ -15,7 +15,7 @@ from typing import Any
 
 from django.conf import settings
 from django.db import transaction
-from django.db.models import Q
+from django.db.models import F, Q
 from django.utils import timezone
 
 from genserver import policy
@@ -180,7 +180,7 @@ def claim_chunk(job_id, worker: str, from_step: int) -> Job | None:
     now = timezone.now()
     taken = Job.objects.filter(_lease_free(now), pk=job_id, status=JobStatus.DENOISING,
                                checkpoint_step=from_step, cancel_requested=False).update(
-        stage="denoising", lease_owner=worker, lease_expires_at=_lease_until())
+        stage="denoising", lease_owner=worker, lease_expires_at=_lease_until(), chunks_run=F("chunks_run") + 1)
     return Job.objects.get(pk=job_id) if taken else None
 
 

@@ -37,10 +37,10 @@ import heapq
 import math
 import random
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Iterable, Literal, Mapping, Sequence
 
-from .admission import AdmissionLimits, WorkItem, decide
+from .admission import AdmissionLimits, WorkItem, decide, expected_wait
 from .chunking import DEFAULT_CHUNK_SECONDS, steps_per_chunk
 from .classes import CLASSES, LONG, ClassThresholds, priority_for
 from .pools import PoolLayout, WorkerSpec, default_layout
@@ -170,6 +170,10 @@ class SimConfig:
     card's previous chunk's model (a card's first chunk is free: warm start).
     `long_cap`: at most this many cards run long-class chunks at once (None:
     no cap); a card at the cap skips the long queue.
+    `long_cap_engage_seconds`: engage the cap only while a new long job's
+    expected wait (admission's estimate) exceeds this many seconds, i.e. only
+    under overload (None: the cap always holds). While it is engaged,
+    admission sees the layout with the capped cards not serving `long`.
     `yield_on_demand`: a proposed refinement of the denoise task, not what the
     service does today. At a chunk boundary the worker peeks at the broker and
     re-publishes (yields) only if a message it would take before its own
@@ -187,6 +191,7 @@ class SimConfig:
     checkpoint_seconds: float = 0.3
     switch_seconds: float = 1.0
     long_cap: int | None = None
+    long_cap_engage_seconds: float | None = None
     yield_on_demand: bool = False
     in_process_seconds: float | None = None
     thresholds: ClassThresholds = field(default_factory=ClassThresholds)
@@ -333,6 +338,10 @@ class _Simulation:
         self._save = half if not cfg.yield_on_demand or cfg.in_process_seconds is None \
             else min(cfg.in_process_seconds, cfg.checkpoint_seconds)
         self._restore = cfg.checkpoint_seconds - self._save
+        self._engaged_at: float | None = None
+        self._engaged = False
+        self.engaged_events = 0
+        self._capped_layout: PoolLayout | None = None
 
     # -- helpers ---------------------------------------------------------------------------
 
@@ -340,9 +349,41 @@ class _Simulation:
         return sum(1 for c in self.cards if c is not exclude and c.job is not None
                    and c.job.duration_class == LONG)
 
-    def _long_blocked(self, card: _Card) -> bool:
+    def _cap_engaged(self, now: float) -> bool:
+        cfg = self.cfg
+        if cfg.long_cap is None:
+            return False
+        if cfg.long_cap_engage_seconds is None:
+            return True
+        if self._engaged_at == now:  # cached within one step of one event
+            return self._engaged
+        new_long = priority_for(LONG, cfg.thresholds.medium, False, cfg.thresholds)
+        wait = expected_wait(LONG, new_long, self.work_items(now), cfg.layout)
+        self._engaged_at, self._engaged = now, wait > cfg.long_cap_engage_seconds
+        if self._engaged:
+            self.engaged_events += 1
+        return self._engaged
+
+    def _long_blocked(self, card: _Card, now: float) -> bool:
         cap = self.cfg.long_cap
-        return cap is not None and self._running_long(exclude=card) >= cap
+        return cap is not None and self._running_long(exclude=card) >= cap and self._cap_engaged(now)
+
+    def _admission_layout(self, now: float) -> PoolLayout:
+        """The layout admission reasons with: with the cap engaged, the first cards beyond
+        the cap stop serving `long` (the capacity a long job can count on)."""
+        cfg = self.cfg
+        if cfg.long_cap is None or not self._cap_engaged(now):
+            return cfg.layout
+        if self._capped_layout is None:
+            excess = sum(1 for c in self.cards if LONG in c.queues) - cfg.long_cap
+            workers = []
+            for w in cfg.layout.workers:
+                if excess > 0 and LONG in w.queues and w.denoises:
+                    w = replace(w, queues=tuple(q for q in w.queues if q != LONG))
+                    excess -= 1
+                workers.append(w)
+            self._capped_layout = PoolLayout(tuple(workers))
+        return self._capped_layout
 
     def _start_chunk(self, card: _Card, job: _Job, now: float, in_process: bool = False) -> None:
         """Run the job's next chunk on `card` from `now`, charging the costs the service pays."""
@@ -370,7 +411,7 @@ class _Simulation:
     def _dispatch(self, now: float) -> None:
         """Idle workers pop, the one blocked longest first (Redis serves BRPOP clients FIFO)."""
         for card in sorted((c for c in self.cards if c.job is None), key=lambda c: c.idle_since):
-            job = self.broker.pop(card.queues, self._long_blocked(card))
+            job = self.broker.pop(card.queues, self._long_blocked(card, now))
             if job is not None:
                 self._start_chunk(card, job, now)
 
@@ -411,7 +452,7 @@ class _Simulation:
         job.priority = priority_for(job.duration_class, job.remaining_seconds, True, self.cfg.thresholds)
         if not self.cfg.yield_on_demand:
             self.broker.publish(job)
-        elif not self.broker.ahead_of(card.queues, job, self._long_blocked(card)):
+        elif not self.broker.ahead_of(card.queues, job, self._long_blocked(card, now)):
             self._start_chunk(card, job, now, in_process=True)
         else:
             self.broker.publish(job)
@@ -422,7 +463,7 @@ class _Simulation:
         cls = cfg.thresholds.classify(r.seconds)
         priority = priority_for(cls, r.seconds, False, cfg.thresholds)
         if cfg.limits is not None:
-            decision = decide(cls, priority, self.work_items(now), cfg.layout, cfg.limits)
+            decision = decide(cls, priority, self.work_items(now), self._admission_layout(now), cfg.limits)
             if not decision.accepted:
                 self.result[r.kind].refused += 1
                 return
@@ -440,10 +481,12 @@ class _Simulation:
         now = 0.0
         while self.events:
             now, order, _, payload = heapq.heappop(self.events)
+            self._engaged_at = None  # the state changes with every event
             if order == 0:
                 self._chunk_end(self.cards[payload], now)
             else:
                 self._arrival(payload, now)
+            self._engaged_at = None
             self._dispatch(now)
         busy = sum(c.busy_seconds for c in self.cards)
         return SimResult(classes=self.result, makespan=now,

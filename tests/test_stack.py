@@ -1,0 +1,151 @@
+"""End to end on the real parts: the API in this process, real Celery workers and beat on a real Redis.
+
+The test layout (tests/settings.py) has one card taking every class, an
+encode worker and a decode worker; the simulated clock runs at 1/500.
+"""
+from __future__ import annotations
+
+import io
+import threading
+import time
+
+import pytest
+from PIL import Image
+
+from genserver.storage import default_storage
+
+from tests.conftest import job_row, submit, wait_for
+
+pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.stack]
+
+LONG_VIDEO = {"model": "wan-sim", "width": 1280, "height": 720, "num_frames": 81}  # 2,960 s of work → 6 s
+VIDEO = {"model": "wan-sim", "width": 832, "height": 480, "num_frames": 81}  # 665 s of work → 1.3 s; two fit
+
+
+def watch_statuses(job_id, stop: threading.Event, seen: list[str]) -> None:
+    """Record every status the job passes through (polling the database, as a client polls the API)."""
+    from django.db import connection
+
+    try:
+        while not stop.is_set():
+            status = job_row(job_id).status
+            if not seen or seen[-1] != status:
+                seen.append(status)
+            if status in ("succeeded", "failed", "cancelled"):
+                return
+            time.sleep(0.005)
+    finally:
+        connection.close()
+
+
+def finished(job_id, timeout: float = 60.0):
+    return wait_for(lambda: (j := job_row(job_id)).is_terminal and j, timeout, what=f"job {job_id} to finish")
+
+
+def test_tiny_model_job_goes_through_every_stage_to_a_png(stack, api):
+    response = submit(api, model="tiny-sd", prompt="a red fox in the snow", preview_every=2, steps=10)
+    assert response.status_code == 201, response.content
+    job_id = response.json()["id"]
+    seen: list[str] = []
+    stop = threading.Event()
+    watcher = threading.Thread(target=watch_statuses, args=(job_id, stop, seen))
+    watcher.start()
+    job = finished(job_id, timeout=120)
+    stop.set()
+    watcher.join()
+    assert job.status == "succeeded", job.error
+    order = ["queued", "encoding", "denoising", "decoding", "succeeded"]
+    assert [s for s in order if s in seen] == seen[:len([s for s in order if s in seen])]
+    assert {"denoising", "decoding", "succeeded"} <= set(seen), seen
+    body = api.get(f"/api/v1/jobs/{job_id}/").json()
+    assert body["progress"] == {"step": 10, "total_steps": 10}
+    assert body["started_at"] and body["finished_at"] and body["preview_url"]
+    assert body["eta_seconds"] is None and body["queue_position"] is None
+    png = b"".join(api.get(body["outputs"][0]["url"]).streaming_content)
+    image = Image.open(io.BytesIO(png))
+    assert png.startswith(b"\x89PNG") and image.size == (64, 64)
+    preview = b"".join(api.get(body["preview_url"]).streaming_content)
+    assert preview.startswith(b"\x89PNG")
+    assert not default_storage().path(f"checkpoints/{job_id}").exists(), "a finished job's checkpoints are deleted"
+
+
+def test_cancel_while_queued_never_starts(stack, api):
+    running = submit(api, **VIDEO).json()["id"]
+    wait_for(lambda: job_row(running).started_at, 30, what="the first video to start")
+    queued = submit(api, **VIDEO, prompt="second").json()["id"]
+    response = api.post(f"/api/v1/jobs/{queued}/cancel/")
+    assert response.status_code == 202 and response.json()["cancel_requested"] is True
+    assert finished(queued, timeout=5).status == "cancelled"  # at once, or when its encode step returns
+    api.post(f"/api/v1/jobs/{running}/cancel/")
+    finished(running)
+    time.sleep(0.5)  # its messages are consumed and found terminal
+    job = job_row(queued)
+    assert job.status == "cancelled" and job.started_at is None and job.steps_done == 0 and not job.outputs
+
+
+def test_cancel_while_running_stops_within_a_step_and_skips_decode(stack, api):
+    job_id = submit(api, **LONG_VIDEO, steps=100).json()["id"]  # 59 s of work per step → 118 ms
+    wait_for(lambda: job_row(job_id).steps_done >= 2, 30, what="two steps")
+    asked = time.monotonic()
+    assert api.post(f"/api/v1/jobs/{job_id}/cancel/").status_code == 202
+    job = finished(job_id, timeout=10)
+    took = time.monotonic() - asked
+    assert job.status == "cancelled"
+    assert took < 1.5, f"cancel took {took:.2f} s; one step is 0.12 s"
+    assert job.steps_done < job.steps and not job.outputs
+    # The card is free again: the next job runs.
+    nxt = submit(api).json()["id"]
+    assert finished(nxt, timeout=30).status == "succeeded"
+
+
+def test_short_job_behind_long_jobs_runs_at_the_next_chunk_boundary(stack, api):
+    first = submit(api, **VIDEO).json()["id"]
+    wait_for(lambda: job_row(first).started_at, 30, what="the first video to start")
+    second = submit(api, **VIDEO, prompt="another").json()["id"]
+    short = submit(api, prompt="a quick draft", width=512, height=512, steps=20).json()["id"]
+    assert finished(short, timeout=30).status == "succeeded"
+    a, b, s = finished(first), finished(second), job_row(short)
+    assert a.status == b.status == "succeeded"
+    assert s.finished_at < a.finished_at, "the short job waited for the whole video"
+    assert s.started_at < b.started_at, "the short job waited behind a video submitted before it"
+    assert a.chunks_run > 1 and a.chunk_steps < a.steps  # the video really was chunked
+
+
+def test_overload_refuses_video_while_accepting_images(stack, api):
+    accepted = submit(api, **LONG_VIDEO)
+    assert accepted.status_code == 201
+    refused = submit(api, **LONG_VIDEO, prompt="one too many")
+    assert refused.status_code == 429, refused.content
+    assert int(refused["Retry-After"]) >= 1
+    body = refused.json()
+    assert body["reason"] == "overloaded" and body["duration_class"] == "long" and "long" in body["detail"]
+    image = submit(api, prompt="still welcome")
+    assert image.status_code == 201
+    from genserver.jobs.models import Job
+
+    assert Job.objects.count() == 2  # the refused request left no row
+    api.post(f"/api/v1/jobs/{accepted.json()['id']}/cancel/")
+    assert finished(image.json()["id"]).status == "succeeded"
+
+
+def test_worker_killed_mid_job_resumes_from_its_checkpoint(stack, api):
+    job_id = submit(api, **LONG_VIDEO, steps=60).json()["id"]
+    wait_for(lambda: job_row(job_id).checkpoint_step >= 10, 30, what="ten checkpointed steps")
+    stack.kill("card0")
+    at_kill = job_row(job_id)
+    stack.wait_ready()  # the launcher's supervisor restarts the card's worker
+    job = finished(job_id, timeout=60)
+    assert job.status == "succeeded", job.error
+    assert job.attempts == 1 and "lease" in job.error
+    chunks = -(-job.steps // job.chunk_steps)
+    assert job.chunks_run <= chunks + 1, "more than the interrupted chunk was redone"
+    assert at_kill.checkpoint_step >= 10 and len(job.outputs) == 1
+
+
+def test_poison_job_fails_after_max_attempts_and_the_worker_serves_others(stack, api):
+    job_id = submit(api, model="faulty-sim", prompt="crash").json()["id"]
+    job = finished(job_id, timeout=30)
+    assert job.status == "failed"
+    assert job.attempts == 3 and "simulated out-of-memory at step 3" in job.error
+    assert api.get(f"/api/v1/jobs/{job_id}/").json()["error"].startswith("gave up after 3 attempts")
+    assert finished(submit(api).json()["id"]).status == "succeeded"
