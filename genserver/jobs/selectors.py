@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from dataclasses import dataclass
 from typing import Any, Iterable
 
@@ -102,12 +103,33 @@ def live_workers() -> list[dict[str, Any]]:
     return sorted(found, key=lambda w: w.get("name", ""))
 
 
+_UUID = re.compile(rb"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")
+
+
+def _queue_keys(queue: str) -> list[str]:
+    """kombu's Redis layout: priority 0 in the list named like the queue, priority p in "queue:p"."""
+    return [queue] + [f"{queue}:{p}" for p in range(1, 10)]
+
+
+def broker_job_ids(queues: Iterable[str]) -> set[str]:
+    """Ids of the jobs that have a message waiting in the broker (read from the task headers' argsrepr)."""
+    r = redis_client()
+    found: set[str] = set()
+    for queue in queues:
+        with r.pipeline() as pipe:
+            for key in _queue_keys(queue):
+                pipe.lrange(key, 0, -1)
+            for messages in pipe.execute():
+                for raw in messages:
+                    found.update(m.decode() for m in _UUID.findall(raw))
+    return found
+
+
 def broker_depth(queue: str) -> int:
     """Messages waiting in the broker for `queue`, over all priority lists (kombu's key layout)."""
     r = redis_client()
-    keys = [queue] + [f"{queue}:{p}" for p in range(1, 10)]
     with r.pipeline() as pipe:
-        for key in keys:
+        for key in _queue_keys(queue):
             pipe.llen(key)
         return sum(int(n) for n in pipe.execute())
 

@@ -25,6 +25,7 @@ from genserver.redis_client import CANCEL_KEY, CORRECTION_KEY, client as redis_c
 from genserver.scheduling.admission import Decision, decide
 from genserver.scheduling.classes import priority_for
 from genserver.scheduling.cost import JobShape, StepTimeCorrection, estimate_job_seconds
+from genserver.scheduling.pools import ALL_QUEUES
 
 log = logging.getLogger(__name__)
 
@@ -318,7 +319,16 @@ def _republish(job: Job) -> None:
 
 
 def reap_stale() -> dict[str, int]:
-    """Beat task body: every job whose lease expired lost its worker; retry it from its checkpoint."""
+    """Beat task body: recover jobs whose worker died or whose message was lost.
+
+    1. A job whose lease expired lost its worker mid-stage: a failed attempt,
+       retried from its checkpoint (or failed after MAX_ATTEMPTS).
+    2. A job nobody holds, whose message is no longer waiting in the broker
+       and was published more than a lease ago, lost its message (a worker
+       died between taking it and claiming the job, or between committing a
+       chunk and publishing the next; or Redis lost its data). It is
+       re-published from the database; a duplicate would be harmless.
+    """
     now = timezone.now()
     stale = list(Job.objects.filter(status__in=ACTIVE, lease_expires_at__lt=now)
                  .exclude(lease_owner="").values_list("pk", "lease_owner"))
@@ -328,6 +338,17 @@ def reap_stale() -> dict[str, int]:
         outcomes[outcome] = outcomes.get(outcome, 0) + 1
         if outcome != "ignored":
             log.warning("reaper: job %s held by %s → %s", pk, owner, outcome)
+    quiet_since = now - timedelta(seconds=settings.LEASE_SECONDS)
+    orphans = list(Job.objects.filter(status__in=ACTIVE, lease_owner="", published_at__lt=quiet_since))
+    if orphans:
+        waiting = selectors.broker_job_ids(ALL_QUEUES)
+        for job in orphans:
+            if str(job.pk) in waiting:
+                continue
+            if Job.objects.filter(pk=job.pk, lease_owner="", published_at=job.published_at).update(published_at=now):
+                log.warning("reaper: job %s had no message in the broker; re-published", job.pk)
+                _republish(job)
+                outcomes["republished"] = outcomes.get("republished", 0) + 1
     return outcomes
 
 

@@ -15,7 +15,7 @@ import math
 
 # The default chunk length (seconds of GPU time), chosen from the simulator's
 # trade-off curve (docs/BENCHMARKS.md, "Scheduling policy (simulator)").
-DEFAULT_CHUNK_SECONDS = 6.0
+DEFAULT_CHUNK_SECONDS = 4.0
 
 # Tolerance for float division: 4.8 s / 2.4 s must be 2 steps, not 1.999… → 1.
 _EPS = 1e-9

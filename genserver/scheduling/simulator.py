@@ -2,60 +2,74 @@
 
 Two simulators live here:
 
-* `seed_simulate` / `seed_waits`: a faithful reproduction of the seed chapter's
+* `seed_simulate` / `seed_waits`: a faithful port of the seed chapter's
   `simulate()` (FCFS, SJF and static pools; non-preemptive, one request per
-  card), including its loop, its generator and its percentile, so that its
-  table (images P50/P99 FCFS 17/473 s, SJF 2/90 s, pools 0/7 s; videos 19/423,
+  card), with its loop, its generator and its percentile, so that its table
+  (images P50/P99 FCFS 17/473 s, SJF 2/90 s, pools 0/7 s; videos 19/423,
   23/614, 152/745 s) comes out exactly.
-* `simulate`: an event-driven model of the live service that calls the same
-  scheduling core the service uses — `ClassThresholds.classify` for the
+* `simulate`: an event-driven model of the live service that calls the
+  scheduling core the service uses: `ClassThresholds.classify` for the
   duration class (= queue), `priority_for` for every message's priority,
   `chunking.steps_per_chunk` for the chunk length, the `PoolLayout` for which
   card consumes which queues in which order, and `admission.decide` on every
   arrival. A card takes the next message by kombu's Redis semantics
-  (priority-major over all its queues, then its queue order, FIFO within a
-  (queue, priority) list; an idle card blocked longest gets a new message
-  first, as Redis serves BRPOP clients), runs one chunk, re-publishes the
-  job's next chunk and goes back to the broker. It charges a checkpoint
-  save + restore at each chunk boundary and a model switch whenever a card
-  runs a chunk of a different model than its previous one. An optional cap
-  bounds how many cards run long-class chunks at once.
+  (priority-major over all its queues, then its queue order, FIFO within one
+  (queue, priority) list; of several idle cards the one blocked longest gets
+  a new message, as Redis serves BRPOP clients), runs one chunk, re-publishes
+  the job's next chunk with `priority_for(..., started=True)` and goes back to
+  the broker (chunk-level preemption). It charges a checkpoint save + restore
+  at every chunk boundary and a model switch whenever a card runs a chunk of
+  another model than its previous chunk's.
 
 Two metrics per class:
 
-* `wait`: arrival → first denoising step (the seed's metric; includes a model
-  switch before the first step).
+* `wait`: arrival → first denoising step (the seed's metric; a model switch
+  before the first step counts).
 * `delay`: completion − arrival − service seconds (the honest metric for a
-  preemptive system: every second a job spends not computing its own steps,
+  preemptive system: every second a job is not computing its own steps,
   including preemption by other work, checkpoints and model switches).
 
-Plain Python, no Django, deterministic for a given workload.
+Plain Python, no Django, deterministic for a given workload and config.
 """
 from __future__ import annotations
 
 import heapq
-import math
 import random
 from collections import deque
 from dataclasses import dataclass, field, replace
-from typing import Iterable, Literal, Mapping, Sequence
+from typing import Any, Iterable, Literal, Mapping, Sequence
 
 from .admission import AdmissionLimits, WorkItem, decide, expected_wait
 from .chunking import DEFAULT_CHUNK_SECONDS, steps_per_chunk
-from .classes import CLASSES, LONG, ClassThresholds, priority_for
-from .pools import PoolLayout, WorkerSpec, default_layout
+from .classes import CLASSES, LONG, MEDIUM, SHORT, ClassThresholds, priority_for
+from .pools import CONTROL, DECODE, ENCODE, PoolLayout, WorkerSpec, default_layout
 
 IMAGE, VIDEO = "image", "video"
 KINDS: tuple[str, ...] = (IMAGE, VIDEO)
 SeedPolicy = Literal["fcfs", "sjf", "pools"]
-SEED_POLICIES: tuple[str, ...] = ("fcfs", "sjf", "pools")
+SEED_POLICIES: tuple[SeedPolicy, ...] = ("fcfs", "sjf", "pools")
+Metric = Literal["wait", "delay"]
 
-# The seed's durations and the step counts we give them: an image is 20-30 steps
-# (0.1-0.2 s each), a video 50 steps (2.4 s or 6 s each).
+# The seed's durations, and the steps we give them: an image is 20-30 steps
+# (0.1-0.2 s each, one chunk at the default chunk length or two for a 6-s one),
+# a video 50 steps (2.4 s or 6 s each).
 IMAGE_SECONDS: tuple[float, ...] = (2.0, 3.0, 6.0)
 VIDEO_SECONDS: tuple[float, ...] = (120.0, 300.0)
 DEFAULT_STEPS: Mapping[float, int] = {2.0: 20, 3.0: 30, 6.0: 30, 120.0: 50, 300.0: 50}
 DEFAULT_MODELS: Mapping[str, str] = {IMAGE: "sdxl", VIDEO: "wan"}
+
+# Modelled costs (seconds of card time). A checkpoint of a Wan 480p job (latents
+# 16×21×60×104 fp32 plus a two-entry multistep history, 25 MB) saved atomically and
+# loaded back took 0.05 s on local disk (bench notes in docs/BENCHMARKS.md); with the
+# task round trip and host↔device copies, 0.2 s is a conservative save + restore.
+# A model switch costs ~0 when both models stay resident on the card and ~0.2 s
+# (SDXL UNet, 5 GB) to ~1.1 s (Wan 14B, 29 GB) when weights come from pinned host
+# memory; 0.5 s is charged per switch. docs/BENCHMARKS.md shows the sensitivity.
+DEFAULT_CHECKPOINT_SECONDS = 0.2
+DEFAULT_SWITCH_SECONDS = 0.5
+# Our policy lends every card to video and caps long work at N−1 cards only under
+# overload: while a new long job's expected wait exceeds this share of its limit.
+OVERLOAD_ENGAGE_SHARE = 0.5
 
 
 # --------------------------------------------------------------------------- workload
@@ -67,15 +81,14 @@ class Request:
 
     arrival: float
     kind: str  # IMAGE | VIDEO
-    seconds: float  # expected (and, in the simulation, actual) denoising seconds
+    seconds: float  # expected (in the simulation also actual) denoising seconds
 
 
 def seed_workload(arrivals: int = 400, rate: float = 0.06, seed: int = 0) -> list[Request]:
     """The seed chapter's generator, draw for draw.
 
     Poisson arrivals at `rate` per second; 80 % images of 2, 3 or 6 s, 20 %
-    videos of 120 or 300 s. The same `seed` gives the same requests as the
-    chapter's `simulate()`.
+    videos of 120 or 300 s. The same `seed` gives the chapter's requests.
     """
     rng = random.Random(seed)
     t = 0.0
@@ -89,16 +102,14 @@ def seed_workload(arrivals: int = 400, rate: float = 0.06, seed: int = 0) -> lis
     return requests
 
 
-def offered_load(requests: Sequence[Request], n_cards: int) -> float:
-    """Work offered per second of arrival span, as a fraction of `n_cards` cards."""
-    if not requests:
-        return 0.0
-    span = requests[-1].arrival
-    return sum(r.seconds for r in requests) / span / n_cards if span > 0 else math.inf
+def offered_load(rate: float, n_cards: int = 4) -> float:
+    """Expected work offered per second by the seed's mix at `rate`, as a share of `n_cards`."""
+    mean_seconds = 0.8 * sum(IMAGE_SECONDS) / len(IMAGE_SECONDS) + 0.2 * sum(VIDEO_SECONDS) / len(VIDEO_SECONDS)
+    return rate * mean_seconds / n_cards
 
 
 def pct(xs: Iterable[float], q: float) -> float:
-    """The seed's percentile: the element at index int(q·n) of the sorted values (0 if empty)."""
+    """The seed's percentile: element int(q·n) of the sorted values (0 if there are none)."""
     values = sorted(xs)
     return values[min(len(values) - 1, int(q * len(values)))] if values else 0.0
 
@@ -110,12 +121,12 @@ def seed_waits(policy: SeedPolicy, n_gpus: int = 4, arrivals: int = 400, rate: f
                seed: int = 0) -> dict[str, list[float]]:
     """Every request's queueing wait (seconds) under one of the seed's policies, per kind.
 
-    A faithful port of the chapter's `simulate()` loop: requests that have
-    arrived by `now` enter a heap keyed by arrival ('fcfs', 'pools') or by
-    duration ('sjf'); the earliest-free card pops the heap only when it is free
-    at `now`, otherwise time advances to that card's free time or the next
-    arrival. 'pools' runs images on 1 card and videos on the other n_gpus − 1.
-    Non-preemptive, so the wait is also completion − arrival − service.
+    The chapter's `simulate()` loop: requests that have arrived by `now` enter
+    a heap keyed by arrival ('fcfs', 'pools') or by duration ('sjf'); the
+    earliest-free card pops the heap only when it is free at `now`, otherwise
+    time advances to that card's free time or to the next arrival. 'pools'
+    runs images on 1 card and videos on the other n_gpus − 1. Non-preemptive
+    and without overheads, so the wait is also completion − arrival − service.
     """
     if policy not in SEED_POLICIES:
         raise ValueError(f"unknown seed policy {policy!r}; known: {SEED_POLICIES}")
@@ -153,43 +164,61 @@ def seed_simulate(policy: SeedPolicy, n_gpus: int = 4, arrivals: int = 400, rate
     return {k: (pct(v, 0.5), pct(v, 0.99)) for k, v in waits.items()}
 
 
-# --------------------------------------------------------------------------- our policy
+# --------------------------------------------------------------------------- the service's policy
+
+
+def mixed_layout(num_gpus: int = 4, image_only: int = 0) -> PoolLayout:
+    """Cards 0..image_only-1 take short+medium, the others short+medium+long; plus encode/decode.
+
+    `mixed_layout(4, 1)` has the denoise workers of `default_layout(4)`;
+    `mixed_layout(4, 0)` lends every card to video.
+    """
+    if not 0 <= image_only <= num_gpus:
+        raise ValueError(f"image_only must be within 0..{num_gpus}, got {image_only}")
+    workers = [WorkerSpec(name=f"gpu{i}", devices=(i,),
+                          queues=(SHORT, MEDIUM) if i < image_only else (SHORT, MEDIUM, LONG))
+               for i in range(num_gpus)]
+    workers.append(WorkerSpec(name="encode", queues=(ENCODE, CONTROL)))
+    workers.append(WorkerSpec(name="decode", queues=(DECODE,)))
+    return PoolLayout(tuple(workers))
 
 
 @dataclass(frozen=True)
 class SimConfig:
-    """Everything the event-driven simulation of the service is parameterised by.
+    """What the event-driven model of the service is parameterised by.
 
-    `layout`: the pool layout (only workers consuming a duration-class queue
-    count as denoise cards; encode/decode workers are ignored).
-    `chunk_seconds`: CHUNK_SECONDS, the target GPU time of one chunk.
-    `checkpoint_seconds`: save + restore at a chunk boundary (half charged at
-    the end of a chunk that is not the last, half at the start of a chunk that
-    is not the first).
-    `switch_seconds`: charged before a chunk whose model differs from the
-    card's previous chunk's model (a card's first chunk is free: warm start).
-    `long_cap`: at most this many cards run long-class chunks at once (None:
-    no cap); a card at the cap skips the long queue.
-    `long_cap_engage_seconds`: engage the cap only while a new long job's
-    expected wait (admission's estimate) exceeds this many seconds, i.e. only
-    under overload (None: the cap always holds). While it is engaged,
-    admission sees the layout with the capped cards not serving `long`.
-    `yield_on_demand`: a proposed refinement of the denoise task, not what the
-    service does today. At a chunk boundary the worker peeks at the broker and
-    re-publishes (yields) only if a message it would take before its own
-    continuation is waiting; otherwise it runs the next chunk in-process,
-    paying `in_process_seconds` (the checkpoint save kept for crash recovery;
-    None: half of `checkpoint_seconds`, a synchronous save; 0: an
-    asynchronous save) instead of a save + restore, and no model switch. The
-    order of work is the same as with re-publishing.
-    `limits`: admission limits (None: admit everything).
-    `steps`: steps given to a request of each duration (seconds → steps).
+    layout: the pool layout; only workers consuming a duration-class queue are
+        denoise cards (encode/decode workers are ignored).
+    chunk_seconds: CHUNK_SECONDS, the target GPU time of one chunk.
+    checkpoint_seconds: save + restore at a chunk boundary; the save is charged
+        at the end of a chunk that is not the last, the restore at the start of
+        the next chunk.
+    switch_seconds: charged before a chunk whose model differs from the card's
+        previous chunk's (a card's first chunk is free: warm start).
+    long_cap: at most this many cards run long-class chunks at once (None: no
+        cap); a card at the cap does not take from the long queue.
+    long_cap_engage_seconds: engage the cap only while a new long job's expected
+        wait (admission's estimate over the full layout) exceeds this (None: the
+        cap always holds). While engaged, admission sees the layout without
+        `long` on the cards beyond the cap: the capacity a long job can count on.
+    yield_on_demand: a proposed refinement of the denoise task, not what the
+        service does today. At a chunk boundary the worker looks at the broker
+        and re-publishes (yields) only if a message it would take before its
+        own continuation is waiting (or the long cap asks it to stop); otherwise
+        it runs the next chunk in-process with no restore and no model switch,
+        paying `in_process_seconds` for the save kept for crash recovery (None:
+        a synchronous save, half of `checkpoint_seconds`; 0: an asynchronous
+        one). A yield costs a full save + restore. The order of work is the
+        same as with re-publishing every chunk.
+    limits: admission limits (None: admit everything).
+    steps: steps given to a request of each duration (seconds → steps).
+    models: the model of each kind (a change of model on a card is a switch).
     """
 
     layout: PoolLayout = field(default_factory=lambda: default_layout(4))
     chunk_seconds: float = DEFAULT_CHUNK_SECONDS
-    checkpoint_seconds: float = 0.3
-    switch_seconds: float = 1.0
+    checkpoint_seconds: float = DEFAULT_CHECKPOINT_SECONDS
+    switch_seconds: float = DEFAULT_SWITCH_SECONDS
     long_cap: int | None = None
     long_cap_engage_seconds: float | None = None
     yield_on_demand: bool = False
@@ -199,26 +228,46 @@ class SimConfig:
     steps: Mapping[float, int] = field(default_factory=lambda: dict(DEFAULT_STEPS))
     models: Mapping[str, str] = field(default_factory=lambda: dict(DEFAULT_MODELS))
 
+    def __post_init__(self) -> None:
+        if self.chunk_seconds <= 0:
+            raise ValueError(f"chunk_seconds must be positive, got {self.chunk_seconds}")
+        if self.checkpoint_seconds < 0 or self.switch_seconds < 0:
+            raise ValueError("checkpoint_seconds and switch_seconds must be >= 0")
+        if self.in_process_seconds is not None and not 0 <= self.in_process_seconds <= self.checkpoint_seconds:
+            raise ValueError("in_process_seconds must be within 0..checkpoint_seconds")
+        if self.long_cap is not None and self.long_cap < 0:
+            raise ValueError(f"long_cap must be >= 0, got {self.long_cap}")
+
     def steps_for(self, seconds: float) -> int:
         if seconds in self.steps:
             return self.steps[seconds]
         return 50 if seconds >= self.thresholds.medium else 30
 
 
-def mixed_layout(num_gpus: int = 4, image_only: int = 0) -> PoolLayout:
-    """A layout where the first `image_only` cards take short+medium and the rest all three classes.
+def our_config(num_gpus: int = 4, *, yield_on_demand: bool = False, **overrides: Any) -> SimConfig:
+    """Our policy with the chosen defaults (docs/BENCHMARKS.md, "Scheduling policy (simulator)").
 
-    `mixed_layout(4, 1)` is the denoise part of `default_layout(4)`;
-    `mixed_layout(4, 0)` lets every card take video.
+    Every card consumes short, medium and long (the image card is lent to
+    video), CHUNK_SECONDS = `chunking.DEFAULT_CHUNK_SECONDS`, and under overload
+    (a new long job's expected wait above half the long admission limit) at
+    most N−1 cards run long work. `yield_on_demand` adds the proposed
+    denoise-task refinement with an asynchronous in-process save.
     """
-    workers = [WorkerSpec(name=f"gpu{i}", queues=("short", "medium") if i < image_only
-                          else ("short", "medium", "long"), devices=(i,)) for i in range(num_gpus)]
-    workers.append(WorkerSpec(name="encode", queues=("encode", "control")))
-    workers.append(WorkerSpec(name="decode", queues=("decode",)))
-    return PoolLayout(tuple(workers))
+    limits = overrides.get("limits", AdmissionLimits())
+    long_limit = limits.long if limits is not None else AdmissionLimits().long
+    params: dict[str, Any] = dict(
+        layout=mixed_layout(num_gpus, 0),
+        chunk_seconds=DEFAULT_CHUNK_SECONDS,
+        long_cap=max(1, num_gpus - 1),
+        long_cap_engage_seconds=OVERLOAD_ENGAGE_SHARE * long_limit,
+        yield_on_demand=yield_on_demand,
+        in_process_seconds=0.0 if yield_on_demand else None,
+    )
+    params.update(overrides)
+    return SimConfig(**params)
 
 
-@dataclass
+@dataclass(eq=False)
 class _Job:
     id: int
     request: Request
@@ -226,57 +275,56 @@ class _Job:
     model: str
     steps: int
     step_seconds: float
-    priority: int
+    priority: int  # of its current (or next) message
     steps_done: int = 0
-    chunks: int = 0
-    running: bool = False
     first_step: float | None = None
-    completion: float | None = None
 
     @property
     def remaining_seconds(self) -> float:
         return (self.steps - self.steps_done) * self.step_seconds
 
 
-@dataclass
+@dataclass(eq=False)
 class _Card:
+    index: int
     name: str
-    queues: tuple[str, ...]
+    queues: tuple[str, ...]  # its duration-class queues, in the worker's order
     idle_since: float = 0.0
-    busy_until: float | None = None  # None: idle, blocked on the broker
-    job: _Job | None = None
+    busy_until: float = 0.0
+    job: _Job | None = None  # None: idle, blocked on the broker
     chunk_steps: int = 0
     last_model: str | None = None
     busy_seconds: float = 0.0
-    long_chunks: int = 0
 
 
 @dataclass
 class ClassResult:
-    """Per-kind outcome of a simulation."""
+    """One kind's outcome: per finished job, its wait and its delay."""
 
     waits: list[float] = field(default_factory=list)  # arrival → first step
     delays: list[float] = field(default_factory=list)  # completion − arrival − service
-    refused: int = 0
     accepted: int = 0
+    refused: int = 0
 
-    def p(self, metric: str, q: float) -> float:
+    def p(self, metric: Metric, q: float) -> float:
         return pct(self.waits if metric == "wait" else self.delays, q)
 
 
 @dataclass
 class SimResult:
-    """What `simulate` measured."""
+    """What one run of `simulate` measured."""
 
     classes: dict[str, ClassResult]
     makespan: float
-    utilization: float  # busy card-seconds / (cards × makespan), overheads included
-    switches: int
-    checkpoints: int
-    max_long_cards: int
+    utilization: float  # busy card-seconds (overheads included) / (cards × makespan)
+    switches: int  # model switches
+    republished: int  # boundaries that paid a full save + restore
+    in_process: int  # boundaries run on in-process (yield_on_demand)
+    max_long_cards: int  # most cards running long work at once
+    cap_engaged_share: float  # share of events at which the overload cap was engaged
 
-    def summary(self, metric: str = "wait") -> dict[str, tuple[float, float]]:
-        """{kind: (P50, P99)} of `metric` ('wait' or 'delay'), like the seed's table."""
+    def summary(self, metric: Metric = "wait") -> dict[str, tuple[float, float]]:
+        """{kind: (P50, P99)} of `metric`, like the seed's table."""
         return {k: (c.p(metric, 0.5), c.p(metric, 0.99)) for k, c in self.classes.items()}
 
 
@@ -292,8 +340,8 @@ class _Broker:
     def _first(self, queues: Sequence[str], long_blocked: bool,
                before: tuple[int, int] | None = None) -> tuple[str, int] | None:
         """The (queue, priority) list a worker consuming `queues` pops next: priority-major
-        over all its queues, then its queue order. With `before` = (priority, queue index),
-        only lists the worker would pop ahead of a message published there now."""
+        over all its queues, then its queue order. With `before` = (priority, queue index):
+        only a list it would pop ahead of a message published there now."""
         for priority in range(10):
             for index, queue in enumerate(queues):
                 if queue == LONG and long_blocked:
@@ -309,9 +357,10 @@ class _Broker:
         return self.lists[key].popleft() if key else None
 
     def ahead_of(self, queues: Sequence[str], job: _Job, long_blocked: bool) -> bool:
-        """Whether a worker would take a waiting message before `job` re-published now
-        (FIFO: a waiting message in the same list is ahead of it)."""
-        return self._first(queues, long_blocked, (job.priority, queues.index(job.duration_class))) is not None
+        """Whether the worker would take a waiting message before `job` re-published now
+        (FIFO: a message already waiting in the same list is ahead of it)."""
+        before = (job.priority, queues.index(job.duration_class))
+        return self._first(queues, long_blocked, before) is not None
 
 
 class _Simulation:
@@ -320,30 +369,31 @@ class _Simulation:
     def __init__(self, requests: Sequence[Request], cfg: SimConfig) -> None:
         self.requests = requests
         self.cfg = cfg
-        self.cards = [_Card(w.name, tuple(q for q in w.queues if q in CLASSES))
-                      for w in cfg.layout.workers if w.denoises]
-        if not self.cards:
+        denoisers = [w for w in cfg.layout.workers if w.denoises]
+        if not denoisers:
             raise ValueError("the layout has no denoise worker")
+        self.cards = [_Card(i, w.name, tuple(q for q in w.queues if q in CLASSES))
+                      for i, w in enumerate(denoisers)]
         self.broker = _Broker()
-        self.jobs: dict[int, _Job] = {}  # accepted and not finished, by id
+        self.jobs: dict[int, _Job] = {}  # accepted and unfinished, by id
         self.result = {k: ClassResult() for k in KINDS}
-        self.switches = self.checkpoints = self.max_long = 0
-        # Events: (time, order, sequence, payload); chunk ends (order 0) before arrivals (1).
-        self.events: list[tuple[float, int, int, int]] = []
+        self.switches = self.republished = self.in_process = self.max_long = 0
+        self.events: list[tuple[float, int, int, int]] = []  # (time, order, seq, payload)
         self.seq = 0
-        # A boundary's checkpoint cost is split between the end of a chunk (the save) and the
-        # start of the next chunk elsewhere (the restore). With yield_on_demand, the save
-        # charged at every chunk end is `in_process_seconds`; a yield costs the rest at resume.
+        # A boundary's save is charged at the end of the chunk, its restore at the start
+        # of the next one; with yield_on_demand the end pays the in-process save and a
+        # yield pays the rest of a full save + restore when the job resumes.
         half = cfg.checkpoint_seconds / 2
-        self._save = half if not cfg.yield_on_demand or cfg.in_process_seconds is None \
-            else min(cfg.in_process_seconds, cfg.checkpoint_seconds)
-        self._restore = cfg.checkpoint_seconds - self._save
-        self._engaged_at: float | None = None
-        self._engaged = False
-        self.engaged_events = 0
+        if cfg.yield_on_demand and cfg.in_process_seconds is not None:
+            self.save_seconds = cfg.in_process_seconds
+        else:
+            self.save_seconds = half
+        self.restore_seconds = cfg.checkpoint_seconds - self.save_seconds
+        self._engaged_cache: tuple[float, bool] | None = None
+        self._engaged_checks = self._engaged_hits = 0
         self._capped_layout: PoolLayout | None = None
 
-    # -- helpers ---------------------------------------------------------------------------
+    # -- the long cap --------------------------------------------------------------------
 
     def _running_long(self, exclude: _Card | None = None) -> int:
         return sum(1 for c in self.cards if c is not exclude and c.job is not None
@@ -355,22 +405,18 @@ class _Simulation:
             return False
         if cfg.long_cap_engage_seconds is None:
             return True
-        if self._engaged_at == now:  # cached within one step of one event
-            return self._engaged
+        if self._engaged_cache is not None and self._engaged_cache[0] == now:
+            return self._engaged_cache[1]
         new_long = priority_for(LONG, cfg.thresholds.medium, False, cfg.thresholds)
-        wait = expected_wait(LONG, new_long, self.work_items(now), cfg.layout)
-        self._engaged_at, self._engaged = now, wait > cfg.long_cap_engage_seconds
-        if self._engaged:
-            self.engaged_events += 1
-        return self._engaged
+        engaged = expected_wait(LONG, new_long, self.work_items(now), cfg.layout) > cfg.long_cap_engage_seconds
+        self._engaged_cache = (now, engaged)
+        return engaged
 
     def _long_blocked(self, card: _Card, now: float) -> bool:
         cap = self.cfg.long_cap
         return cap is not None and self._running_long(exclude=card) >= cap and self._cap_engaged(now)
 
     def _admission_layout(self, now: float) -> PoolLayout:
-        """The layout admission reasons with: with the cap engaged, the first cards beyond
-        the cap stop serving `long` (the capacity a long job can count on)."""
         cfg = self.cfg
         if cfg.long_cap is None or not self._cap_engaged(now):
             return cfg.layout
@@ -378,15 +424,17 @@ class _Simulation:
             excess = sum(1 for c in self.cards if LONG in c.queues) - cfg.long_cap
             workers = []
             for w in cfg.layout.workers:
-                if excess > 0 and LONG in w.queues and w.denoises:
+                if excess > 0 and w.denoises and LONG in w.queues:
                     w = replace(w, queues=tuple(q for q in w.queues if q != LONG))
                     excess -= 1
                 workers.append(w)
             self._capped_layout = PoolLayout(tuple(workers))
         return self._capped_layout
 
+    # -- cards and admission -------------------------------------------------------------
+
     def _start_chunk(self, card: _Card, job: _Job, now: float, in_process: bool = False) -> None:
-        """Run the job's next chunk on `card` from `now`, charging the costs the service pays."""
+        """Run the job's next chunk on `card` from `now`, charging what the service pays."""
         cfg = self.cfg
         k = min(steps_per_chunk(cfg.chunk_seconds, job.step_seconds), job.steps - job.steps_done)
         overhead = 0.0
@@ -394,18 +442,17 @@ class _Simulation:
             overhead += cfg.switch_seconds
             self.switches += 1
         if job.steps_done > 0 and not in_process:
-            overhead += self._restore
+            overhead += self.restore_seconds
         if job.first_step is None:
             job.first_step = now + overhead
         last = job.steps_done + k >= job.steps
-        duration = overhead + k * job.step_seconds + (0.0 if last else self._save)
+        duration = overhead + k * job.step_seconds + (0.0 if last else self.save_seconds)
+        card.job, card.chunk_steps, card.last_model = job, k, job.model
         card.busy_until = now + duration
         card.busy_seconds += duration
-        card.job, card.chunk_steps, card.last_model = job, k, job.model
-        job.running = True
         if job.duration_class == LONG:
             self.max_long = max(self.max_long, self._running_long())
-        heapq.heappush(self.events, (card.busy_until, 0, self.seq, self.cards.index(card)))
+        heapq.heappush(self.events, (card.busy_until, 0, self.seq, card.index))
         self.seq += 1
 
     def _dispatch(self, now: float) -> None:
@@ -424,38 +471,36 @@ class _Simulation:
             if card is None:
                 items.append(WorkItem(job.duration_class, job.priority, job.remaining_seconds))
                 continue
-            assert card.busy_until is not None
             in_chunk = max(0.0, card.busy_until - now)
             after = (job.steps - job.steps_done - card.chunk_steps) * job.step_seconds
             items.append(WorkItem(job.duration_class, job.priority, after + in_chunk,
                                   running=True, chunk_remaining_seconds=in_chunk))
         return items
 
-    # -- events ----------------------------------------------------------------------------
+    # -- events --------------------------------------------------------------------------
 
     def _chunk_end(self, card: _Card, now: float) -> None:
         job = card.job
         assert job is not None
         job.steps_done += card.chunk_steps
-        job.chunks += 1
-        job.running = False
-        card.busy_until, card.job, card.idle_since = None, None, now
+        card.job, card.idle_since = None, now
         if job.steps_done >= job.steps:
-            job.completion = now
             del self.jobs[job.id]
             res = self.result[job.request.kind]
             assert job.first_step is not None
             res.waits.append(job.first_step - job.request.arrival)
             res.delays.append(now - job.request.arrival - job.request.seconds)
             return
-        self.checkpoints += 1
         job.priority = priority_for(job.duration_class, job.remaining_seconds, True, self.cfg.thresholds)
-        if not self.cfg.yield_on_demand:
-            self.broker.publish(job)
-        elif not self.broker.ahead_of(card.queues, job, self._long_blocked(card, now)):
-            self._start_chunk(card, job, now, in_process=True)
-        else:
-            self.broker.publish(job)
+        if self.cfg.yield_on_demand:
+            blocked = self._long_blocked(card, now)
+            must_stop = job.duration_class == LONG and blocked
+            if not must_stop and not self.broker.ahead_of(card.queues, job, blocked):
+                self.in_process += 1
+                self._start_chunk(card, job, now, in_process=True)
+                return
+        self.republished += 1
+        self.broker.publish(job)
 
     def _arrival(self, index: int, now: float) -> None:
         cfg = self.cfg
@@ -476,26 +521,35 @@ class _Simulation:
 
     def run(self) -> SimResult:
         for index, r in enumerate(self.requests):
-            heapq.heappush(self.events, (r.arrival, 1, index, index))
+            heapq.heappush(self.events, (r.arrival, 1, index, index))  # chunk ends (0) go first
         self.seq = len(self.requests)
         now = 0.0
         while self.events:
             now, order, _, payload = heapq.heappop(self.events)
-            self._engaged_at = None  # the state changes with every event
+            self._engaged_cache = None  # every event changes the state
             if order == 0:
                 self._chunk_end(self.cards[payload], now)
             else:
                 self._arrival(payload, now)
-            self._engaged_at = None
+            self._engaged_cache = None
             self._dispatch(now)
+            if self.cfg.long_cap is not None:
+                self._engaged_checks += 1
+                self._engaged_hits += self._cap_engaged(now)
         busy = sum(c.busy_seconds for c in self.cards)
-        return SimResult(classes=self.result, makespan=now,
-                         utilization=busy / (len(self.cards) * now) if now > 0 else 0.0,
-                         switches=self.switches, checkpoints=self.checkpoints, max_long_cards=self.max_long)
+        return SimResult(
+            classes=self.result, makespan=now,
+            utilization=busy / (len(self.cards) * now) if now > 0 else 0.0,
+            switches=self.switches, republished=self.republished, in_process=self.in_process,
+            max_long_cards=self.max_long,
+            cap_engaged_share=self._engaged_hits / self._engaged_checks if self._engaged_checks else 0.0,
+        )
 
 
 def simulate(requests: Sequence[Request], config: SimConfig | None = None) -> SimResult:
     """Run the service's scheduling policy on `requests` (sorted by arrival)."""
+    if any(b.arrival < a.arrival for a, b in zip(requests, requests[1:])):
+        raise ValueError("requests must be sorted by arrival")
     return _Simulation(requests, config or SimConfig()).run()
 
 
@@ -503,3 +557,10 @@ def simulate_rate(rate: float, config: SimConfig | None = None, arrivals: int = 
                   seed: int = 0) -> SimResult:
     """`simulate` on the seed's workload at `rate`."""
     return simulate(seed_workload(arrivals, rate, seed), config)
+
+
+__all__ = [
+    "IMAGE", "VIDEO", "KINDS", "SEED_POLICIES", "Request", "seed_workload", "offered_load", "pct",
+    "seed_waits", "seed_simulate", "mixed_layout", "SimConfig", "our_config", "ClassResult",
+    "SimResult", "simulate", "simulate_rate", "DEFAULT_CHECKPOINT_SECONDS", "DEFAULT_SWITCH_SECONDS",
+]
