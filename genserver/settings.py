@@ -208,7 +208,8 @@ CLASS_MEDIUM_SECONDS = env_float("GENSERVER_CLASS_MEDIUM_SECONDS", 120.0)
 # Target length of one denoise chunk in seconds of work. Shorter chunks let
 # short work in sooner (preemption granularity) and lose less on a crash, but
 # pay the checkpoint save/restore and a broker round trip more often.
-CHUNK_SECONDS = env_float("GENSERVER_CHUNK_SECONDS", 5.0)
+# The default comes from the simulator's trade-off curve (docs/BENCHMARKS.md).
+CHUNK_SECONDS = env_float("GENSERVER_CHUNK_SECONDS", 4.0)
 # Longest expected wait each class accepts before 429 (seconds of work).
 ADMIT_SHORT_SECONDS = env_float("GENSERVER_ADMIT_SHORT_SECONDS", 60.0)
 ADMIT_MEDIUM_SECONDS = env_float("GENSERVER_ADMIT_MEDIUM_SECONDS", 300.0)

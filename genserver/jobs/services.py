@@ -8,7 +8,6 @@ after the transaction that made them valid commits.
 from __future__ import annotations
 
 import logging
-import math
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -23,6 +22,7 @@ from genserver.jobs import selectors
 from genserver.jobs.models import ACTIVE, Job, JobStatus
 from genserver.redis_client import CANCEL_KEY, CORRECTION_KEY, client as redis_client
 from genserver.scheduling.admission import Decision, decide
+from genserver.scheduling.chunking import steps_per_chunk
 from genserver.scheduling.classes import priority_for
 from genserver.scheduling.cost import JobShape, StepTimeCorrection, estimate_job_seconds
 from genserver.scheduling.pools import ALL_QUEUES
@@ -66,8 +66,7 @@ def estimate(data: dict[str, Any]) -> Estimate:
     correction = 1.0 if spec.backend == "simulated" else _correction(spec.name, shape.bucket())
     seconds = estimate_job_seconds(shape, spec.cost_points, settings.EFFECTIVE_TFLOPS, correction)
     duration_class = policy.thresholds().classify(seconds)
-    step_seconds = seconds / data["steps"]
-    chunk_steps = max(1, min(data["steps"], math.floor(settings.CHUNK_SECONDS / step_seconds)))
+    chunk_steps = min(data["steps"], steps_per_chunk(settings.CHUNK_SECONDS, seconds / data["steps"]))
     return Estimate(seconds=seconds, duration_class=duration_class,
                     priority=priority_for(duration_class, seconds, False, policy.thresholds()),
                     chunk_steps=chunk_steps, clock_scale=policy.clock_scale(spec.backend))

@@ -1,0 +1,60 @@
+"""The launcher: one worker per pool entry, pinned to its cards, concurrency 1, restarted when it exits."""
+from __future__ import annotations
+
+import sys
+import time
+
+import pytest
+
+from genserver.scheduling.pools import default_layout, load_layout
+from workers.launcher import worker_argv, worker_env
+from workers.supervise import Supervisor
+
+
+def test_each_gpu_worker_is_pinned_to_its_card_with_concurrency_one():
+    layout = default_layout(num_gpus=4)
+    cards = [w for w in layout.workers if w.denoises]
+    assert [w.devices for w in cards] == [(0,), (1,), (2,), (3,)]
+    for spec in cards:
+        argv, env = worker_argv(spec), worker_env(spec)
+        assert env["CUDA_VISIBLE_DEVICES"] == str(spec.devices[0])
+        assert argv[argv.index("--concurrency") + 1] == "1"
+        assert argv[argv.index("--queues") + 1] == ",".join(spec.queues)
+        assert argv[argv.index("--hostname") + 1] == f"{spec.name}@%h"
+    # Images keep a card to themselves; video cards take images first as well.
+    assert cards[0].queues == ("short", "medium")
+    assert all(w.queues == ("short", "medium", "long") for w in cards[1:])
+    assert {w.name for w in layout.workers} >= {"encode", "decode"}
+
+
+def test_cpu_layout_uses_the_same_logic_without_devices():
+    layout = default_layout(num_gpus=0, cpu_workers=2)
+    assert [w.name for w in layout.workers] == ["cpu0", "cpu1", "encode", "decode"]
+    assert all(worker_env(w)["CUDA_VISIBLE_DEVICES"] == "" for w in layout.workers)
+
+
+def test_layout_override_from_json_and_file(tmp_path):
+    inline = '{"workers": [{"name": "big", "queues": ["short", "medium", "long"], "devices": [0, 1]},' \
+             '{"name": "side", "queues": ["encode", "decode"]}]}'
+    layout = load_layout(inline, num_gpus=8)
+    assert worker_env(layout.workers[0])["CUDA_VISIBLE_DEVICES"] == "0,1"
+    path = tmp_path / "pools.toml"
+    path.write_text('[[workers]]\nname = "a"\nqueues = ["short", "medium", "long", "encode", "decode"]\n')
+    assert [w.name for w in load_layout(str(path), num_gpus=0).workers] == ["a"]
+    with pytest.raises(ValueError, match="without a worker"):
+        load_layout('{"workers": [{"name": "a", "queues": ["short"]}]}', num_gpus=0)
+    with pytest.raises(ValueError, match="unknown queues"):
+        load_layout('{"workers": [{"name": "a", "queues": ["shrt"]}]}', num_gpus=0)
+
+
+def test_supervisor_restarts_a_child_that_exits_and_stops_all():
+    supervisor = Supervisor(stop_timeout=5)
+    child = supervisor.add("sleeper", [sys.executable, "-c", "import time; time.sleep(0.2)"])
+    first_pid = child.process.pid
+    deadline = time.monotonic() + 10
+    while child.process.pid == first_pid and time.monotonic() < deadline:
+        supervisor.poll()
+        time.sleep(0.05)
+    assert child.process.pid != first_pid and child.restarts == 1
+    supervisor.stop()
+    assert child.process.poll() is not None
