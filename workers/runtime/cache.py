@@ -1,6 +1,7 @@
 """The per-process model cache: load lazily, keep under a byte budget, evict least recently used."""
 from __future__ import annotations
 
+import importlib
 import logging
 import os
 from collections import OrderedDict
@@ -11,6 +12,13 @@ from genserver.registry import ModelSpec
 from .base import Family
 
 log = logging.getLogger(__name__)
+
+# The diffusers adapter of each family, imported only when a model of it loads.
+FAMILY_ADAPTERS: dict[str, str] = {
+    "unet": "workers.runtime.unet:UNetFamily",
+    "flux": "workers.runtime.flux:FluxFamily",
+    "wan": "workers.runtime.wan:WanFamily",
+}
 
 
 def default_device() -> str:
@@ -44,12 +52,10 @@ class ModelCache:
 
             return SimulatedFamily(spec, "cpu", self.data_dir, time_scale=self.time_scale,
                                    effective_tflops=self.effective_tflops)
-        if spec.family == "unet":
-            from .unet import UNetFamily
-
-            log.info("loading %s from %s", spec.name, spec.resolved_path(self.data_dir))
-            return UNetFamily(spec, default_device(), self.data_dir)
-        raise NotImplementedError(f"no diffusers runtime for family {spec.family!r} yet (model {spec.name})")
+        module_name, class_name = FAMILY_ADAPTERS[spec.family].split(":")
+        log.info("loading %s (%s) from %s", spec.name, spec.family, spec.resolved_path(self.data_dir))
+        adapter = getattr(importlib.import_module(module_name), class_name)
+        return adapter(spec, default_device(), self.data_dir)
 
     def _evict(self, keep: str) -> None:
         while self.used_bytes() > self.budget_bytes and len(self._loaded) > 1:
