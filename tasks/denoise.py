@@ -27,21 +27,19 @@ def run_chunk(self, job_id: str, from_step: int) -> str:
     def should_stop(step: int) -> str:
         if redis_client().exists(cancel_key):
             return "cancelled"
+        if step == 0:
+            services.heartbeat(job_id, worker, steps_done=0)  # started_at: the first step begins now
         if time.monotonic() - last_beat[0] > HEARTBEAT_EVERY_SECONDS:
             last_beat[0] = time.monotonic()
             if not services.heartbeat(job_id, worker, steps_done=step):
                 return "lease-lost"
         return ""
 
-    def on_step(step: int) -> None:
-        if step == from_step + 1:
-            services.heartbeat(job_id, worker, steps_done=step)  # records started_at at the first step
-
     try:
         result = stages.denoise_chunk(
             family_of(job), storage(), request_of(job), embeddings_ref=job.embeddings_key,
             checkpoint_ref=job.checkpoint_key, until_step=min(job.steps, from_step + job.chunk_steps),
-            preview_every=job.preview_every, should_stop=should_stop, on_step=on_step,
+            preview_every=job.preview_every, should_stop=should_stop,
             on_preview=lambda key, step: services.record_preview(job_id, worker, key, step))
     except Exception:  # noqa: BLE001 - recorded on the job, retried from its checkpoint
         return services.fail_attempt(job_id, worker, traceback.format_exc())

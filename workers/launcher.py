@@ -22,7 +22,8 @@ from .supervise import Supervisor, python
 def worker_argv(spec: WorkerSpec, loglevel: str = "INFO") -> list[str]:
     return [python(), "-m", "celery", "-A", "genserver", "worker",
             "--hostname", f"{spec.name}@%h", "--queues", ",".join(spec.queues),
-            "--concurrency", "1", "--pool", "prefork", "--prefetch-multiplier", "1",
+            "--concurrency", "1", "--pool", os.environ.get("GENSERVER_WORKER_POOL", "solo"),
+            "--prefetch-multiplier", "1",
             "--without-gossip", "--without-mingle", "--task-events", "--loglevel", loglevel]
 
 

@@ -185,13 +185,16 @@ def claim_chunk(job_id, worker: str, from_step: int) -> Job | None:
 
 
 def heartbeat(job_id, worker: str, steps_done: int | None = None) -> bool:
-    """Renew the lease (and record progress). False when the lease was lost: stop working."""
+    """Renew the lease and record progress (steps_done=0: the first step begins, `started_at`).
+
+    False when the lease was lost (the reaper gave the job to another worker): stop working.
+    """
     now = timezone.now()
     fields: dict[str, Any] = {"lease_expires_at": _lease_until()}
     if steps_done is not None:
         fields["steps_done"] = steps_done
     renewed = Job.objects.filter(pk=job_id, lease_owner=worker, status__in=ACTIVE).update(**fields)
-    if renewed and steps_done is not None:
+    if renewed and steps_done == 0:
         Job.objects.filter(pk=job_id, started_at__isnull=True).update(started_at=now)
     return bool(renewed)
 

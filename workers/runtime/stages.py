@@ -78,12 +78,11 @@ class ChunkResult:
 
 def denoise_chunk(family: Family, storage: LocalStorage, request: GenerationRequest, *,
                   embeddings_ref: str, checkpoint_ref: str, until_step: int, preview_every: int,
-                  should_stop: Callable[[int], str], on_step: Callable[[int], None],
-                  on_preview: Callable[[str, int], None]) -> ChunkResult:
+                  should_stop: Callable[[int], str], on_preview: Callable[[str, int], None]) -> ChunkResult:
     """Restore, run steps up to `until_step`, save an atomic checkpoint.
 
     `should_stop(step)` is asked before every step and returns "" to go on or
-    the reason to stop; `on_step(step)` runs after each step (progress, lease).
+    the reason to stop (it also renews the lease and records progress).
     """
     state = load_state(family, storage, request, embeddings_ref, checkpoint_ref)
     start_step, started = state.step, time.perf_counter()
@@ -92,7 +91,6 @@ def denoise_chunk(family: Family, storage: LocalStorage, request: GenerationRequ
         if reason:
             return ChunkResult(state.step, "", reason, None)
         family.step(state)
-        on_step(state.step)
         if preview_every and state.step % preview_every == 0 and state.step < request.steps:
             key = f"previews/{request.job_id}/preview.png"
             storage.put(key, _png(family.preview(state)))

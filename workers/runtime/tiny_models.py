@@ -1,10 +1,23 @@
 """Tiny random-weight checkpoints, generated locally, for tests and the CPU demo.
 
-Nothing is downloaded: the weights are random (seeded) and the CLIP tokenizer's
-vocab.json / merges.txt are written here (the 256 byte-level symbols, their
-end-of-word forms, a few merges). The layout is the ordinary diffusers one
-(model_index.json, unet/, vae/, text_encoder/, tokenizer/, scheduler/), so the
-same loading code serves a real SD 1.5 checkpoint.
+Nothing is downloaded: the weights are random (seeded) and the tokenizers are
+built here. The CLIP tokenizer's vocab.json / merges.txt hold the 256 byte-level
+symbols, their end-of-word forms and a few merges. FLUX's T5 tokenizer is a real
+T5Tokenizer (transformers' tokenizers-backed Unigram, the class FLUX's
+`tokenizer_2` loads as) over a small vocabulary written here: the printable
+ASCII characters, with and without the word-start marker "▁", and a few words;
+anything else maps to <unk>, as with the real T5 vocabulary. No SentencePiece
+model file is needed.
+
+Each checkpoint is saved by its diffusers pipeline (StableDiffusionPipeline,
+StableDiffusionXLPipeline, FluxPipeline), so the layout is the ordinary
+diffusers one (model_index.json and one folder per component) and the same
+loading code serves a real checkpoint; the directory also loads as a normal
+diffusers pipeline, which the tests use for cross-checks.
+
+    tiny-sd     SD 1.5 style: CLIP, UNet, 4-channel VAE                 ~4.5 MB
+    tiny-sdxl   SDXL style: two CLIP encoders, text_time UNet           ~4.5 MB
+    tiny-flux   FLUX style: CLIP + T5, FluxTransformer2DModel, 16-ch VAE ~1.5 MB
 """
 from __future__ import annotations
 
@@ -55,11 +68,12 @@ def tiny_clip_vocab() -> tuple[dict[str, int], list[str]]:
     return vocab, [f"{a} {b}" for a, b in _MERGES]
 
 
-def _tiny_tokenizer(directory: Path) -> CLIPTokenizer:
+def _tiny_tokenizer(directory: Path, pad_token: str | None = None) -> CLIPTokenizer:
     """Write vocab.json + merges.txt to `directory` and return the matching CLIPTokenizer.
 
     The tokenizer's own files (tokenizer.json, tokenizer_config.json) are written
-    when the pipeline saves it.
+    when the pipeline saves it. `pad_token`: SDXL's second tokenizer pads with "!"
+    (OpenCLIP's choice); by default CLIP pads with its end-of-text token.
     """
     from transformers import CLIPTokenizer
 
@@ -67,7 +81,43 @@ def _tiny_tokenizer(directory: Path) -> CLIPTokenizer:
     vocab, merges = tiny_clip_vocab()
     (directory / "vocab.json").write_text(json.dumps(vocab, ensure_ascii=False))
     (directory / "merges.txt").write_text("#version: 0.2\n" + "\n".join(merges) + "\n")
-    return CLIPTokenizer(vocab=vocab, merges=list(_MERGES), model_max_length=MAX_TEXT_TOKENS)
+    extra = {"pad_token": pad_token} if pad_token else {}
+    return CLIPTokenizer(vocab=vocab, merges=list(_MERGES), model_max_length=MAX_TEXT_TOKENS, **extra)
+
+
+def _tiny_clip_text_encoder(tokenizer: CLIPTokenizer, projection_dim: int | None = None):
+    """A 2-layer CLIP text encoder of width 32; with `projection_dim`, the
+    CLIPTextModelWithProjection that SDXL uses as its second encoder (pooled, projected output)."""
+    from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection
+
+    config = CLIPTextConfig(
+        vocab_size=len(tokenizer), hidden_size=TEXT_HIDDEN, intermediate_size=64,
+        num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=MAX_TEXT_TOKENS,
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id, **({"projection_dim": projection_dim} if projection_dim else {}),
+    )
+    return CLIPTextModelWithProjection(config) if projection_dim else CLIPTextModel(config)
+
+
+def _tiny_vae(latent_channels: int = 4, **config):
+    """A 4-block AutoencoderKL (downsamples by 8, like SD's and FLUX's) of at most 32 channels."""
+    from diffusers import AutoencoderKL
+
+    return AutoencoderKL(
+        in_channels=3, out_channels=3, latent_channels=latent_channels, sample_size=64, layers_per_block=1,
+        block_out_channels=(16, 16, 32, 32), norm_num_groups=8,
+        down_block_types=("DownEncoderBlock2D",) * 4, up_block_types=("UpDecoderBlock2D",) * 4, **config,
+    )
+
+
+def _sd_scheduler():
+    """SD 1.5's and SDXL's scheduler settings (the registry's `scheduler` picks the class)."""
+    from diffusers import EulerDiscreteScheduler
+
+    return EulerDiscreteScheduler(
+        num_train_timesteps=1000, beta_start=0.00085, beta_end=0.012, beta_schedule="scaled_linear",
+        prediction_type="epsilon", timestep_spacing="leading", steps_offset=1,
+    )
 
 
 def make_tiny_unet(path: Path, seed: int = 0) -> Path:
@@ -78,9 +128,7 @@ def make_tiny_unet(path: Path, seed: int = 0) -> Path:
     model's geometry assume 8). Text encoder: a 2-layer CLIP of width 32.
     """
     import torch
-    from diffusers import (AutoencoderKL, EulerDiscreteScheduler, StableDiffusionPipeline,
-                           UNet2DConditionModel)
-    from transformers import CLIPTextConfig, CLIPTextModel
+    from diffusers import StableDiffusionPipeline, UNet2DConditionModel
 
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
@@ -100,35 +148,142 @@ def make_tiny_unet(path: Path, seed: int = 0) -> Path:
             up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"),
         )
         torch.manual_seed(seed + 1)
-        vae = AutoencoderKL(
-            in_channels=3, out_channels=3, latent_channels=4, sample_size=64, layers_per_block=1,
-            block_out_channels=(16, 16, 32, 32), norm_num_groups=8,
-            down_block_types=("DownEncoderBlock2D",) * 4, up_block_types=("UpDecoderBlock2D",) * 4,
-        )
+        vae = _tiny_vae()
         torch.manual_seed(seed + 2)
-        text_encoder = CLIPTextModel(CLIPTextConfig(
-            vocab_size=len(tokenizer), hidden_size=TEXT_HIDDEN, intermediate_size=64,
-            num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=MAX_TEXT_TOKENS,
-            bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-            pad_token_id=tokenizer.pad_token_id,
-        ))
-    # SD 1.5's scheduler settings.
-    scheduler = EulerDiscreteScheduler(
-        num_train_timesteps=1000, beta_start=0.00085, beta_end=0.012, beta_schedule="scaled_linear",
-        prediction_type="epsilon", timestep_spacing="leading", steps_offset=1,
-    )
+        text_encoder = _tiny_clip_text_encoder(tokenizer)
     # Saving through the pipeline writes model_index.json too, so the directory
     # also loads with StableDiffusionPipeline.from_pretrained (handy for cross-checks).
     pipeline = StableDiffusionPipeline(
-        vae=vae, text_encoder=text_encoder, tokenizer=tokenizer, unet=unet, scheduler=scheduler,
+        vae=vae, text_encoder=text_encoder, tokenizer=tokenizer, unet=unet, scheduler=_sd_scheduler(),
         safety_checker=None, feature_extractor=None, requires_safety_checker=False,
     )
     pipeline.save_pretrained(path)
     return path
 
 
+SDXL_TIME_EMBED_DIM = 8  # addition_time_embed_dim: each of the 6 time ids → 8 features
+
+
+def make_tiny_sdxl(path: Path, seed: int = 0) -> Path:
+    """Write a tiny SDXL-style diffusers checkpoint to `path`; deterministic given `seed`.
+
+    Two CLIP text encoders of width 32 (the second with a 32-wide projection,
+    like SDXL's OpenCLIP bigG), whose penultimate hidden states concatenate to
+    the UNet's cross-attention width 64. UNet: `addition_embed_type="text_time"`
+    with the pooled projection + 6 time ids (original size, crop, target size);
+    SDXL's arrangement in miniature: plain ResNets at the high resolution (32
+    channels), cross-attention with linear projections at the low one (48, so
+    the checkpoint stays under 5 MB). VAE as tiny-sd's, with SDXL's scaling factor.
+    """
+    import torch
+    from diffusers import StableDiffusionXLPipeline, UNet2DConditionModel
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    tokenizer = _tiny_tokenizer(path / "tokenizer")
+    tokenizer_2 = _tiny_tokenizer(path / "tokenizer_2", pad_token="!")
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        unet = UNet2DConditionModel(
+            sample_size=8, in_channels=4, out_channels=4, layers_per_block=1,
+            block_out_channels=(32, 48), norm_num_groups=16, cross_attention_dim=2 * TEXT_HIDDEN,
+            attention_head_dim=(4, 8), use_linear_projection=True, transformer_layers_per_block=(1, 1),
+            down_block_types=("DownBlock2D", "CrossAttnDownBlock2D"),
+            up_block_types=("CrossAttnUpBlock2D", "UpBlock2D"),
+            addition_embed_type="text_time", addition_time_embed_dim=SDXL_TIME_EMBED_DIM,
+            projection_class_embeddings_input_dim=6 * SDXL_TIME_EMBED_DIM + TEXT_HIDDEN,
+        )
+        torch.manual_seed(seed + 1)
+        vae = _tiny_vae(scaling_factor=0.13025)
+        torch.manual_seed(seed + 2)
+        text_encoder = _tiny_clip_text_encoder(tokenizer)
+        torch.manual_seed(seed + 3)
+        text_encoder_2 = _tiny_clip_text_encoder(tokenizer_2, projection_dim=TEXT_HIDDEN)
+    pipeline = StableDiffusionXLPipeline(
+        vae=vae, text_encoder=text_encoder, text_encoder_2=text_encoder_2, tokenizer=tokenizer,
+        tokenizer_2=tokenizer_2, unet=unet, scheduler=_sd_scheduler(),
+        force_zeros_for_empty_prompt=True, add_watermarker=False,
+    )
+    pipeline.save_pretrained(path)
+    return path
+
+
+T5_MAX_TOKENS = 512  # FLUX.1-dev's max_sequence_length (the cost model counts 512 text tokens)
+T5_HIDDEN = 32  # = the transformer's joint_attention_dim
+_T5_WORDS = ("the", "a", "an", "and", "of", "in", "on", "with", "photo", "cat", "dog", "red", "fox", "snow")
+
+
+def tiny_t5_vocab() -> list[tuple[str, float]]:
+    """(piece, log-probability) for a Unigram model in T5's order: <pad>, </s>, <unk>, then pieces.
+
+    Printable ASCII characters alone and with the word-start marker "▁", and a
+    few whole words (more likely, so the Unigram prefers them).
+    """
+    chars = [chr(c) for c in range(ord("!"), ord("~") + 1)]
+    return ([("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0), ("▁", -2.0)]
+            + [(c, -5.0) for c in chars] + [("▁" + c, -4.5) for c in chars]
+            + [("▁" + w, -3.0) for w in _T5_WORDS])
+
+
+def make_tiny_flux(path: Path, seed: int = 0) -> Path:
+    """Write a tiny FLUX-style diffusers checkpoint to `path`; deterministic given `seed`.
+
+    Transformer: FluxTransformer2DModel with 1 double-stream (MM-DiT) block and
+    2 single-stream blocks, 2 heads of 16 (rotary axes 4+6+6), guidance
+    embedding (FLUX.1-dev style), packed 2×2 latents of a 16-channel VAE
+    (64 input features). Text: CLIP (pooled, width 32) and a 2-layer T5 v1.1
+    encoder (gated-GELU, width 32) over 512 tokens. Scheduler:
+    FlowMatchEulerDiscreteScheduler with FLUX.1-dev's dynamic shifting.
+    """
+    import torch
+    from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
+    from transformers import T5Config, T5EncoderModel, T5Tokenizer
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    tokenizer = _tiny_tokenizer(path / "tokenizer")
+    tokenizer_2 = T5Tokenizer(vocab=tiny_t5_vocab(), extra_ids=0, model_max_length=T5_MAX_TOKENS)
+    latent_channels = 16
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        transformer = FluxTransformer2DModel(
+            patch_size=1, in_channels=latent_channels * 4, num_layers=1, num_single_layers=2,
+            attention_head_dim=16, num_attention_heads=2, joint_attention_dim=T5_HIDDEN,
+            pooled_projection_dim=TEXT_HIDDEN, guidance_embeds=True, axes_dims_rope=(4, 6, 6),
+        )
+        torch.manual_seed(seed + 1)
+        # FLUX's VAE: 16 channels, a shift as well as a scale, no quant convs.
+        vae = _tiny_vae(latent_channels, scaling_factor=0.3611, shift_factor=0.1159,
+                        use_quant_conv=False, use_post_quant_conv=False)
+        torch.manual_seed(seed + 2)
+        text_encoder = _tiny_clip_text_encoder(tokenizer)
+        torch.manual_seed(seed + 3)
+        text_encoder_2 = T5EncoderModel(T5Config(
+            vocab_size=len(tokenizer_2), d_model=T5_HIDDEN, d_kv=8, d_ff=64, num_layers=2, num_heads=4,
+            relative_attention_num_buckets=8, relative_attention_max_distance=32,
+            feed_forward_proj="gated-gelu", is_encoder_decoder=False, use_cache=False,
+            pad_token_id=tokenizer_2.pad_token_id, eos_token_id=tokenizer_2.eos_token_id,
+            decoder_start_token_id=tokenizer_2.pad_token_id,
+        ))
+    # FLUX.1-dev's scheduler config.
+    scheduler = FlowMatchEulerDiscreteScheduler(
+        num_train_timesteps=1000, shift=3.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=1.15,
+        base_image_seq_len=256, max_image_seq_len=4096,
+    )
+    pipeline = FluxPipeline(
+        scheduler=scheduler, vae=vae, text_encoder=text_encoder, tokenizer=tokenizer,
+        text_encoder_2=text_encoder_2, tokenizer_2=tokenizer_2, transformer=transformer,
+    )
+    pipeline.save_pretrained(path)
+    return path
+
+
 # name → writer; the directory name under models_dir is the registry's path tail.
-TINY_MODELS: dict[str, Callable[[Path, int], Path]] = {"tiny-sd": make_tiny_unet}
+TINY_MODELS: dict[str, Callable[[Path, int], Path]] = {
+    "tiny-sd": make_tiny_unet,
+    "tiny-sdxl": make_tiny_sdxl,
+    "tiny-flux": make_tiny_flux,
+}
 
 
 def ensure_tiny_models(models_dir: Path) -> list[Path]:

@@ -1,19 +1,29 @@
-"""The UNet family (SD 1.5 style): a diffusers checkpoint run one step at a time.
+"""The UNet family (SD 1.5 and SDXL): a diffusers checkpoint run one step at a time.
 
-The flow is StableDiffusionPipeline's, cut at step boundaries:
+The flow is StableDiffusionPipeline's (and StableDiffusionXLPipeline's), cut at
+step boundaries:
 
     1. encode      CLIP tokenizer + text encoder, prompt and negative in one batch
+                   (SDXL: both encoders, penultimate hidden states concatenated,
+                   plus the second encoder's pooled projection)
     2. prepare     seeded Gaussian latents × init_noise_sigma, scheduler set for `steps`
     3. step        classifier-free guidance (one UNet call on [uncond, cond]) + scheduler.step
-    4. checkpoint  latents, step, scheduler position, generator state (CPU)
-    5. preview     SD's 4×3 latent→RGB projection, no VAE
+                   (SDXL: pooled text embeds + time ids as `added_cond_kwargs`)
+    4. checkpoint  latents, step, scheduler position and multistep history, generator state (CPU)
+    5. preview     SD's (or SDXL's) 4×3 latent→RGB projection, no VAE
     6. decode      VAE decode of latents / scaling_factor
 
-SDXL (second text encoder, pooled embeddings, time ids) has marked hooks but is
-not implemented yet.
+A checkpoint directory with `text_encoder_2/` and `tokenizer_2/` is SDXL; one
+without is SD 1.5. The scheduler is the registry entry's `scheduler`
+(UNET_SCHEDULERS), configured from the checkpoint's scheduler/ folder.
+
+The helpers at the top (CheckpointMissingError, check_checkpoint_dir,
+scheduler_history / restore_scheduler_history, latent_preview) are shared with
+the other families (flux.py).
 """
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -24,40 +34,131 @@ from PIL import Image
 from genserver.registry import ModelSpec
 from workers.runtime.base import DenoiseState, Family, GenerationRequest
 
-CHECKPOINT_FORMAT = "unet/1"
+# unet/2 added the multistep history (`scheduler_history`, `scheduler_model_outputs`);
+# a unet/1 checkpoint has none, which is exact for the schedulers unet/1 knew (Euler, Euler a).
+CHECKPOINT_FORMAT = "unet/2"
+READABLE_FORMATS = ("unet/1", "unet/2")
 COMPONENTS = ("unet", "vae", "text_encoder", "tokenizer", "scheduler")
+SDXL_COMPONENTS = ("text_encoder_2", "tokenizer_2")
 
-# SD 1.5's latent → RGB projection (the community-standard factors, as used by
-# ComfyUI's previews). Rows: latent channels; columns: R, G, B in [-1, 1].
+# Latent → RGB projections (the community-standard factors, as used by ComfyUI's
+# previews). Rows: latent channels; columns: R, G, B in [-1, 1].
 SD15_LATENT_RGB = torch.tensor([
     [0.3512, 0.2297, 0.3227],
     [0.3250, 0.4974, 0.2350],
     [-0.2829, 0.1762, 0.2721],
     [-0.2120, -0.2616, -0.7177],
 ])
+SDXL_LATENT_RGB = torch.tensor([
+    [0.3651, 0.4232, 0.4341],
+    [-0.2533, -0.0042, 0.1068],
+    [0.1076, 0.1111, -0.0362],
+    [-0.3165, -0.2492, -0.2188],
+])
+SDXL_LATENT_RGB_BIAS = torch.tensor([0.1084, -0.0175, -0.0011])
 PREVIEW_MAX_SIDE = 64
+
+# Registry `scheduler` name → (diffusers class, settings on top of the checkpoint's
+# scheduler config). The checkpoint's config keeps the model's noise schedule
+# (betas, timestep spacing, prediction type); the class and these settings pick
+# the solver, as `Scheduler.from_config(pipe.scheduler.config, **settings)` would.
+UNET_SCHEDULERS: dict[str, tuple[str, dict[str, Any]]] = {
+    "euler": ("EulerDiscreteScheduler", {}),
+    "euler_a": ("EulerAncestralDiscreteScheduler", {}),
+    # DPM++ 2M: multistep, second order, data (x0) prediction; no Karras sigmas.
+    "dpmpp_2m": ("DPMSolverMultistepScheduler", {"algorithm_type": "dpmsolver++", "solver_order": 2}),
+}
 
 
 class CheckpointMissingError(FileNotFoundError):
     """The model's local checkpoint directory (or one of its components) is missing."""
 
 
-def _scheduler_class(name: str) -> type:
-    """The scheduler the registry names (`scheduler = ...`); its config comes from the checkpoint."""
-    from diffusers import EulerAncestralDiscreteScheduler, EulerDiscreteScheduler
+def check_checkpoint_dir(spec: ModelSpec, path: Path, components: tuple[str, ...]) -> None:
+    """Raise CheckpointMissingError naming the path, what lacks, and how to make the tiny models."""
+    missing = [c for c in components if not (path / c).is_dir()]
+    if missing:
+        what = "does not exist" if not path.is_dir() else "lacks " + ", ".join(f"{c}/" for c in missing)
+        raise CheckpointMissingError(
+            f"model {spec.name!r}: checkpoint directory {path} {what}. "
+            f"For the tiny test models run `python manage.py make_tiny_models`; otherwise "
+            f"put a diffusers checkpoint there (or fix `path` in the registry)."
+        )
 
-    # Both keep their position in `_step_index` (set from `begin_index`), which is
-    # what checkpoint/restore relies on. A multistep scheduler (DPM++) would also
-    # need its `model_outputs` history saved; add it here together with that.
-    classes = {"euler": EulerDiscreteScheduler, "euler_a": EulerAncestralDiscreteScheduler}
+
+def scheduler_class(family: str, table: dict[str, tuple[str, dict[str, Any]]],
+                    name: str) -> tuple[type, dict[str, Any]]:
+    """The diffusers class and settings that the registry's `scheduler = name` stands for."""
+    import diffusers
+
     try:
-        return classes[name]
+        class_name, settings = table[name]
     except KeyError:
-        raise ValueError(f"unet family: unknown scheduler {name!r}; known: {sorted(classes)}") from None
+        raise ValueError(f"{family} family: unknown scheduler {name!r}; known: {sorted(table)}") from None
+    return getattr(diffusers, class_name), dict(settings)
+
+
+# Multistep solvers (DPM-Solver++) keep a history besides their position: the last
+# `solver_order` converted model outputs (x0 predictions) and how many lower-order
+# warm-up steps they have taken. The position itself is `step_index`, restored
+# through the public `set_begin_index`. Single-step schedulers (Euler, Euler a,
+# flow-matching Euler) have no history; their dict is empty.
+def scheduler_history(scheduler: Any) -> dict[str, Any]:
+    """The multistep history as checkpoint entries: plain values + one stacked CPU tensor."""
+    if not hasattr(scheduler, "model_outputs"):
+        return {}
+    outputs = list(scheduler.model_outputs)
+    present = [o is not None for o in outputs]
+    first = next((o for o in outputs if o is not None), None)
+    stacked = (torch.stack([o if o is not None else torch.zeros_like(first) for o in outputs])
+               if first is not None else torch.zeros(0))
+    return {
+        # Plain values: which history slots are filled, the warm-up count.
+        "scheduler_history": {"model_outputs_present": present,
+                              "lower_order_nums": int(scheduler.lower_order_nums)},
+        # One tensor, [solver_order, *latent shape]; empty slots are zeros.
+        "scheduler_model_outputs": stacked.detach().to("cpu", copy=True),
+    }
+
+
+def restore_scheduler_history(scheduler: Any, data: dict[str, Any], device: str, dtype: torch.dtype) -> None:
+    """Put back what `scheduler_history` saved, on a scheduler fresh from set_timesteps."""
+    history = data.get("scheduler_history")
+    if not hasattr(scheduler, "model_outputs"):
+        if history:
+            raise ValueError(f"checkpoint has a multistep history, {type(scheduler).__name__} keeps none")
+        return
+    if history is None:
+        raise ValueError(f"checkpoint lacks the multistep history that {type(scheduler).__name__} needs")
+    present = history["model_outputs_present"]
+    if len(present) != len(scheduler.model_outputs):
+        raise ValueError(f"checkpoint's solver order {len(present)} != the scheduler's "
+                         f"{len(scheduler.model_outputs)}")
+    stacked = data["scheduler_model_outputs"]
+    scheduler.model_outputs = [stacked[i].to(device, dtype) if filled else None
+                               for i, filled in enumerate(present)]
+    scheduler.lower_order_nums = int(history["lower_order_nums"])
+
+
+def latent_preview(latent: torch.Tensor, factors: torch.Tensor, bias: torch.Tensor | None = None) -> Image.Image:
+    """A small RGB picture of one [C, h, w] latent by a linear C→3 projection, upscaled to ~64 px."""
+    latent = latent.detach().to("cpu", torch.float32)
+    rgb = torch.einsum("chw,cr->rhw", latent[:factors.shape[0]], factors)
+    if bias is not None:
+        rgb = rgb + bias[:, None, None]
+    rgb = ((rgb + 1) / 2).clamp(0, 1)
+    image = Image.fromarray((rgb.permute(1, 2, 0).numpy() * 255).round().astype(np.uint8))
+    h, w = latent.shape[-2:]
+    scale = max(1, PREVIEW_MAX_SIDE // max(h, w))
+    return image.resize((w * scale, h * scale), Image.NEAREST) if scale > 1 else image
+
+
+def module_bytes(*modules: torch.nn.Module) -> int:
+    return sum(t.numel() * t.element_size() for m in modules for t in [*m.parameters(), *m.buffers()])
 
 
 class UNetFamily(Family):
-    """An SD-1.5-style model: CLIP text encoder, UNet2DConditionModel, AutoencoderKL.
+    """An SD-1.5- or SDXL-style model: CLIP text encoder(s), UNet2DConditionModel, AutoencoderKL.
 
     Weights load once, at construction, with `local_files_only=True`. Modules live
     on `device`; embeddings, checkpoints and the random generator stay on the CPU,
@@ -68,11 +169,14 @@ class UNetFamily(Family):
         super().__init__(spec, device, data_dir)
         from diffusers import AutoencoderKL, UNet2DConditionModel
         from diffusers.utils import is_accelerate_available
-        from transformers import CLIPTextModel, CLIPTokenizer
+        from transformers import CLIPTextModel, CLIPTextModelWithProjection, CLIPTokenizer
 
         self.path = spec.resolved_path(data_dir)
-        self._check_checkpoint()
-        self.scheduler_class = _scheduler_class(spec.scheduler)  # fail before loading weights
+        # SDXL if either second-encoder folder is there (then both must be).
+        self.is_sdxl = any((self.path / c).exists() for c in SDXL_COMPONENTS)
+        check_checkpoint_dir(spec, self.path, COMPONENTS + (SDXL_COMPONENTS if self.is_sdxl else ()))
+        # Fail before loading weights.
+        self.scheduler_class, self.scheduler_settings = scheduler_class("unet", UNET_SCHEDULERS, spec.scheduler)
         # float32 everywhere: the tiny model is cheap anyway, and exact resumption
         # is easier to reason about. (Real SD on a GPU would want fp16/bf16 here.)
         self.dtype = torch.float32
@@ -85,21 +189,41 @@ class UNetFamily(Family):
                                                           dtype=self.dtype)
         self.unet = UNet2DConditionModel.from_pretrained(self.path / "unet", **diffusers_load)
         self.vae = AutoencoderKL.from_pretrained(self.path / "vae", **diffusers_load)
-        # SDXL hook: load tokenizer_2 / text_encoder_2 (CLIPTextModelWithProjection) here.
-        for module in (self.text_encoder, self.unet, self.vae):
+        self.tokenizer_2 = self.text_encoder_2 = None
+        if self.is_sdxl:
+            # SDXL: a second CLIP (OpenCLIP bigG) whose projected pooled output and the
+            # 6 time ids make the UNet's `text_time` added conditioning.
+            self.tokenizer_2 = CLIPTokenizer.from_pretrained(self.path / "tokenizer_2", local_files_only=True)
+            self.text_encoder_2 = CLIPTextModelWithProjection.from_pretrained(
+                self.path / "text_encoder_2", local_files_only=True, dtype=self.dtype)
+            self._check_sdxl_dims()
+        # SDXL zeroes an empty negative prompt (StableDiffusionXLPipeline's
+        # `force_zeros_for_empty_prompt`, stored in model_index.json) instead of encoding "".
+        self.force_zeros_for_empty_prompt = self.is_sdxl and self._model_index().get(
+            "force_zeros_for_empty_prompt", True)
+        for module in self._modules():
             module.to(self.device).eval().requires_grad_(False)
         self.vae_scale_factor = 2 ** (len(self.vae.config.block_out_channels) - 1)
         self.latent_channels = self.unet.config.in_channels
 
-    def _check_checkpoint(self) -> None:
-        missing = [c for c in COMPONENTS if not (self.path / c).is_dir()]
-        if missing:
-            what = "does not exist" if not self.path.is_dir() else "lacks " + ", ".join(f"{c}/" for c in missing)
-            raise CheckpointMissingError(
-                f"model {self.spec.name!r}: checkpoint directory {self.path} {what}. "
-                f"For the tiny test models run `python manage.py make_tiny_models`; otherwise "
-                f"put a diffusers checkpoint there (or fix `path` in the registry)."
-            )
+    def _modules(self) -> list[torch.nn.Module]:
+        return [m for m in (self.text_encoder, self.text_encoder_2, self.unet, self.vae) if m is not None]
+
+    def _model_index(self) -> dict[str, Any]:
+        index = self.path / "model_index.json"
+        return json.loads(index.read_text()) if index.is_file() else {}
+
+    def _check_sdxl_dims(self) -> None:
+        """The UNet's added embedding must take 6 time ids + the pooled projection (as the pipeline checks)."""
+        config = self.unet.config
+        if config.addition_embed_type != "text_time":
+            raise ValueError(f"model {self.spec.name!r}: has text_encoder_2/ but its UNet's addition_embed_type "
+                             f"is {config.addition_embed_type!r}, not 'text_time' (SDXL)")
+        passed = config.addition_time_embed_dim * 6 + self.text_encoder_2.config.projection_dim
+        expected = self.unet.add_embedding.linear_1.in_features
+        if passed != expected:
+            raise ValueError(f"model {self.spec.name!r}: UNet expects an added embedding of {expected}, "
+                             f"6 time ids + pooled text give {passed}")
 
     # 1. encode ---------------------------------------------------------------
 
@@ -107,22 +231,41 @@ class UNetFamily(Family):
     def encode(self, prompts: list[tuple[str, str]]) -> list[dict[str, Any]]:
         if not prompts:
             return []
-        # One text-encoder call for all prompts and negatives: [p0..pn-1, n0..nn-1].
+        # One text-encoder call (per encoder) for all prompts and negatives: [p0..pn-1, n0..nn-1].
         texts = [p for p, _ in prompts] + [n for _, n in prompts]
-        embeds = self._encode_texts(texts).to("cpu")
+        embeds, pooled = self._encode_texts(texts)
+        embeds = embeds.to("cpu")
+        pooled = pooled.to("cpu") if pooled is not None else None
         n = len(prompts)
-        return [{"prompt_embeds": embeds[i:i + 1].clone(), "negative_embeds": embeds[n + i:n + i + 1].clone()}
-                for i in range(n)]
+        out = []
+        for i, (_, negative) in enumerate(prompts):
+            item = {"prompt_embeds": embeds[i:i + 1].clone(), "negative_embeds": embeds[n + i:n + i + 1].clone()}
+            if pooled is not None:
+                item["pooled_embeds"] = pooled[i:i + 1].clone()
+                item["negative_pooled_embeds"] = pooled[n + i:n + i + 1].clone()
+                if self.force_zeros_for_empty_prompt and not negative:
+                    item["negative_embeds"] = torch.zeros_like(item["negative_embeds"])
+                    item["negative_pooled_embeds"] = torch.zeros_like(item["negative_pooled_embeds"])
+            out.append(item)
+        return out
 
-    def _encode_texts(self, texts: list[str]) -> torch.Tensor:
-        """[len(texts), 77, D] last hidden states, padded/truncated like SD 1.5."""
-        tokens = self.tokenizer(texts, padding="max_length", max_length=self.tokenizer.model_max_length,
-                                truncation=True, return_tensors="pt")
-        # SD 1.5 passes no attention mask (padding tokens are attended to, as in training).
-        hidden = self.text_encoder(tokens.input_ids.to(self.device))[0]
-        # SDXL hook: run text_encoder_2 as well, concatenate the penultimate hidden
-        # states along the feature axis, and return its pooled output too.
-        return hidden
+    def _encode_texts(self, texts: list[str]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """([len(texts), 77, D] hidden states, [len(texts), P] pooled or None), like the pipelines."""
+        if not self.is_sdxl:
+            tokens = self._tokens(self.tokenizer, texts)
+            # SD 1.5: last hidden states; no attention mask (padding is attended to, as in training).
+            return self.text_encoder(tokens)[0], None
+        # SDXL: the penultimate hidden states of both encoders, side by side; the
+        # pooled projection of the second (its output [0] is the 2-D `text_embeds`).
+        hidden = []
+        for tokenizer, encoder in ((self.tokenizer, self.text_encoder), (self.tokenizer_2, self.text_encoder_2)):
+            output = encoder(self._tokens(tokenizer, texts), output_hidden_states=True)
+            hidden.append(output.hidden_states[-2])
+        return torch.cat(hidden, dim=-1), output[0]
+
+    def _tokens(self, tokenizer: Any, texts: list[str]) -> torch.Tensor:
+        return tokenizer(texts, padding="max_length", max_length=tokenizer.model_max_length, truncation=True,
+                         return_tensors="pt").input_ids.to(self.device)
 
     # 2. prepare --------------------------------------------------------------
 
@@ -143,7 +286,8 @@ class UNetFamily(Family):
                             scheduler=scheduler, generator=generator)
 
     def _new_scheduler(self, steps: int, begin_index: int) -> Any:
-        scheduler = self.scheduler_class.from_pretrained(self.path / "scheduler", local_files_only=True)
+        scheduler = self.scheduler_class.from_pretrained(self.path / "scheduler", local_files_only=True,
+                                                         **self.scheduler_settings)
         scheduler.set_timesteps(steps, device=self.device)
         # set_timesteps clears the position; the first scale_model_input/step then
         # takes it from begin_index (public API, unlike assigning _step_index).
@@ -155,19 +299,34 @@ class UNetFamily(Family):
     def _cfg(self, request: GenerationRequest) -> bool:
         return request.guidance_scale > 1.0
 
-    def _conditioning(self, state: DenoiseState) -> torch.Tensor:
-        """encoder_hidden_states for the UNet batch, on the device (built once per state)."""
-        cached = state.extra.get("encoder_hidden_states")
+    def _conditioning(self, state: DenoiseState) -> tuple[torch.Tensor, dict[str, torch.Tensor] | None]:
+        """(encoder_hidden_states, added_cond_kwargs) for the UNet batch, on the device (built once per state)."""
+        cached = state.extra.get("conditioning")
         if cached is not None:
             return cached
-        n = state.request.num_outputs
-        cond = state.embeddings["prompt_embeds"].to(self.device, self.dtype).expand(n, -1, -1)
-        if self._cfg(state.request):
-            uncond = state.embeddings["negative_embeds"].to(self.device, self.dtype).expand(n, -1, -1)
-            cond = torch.cat([uncond, cond])
-        # SDXL hook: also build added_cond_kwargs {"text_embeds", "time_ids"} here.
-        state.extra["encoder_hidden_states"] = cond
-        return cond
+        request, n = state.request, state.request.num_outputs
+        cfg = self._cfg(request)
+
+        def batch(positive: str, negative: str) -> torch.Tensor:
+            """[uncond × n, cond × n] with CFG (the pipelines' order), else [cond × n]."""
+            cond = state.embeddings[positive].to(self.device, self.dtype)
+            cond = cond.expand(n, *cond.shape[1:])
+            if not cfg:
+                return cond
+            uncond = state.embeddings[negative].to(self.device, self.dtype)
+            return torch.cat([uncond.expand(n, *uncond.shape[1:]), cond])
+
+        hidden = batch("prompt_embeds", "negative_embeds")
+        added = None
+        if self.is_sdxl:
+            # SDXL's micro-conditioning: original size, crop top-left, target size, in
+            # pixels, (h, w) order; the pipeline's defaults (no crop, original = target).
+            h, w = request.height, request.width
+            time_ids = torch.tensor([[h, w, 0, 0, h, w]], dtype=self.dtype, device=self.device)
+            added = {"text_embeds": batch("pooled_embeds", "negative_pooled_embeds"),
+                     "time_ids": time_ids.repeat(hidden.shape[0], 1)}
+        state.extra["conditioning"] = (hidden, added)
+        return hidden, added
 
     @torch.no_grad()  # not inference_mode: state.latents outlives the call and may be touched later
     def step(self, state: DenoiseState) -> None:
@@ -176,18 +335,23 @@ class UNetFamily(Family):
         scheduler, request = state.scheduler, state.request
         t = scheduler.timesteps[state.step]
         cfg = self._cfg(request)
+        hidden, added = self._conditioning(state)
         # Classifier-free guidance: [uncond, cond] in one UNet call.
         model_input = torch.cat([state.latents] * 2) if cfg else state.latents
         model_input = scheduler.scale_model_input(model_input, t)
-        noise_pred = self.unet(model_input, t, encoder_hidden_states=self._conditioning(state)).sample
+        noise_pred = self.unet(model_input, t, encoder_hidden_states=hidden, added_cond_kwargs=added).sample
         if cfg:
             uncond, cond = noise_pred.chunk(2)
             noise_pred = uncond + request.guidance_scale * (cond - uncond)
         out = scheduler.step(noise_pred, t, state.latents, generator=state.generator)
         state.latents = out.prev_sample
         # Kept for the preview only (a far better picture than the noisy latents);
-        # not part of the checkpoint.
-        state.extra["denoised"] = out.pred_original_sample
+        # not part of the checkpoint. Euler's pred_original_sample; DPM++'s newest
+        # history entry is the same thing (its data prediction).
+        denoised = getattr(out, "pred_original_sample", None)
+        if denoised is None and getattr(scheduler, "model_outputs", None):
+            denoised = scheduler.model_outputs[-1]
+        state.extra["denoised"] = denoised
         state.step += 1
 
     # 4. checkpoint / restore -------------------------------------------------
@@ -195,7 +359,7 @@ class UNetFamily(Family):
     def checkpoint(self, state: DenoiseState) -> dict[str, Any]:
         scheduler = state.scheduler
         # Position: the index the next step will use. None until the first
-        # scale_model_input, in which case begin_index says where it will start.
+        # scale_model_input/step, in which case begin_index says where it will start.
         index = scheduler.step_index if scheduler.step_index is not None else scheduler.begin_index
         return {
             "format": CHECKPOINT_FORMAT,
@@ -205,12 +369,13 @@ class UNetFamily(Family):
             "latents": state.latents.detach().to("cpu", copy=True),
             "scheduler_class": type(scheduler).__name__,
             "scheduler_step_index": int(index),
+            **scheduler_history(scheduler),
             "generator_state": state.generator.get_state().clone(),
         }
 
     def restore(self, request: GenerationRequest, embeddings: dict[str, Any],
                 data: dict[str, Any]) -> DenoiseState:
-        if data.get("format") != CHECKPOINT_FORMAT:
+        if data.get("format") not in READABLE_FORMATS:
             raise ValueError(f"not a {CHECKPOINT_FORMAT} checkpoint (format={data.get('format')!r})")
         if data["steps"] != request.steps:
             raise ValueError(f"checkpoint was made for {data['steps']} steps, the request has {request.steps}")
@@ -218,6 +383,7 @@ class UNetFamily(Family):
         if type(scheduler).__name__ != data["scheduler_class"]:
             raise ValueError(f"checkpoint used {data['scheduler_class']}, the model now uses "
                              f"{type(scheduler).__name__}")
+        restore_scheduler_history(scheduler, data, self.device, self.dtype)
         generator = torch.Generator("cpu")
         generator.set_state(data["generator_state"])
         latents = data["latents"].to(self.device, self.dtype)
@@ -228,19 +394,21 @@ class UNetFamily(Family):
 
     @torch.no_grad()
     def preview(self, state: DenoiseState) -> Image.Image:
+        scheduler = state.scheduler
         denoised = state.extra.get("denoised")
+        if denoised is None and getattr(scheduler, "model_outputs", None) and scheduler.model_outputs[-1] is not None:
+            denoised = scheduler.model_outputs[-1]  # restored DPM++ history: its last x0 prediction
         if denoised is None:
             # Before the first step (or right after a restore) only the noisy
-            # latents exist; undo the sigma scaling so they stay in range.
-            sigma = float(state.scheduler.sigmas[min(state.step, len(state.scheduler.sigmas) - 1)])
-            denoised = state.latents / (sigma ** 2 + 1) ** 0.5
-        latent = denoised[0].detach().to("cpu", torch.float32)  # [C, h, w], first output
-        rgb = torch.einsum("chw,cr->rhw", latent[:4], SD15_LATENT_RGB)
-        rgb = ((rgb + 1) / 2).clamp(0, 1)
-        image = Image.fromarray((rgb.permute(1, 2, 0).numpy() * 255).round().astype(np.uint8))
-        h, w = latent.shape[-2:]
-        scale = max(1, PREVIEW_MAX_SIDE // max(h, w))
-        return image.resize((w * scale, h * scale), Image.NEAREST) if scale > 1 else image
+            # latents exist. Euler-type schedulers scale them by ~sqrt(σ² + 1); undo
+            # that so they stay in range. DPM++ keeps them at unit variance already.
+            denoised = state.latents
+            if scheduler.init_noise_sigma > 1:
+                sigma = float(scheduler.sigmas[min(state.step, len(scheduler.sigmas) - 1)])
+                denoised = denoised / (sigma ** 2 + 1) ** 0.5
+        if self.is_sdxl:
+            return latent_preview(denoised[0], SDXL_LATENT_RGB, SDXL_LATENT_RGB_BIAS)
+        return latent_preview(denoised[0], SD15_LATENT_RGB)  # first output
 
     # 6. decode ---------------------------------------------------------------
 
@@ -253,6 +421,4 @@ class UNetFamily(Family):
         return [Image.fromarray(array) for array in arrays]  # uint8 [H, W, 3] → RGB
 
     def memory_bytes(self) -> int:
-        modules = (self.text_encoder, self.unet, self.vae)
-        return sum(t.numel() * t.element_size()
-                   for m in modules for t in [*m.parameters(), *m.buffers()])
+        return module_bytes(*self._modules())

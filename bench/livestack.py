@@ -1,0 +1,132 @@
+"""Start the real service (`python -m workers.stack`, as `make up` does) for a benchmark, and stop it after.
+
+Everything goes in a private data directory; the broker is the bundled Redis
+unless REDIS_URL is set (then a private database number on it is used).
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@dataclass
+class LiveStack:
+    url: str
+    token: str
+    env: dict[str, str]
+    process: subprocess.Popen
+
+    def request(self, method: str, path: str, body: Any = None, timeout: float = 30) -> tuple[int, Any, dict]:
+        data = json.dumps(body).encode() if body is not None else None
+        req = urllib.request.Request(self.url + path, data=data, method=method, headers={
+            "Authorization": f"Token {self.token}", "Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=timeout) as resp:
+                return resp.status, json.loads(resp.read() or b"null"), dict(resp.headers)
+        except urllib.error.HTTPError as err:
+            return err.code, json.loads(err.read() or b"null"), dict(err.headers)
+
+    def all_jobs(self) -> list[dict]:
+        jobs, offset = [], 0
+        while True:
+            _, page, _ = self.request("GET", f"/api/v1/jobs/?limit=500&offset={offset}")
+            jobs += page["results"]
+            offset += len(page["results"])
+            if not page["next"]:
+                return jobs
+
+
+def broker_url() -> tuple[str, dict[str, str]]:
+    """(the Redis URL the stack will use, the env that makes it so): a private database on
+    REDIS_URL's server when it is set (flushed first), else a bundled server on a free port."""
+    given = os.environ.get("REDIS_URL")
+    if given:
+        import redis
+
+        url = re.sub(r"/\d*$", "", given.rstrip("/")) + "/11"
+        redis.Redis.from_url(url).flushdb()
+        return url, {"REDIS_URL": url}
+    port = free_port()
+    return f"redis://127.0.0.1:{port}/0", {"GENSERVER_EMBEDDED_REDIS_PORT": str(port)}
+
+
+@contextlib.contextmanager
+def live_stack(env: dict[str, str], boot_timeout: float = 180) -> Iterator[LiveStack]:
+    """The stack with `env` on top of a private data dir, ports and broker.
+
+    Once it is up, this process's REDIS_URL points at the same broker (for
+    Celery probes and event receivers) and Django is set up with it.
+    """
+    data_dir = tempfile.mkdtemp(prefix="genserver-bench-")
+    port, flower = free_port(), free_port()
+    redis_url, redis_env = broker_url()
+    full = os.environ.copy() | {"GENSERVER_DATA_DIR": data_dir, "GENSERVER_PORT": str(port),
+                                "FLOWER_PORT": str(flower), "GENSERVER_LOG_LEVEL": "WARNING",
+                                "PYTHONUNBUFFERED": "1"} | redis_env | env
+    if "REDIS_URL" not in redis_env:
+        full.pop("REDIS_URL", None)
+    full.pop("DATABASE_URL", None)  # a private SQLite file: the benchmark never touches a shared database
+    log = open(Path(data_dir) / "stack.log", "w")
+    proc = subprocess.Popen([sys.executable, "-m", "workers.stack"], cwd=ROOT, env=full, stdout=subprocess.PIPE,
+                            stderr=log, text=True, start_new_session=True)
+    token = ""
+    deadline = time.monotonic() + boot_timeout
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        match = re.search(r"Token\s+([0-9a-f]{40})", line)
+        if match:
+            token = match.group(1)
+        if "Ctrl-C stops everything" in line or time.monotonic() > deadline:
+            break
+    if not token:
+        os.killpg(proc.pid, signal.SIGTERM)
+        raise RuntimeError(f"the stack did not come up; see {data_dir}/stack.log")
+    stack = LiveStack(f"http://127.0.0.1:{port}", token, full, proc)
+    os.environ.update({k: full[k] for k in ("GENSERVER_DATA_DIR", "GENSERVER_REGISTRY", "GENSERVER_TIME_SCALE")
+                       if k in full} | {"REDIS_URL": redis_url})
+    os.environ.setdefault("DJANGO_SETTINGS_MODULE", "genserver.settings")
+    import django
+
+    django.setup()
+    wait_for_workers(stack)
+    try:
+        yield stack
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=40)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+        log.close()
+
+
+def wait_for_workers(stack: LiveStack, timeout: float = 120) -> None:
+    """Until every class has as many live workers as the layout gives it."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        _, queues, _ = stack.request("GET", "/api/v1/queues/")
+        if all(set(q["workers"]) <= set(q.get("live_workers", [])) for q in queues):
+            return
+        time.sleep(0.5)
+    raise RuntimeError("workers did not come up in time")

@@ -1,0 +1,131 @@
+"""Dispatch overhead of the live stack against a bare Celery round trip on the same Redis.
+
+    python -m bench.overhead [--samples 30] [--clients 8] [--requests 200]
+
+Starts the real stack (simulated backend, 4 CPU "cards") and measures, in one run:
+1. the bare Celery round trip: publish a no-op task to an idle card's queue,
+   the task pushes its start time back, the sender BLPOPs it;
+2. dispatch: submit → first denoising step of a 2-step job on an idle stack
+   (API, admission, encode task, chunk task: two Celery hops and the DB writes);
+3. the gap between consecutive chunks of one job (one step per chunk; the
+   gap is wall time minus the simulated step time, spread over the chunk boundaries);
+4. the API's submit throughput and latency under concurrent clients.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from datetime import datetime
+from typing import Sequence
+
+from bench.livestack import LiveStack, live_stack
+from genserver.scheduling.simulator import pct
+
+SCALE = 0.02
+
+
+def _ts(text: str) -> float:
+    return datetime.fromisoformat(text.replace("Z", "+00:00")).timestamp()
+
+
+def bare_round_trip(samples: int) -> list[float]:
+    from genserver.celery import app
+    from genserver.redis_client import client
+
+    times = []
+    for _ in range(samples):
+        key = f"genserver:probe:{uuid.uuid4()}"
+        sent = time.time()
+        app.send_task("tasks.probe.ping", args=[key, sent], queue="short", priority=0)
+        client().blpop([key], timeout=10)
+        times.append(time.time() - sent)
+    return times
+
+
+def wait_terminal(stack: LiveStack, job_id: str, timeout: float = 120) -> dict:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        _, job, _ = stack.request("GET", f"/api/v1/jobs/{job_id}/")
+        if job["status"] in ("succeeded", "failed", "cancelled"):
+            return job
+        time.sleep(0.05)
+    raise RuntimeError(f"job {job_id} did not finish")
+
+
+def dispatch_latency(stack: LiveStack, samples: int) -> list[float]:
+    """Submit → first step, one job at a time on an idle stack (a 2-step, 0.2 s job)."""
+    out = []
+    for i in range(samples):
+        status, job, _ = stack.request("POST", "/api/v1/jobs/", {
+            "model": "seed-image", "prompt": f"probe {i}", "steps": 2})
+        assert status == 201, job
+        job = wait_terminal(stack, job["id"])
+        out.append(_ts(job["started_at"]) - _ts(job["created_at"]))
+    return out
+
+
+def chunk_gap(stack: LiveStack) -> tuple[float, int]:
+    """(mean seconds between consecutive chunks of one job, chunk boundaries measured)."""
+    status, job, _ = stack.request("POST", "/api/v1/jobs/", {
+        "model": "seed-video", "prompt": "gap probe", "steps": 50})
+    assert status == 201, job
+    job = wait_terminal(stack, job["id"], timeout=300)
+    from genserver.jobs.models import Job
+
+    row = Job.objects.get(pk=job["id"])
+    chunks = -(-row.steps // row.chunk_steps)
+    stepping = row.estimated_seconds * row.clock_scale * (row.steps - 1) / row.steps  # first step → last step
+    # started_at is the first step's end; finished_at follows the last step, the decode hop and decode.
+    span = _ts(job["finished_at"]) - _ts(job["started_at"])
+    return (span - stepping) / max(1, chunks - 1), chunks - 1
+
+
+def submit_load(stack: LiveStack, clients: int, requests: int) -> tuple[list[float], dict[int, int], float]:
+    def one(i: int) -> tuple[float, int]:
+        t = time.perf_counter()
+        status, _, _ = stack.request("POST", "/api/v1/jobs/", {
+            "model": "seed-image", "prompt": f"load {i}", "steps": 2})
+        return time.perf_counter() - t, status
+
+    started = time.perf_counter()
+    with ThreadPoolExecutor(clients) as pool:
+        results = list(pool.map(one, range(requests)))
+    elapsed = time.perf_counter() - started
+    codes: dict[int, int] = {}
+    for _, code in results:
+        codes[code] = codes.get(code, 0) + 1
+    return [r[0] for r in results], codes, requests / elapsed
+
+
+def ms(xs: Sequence[float], q: float) -> str:
+    return f"{pct(xs, q) * 1000:7.1f} ms"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--samples", type=int, default=30)
+    parser.add_argument("--clients", type=int, default=8)
+    parser.add_argument("--requests", type=int, default=200)
+    args = parser.parse_args(argv)
+    env = {"GENSERVER_TIME_SCALE": str(SCALE), "GENSERVER_CPU_WORKERS": "4",
+           "GENSERVER_REGISTRY": "genserver/registry.toml:bench/seed-registry.toml"}
+    with live_stack(env) as stack:
+        bare = bare_round_trip(args.samples)
+        dispatch = dispatch_latency(stack, args.samples)
+        gap, boundaries = chunk_gap(stack)
+        latencies, codes, throughput = submit_load(stack, args.clients, args.requests)
+    print(f"bare Celery round trip     P50 {ms(bare, .5)}  P99 {ms(bare, .99)}  (n={len(bare)})")
+    print(f"submit → first step        P50 {ms(dispatch, .5)}  P99 {ms(dispatch, .99)}  (n={len(dispatch)})"
+          f"  = {pct(dispatch, .5) / pct(bare, .5):.2f} × bare at P50")
+    print(f"gap between chunks         mean {gap * 1000:7.1f} ms over {boundaries} boundaries")
+    print(f"submit under {args.clients} clients     P50 {ms(latencies, .5)}  P99 {ms(latencies, .99)}  "
+          f"{throughput:.0f} req/s  codes {codes}")
+    print(f"(mean bare {statistics.mean(bare) * 1000:.1f} ms, mean dispatch {statistics.mean(dispatch) * 1000:.1f} ms)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
