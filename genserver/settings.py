@@ -198,6 +198,9 @@ REGISTRY_PATH = env_str("GENSERVER_REGISTRY", str(BASE_DIR / "genserver" / "regi
 TIME_SCALE = env_float("GENSERVER_TIME_SCALE", 1.0)
 # Dense throughput a step actually reaches on the serving card (TFLOP/s).
 EFFECTIVE_TFLOPS = env_float("GENSERVER_EFFECTIVE_TFLOPS", 450.0)
+# Queued jobs of one model whose prompts share one text-encoder call. Bigger
+# batches amortise the encoder; each job waits for the batch's encoding.
+ENCODE_BATCH = env_int("GENSERVER_ENCODE_BATCH", 8)
 # Byte budget of the per-worker model cache (least recently used out first).
 MODEL_CACHE_BYTES = env_int("GENSERVER_MODEL_CACHE_BYTES", 40 * 1024**3)
 
@@ -228,3 +231,25 @@ CPU_WORKERS = env_int("GENSERVER_CPU_WORKERS", 2)
 LEASE_SECONDS = env_float("GENSERVER_LEASE_SECONDS", 60.0)
 # A job whose run failed or was lost this many times ends `failed`.
 MAX_ATTEMPTS = env_int("GENSERVER_MAX_ATTEMPTS", 3)
+
+# --- Limits and retention ------------------------------------------------------------
+# Per user: jobs not yet finished (queued or running) at once; one more is refused
+# with 429 and a Retry-After. 0 turns the limit off.
+MAX_JOBS_IN_FLIGHT = env_int("GENSERVER_MAX_JOBS_IN_FLIGHT", 20)
+# Per user: accepted submits in any SUBMIT_RATE_WINDOW seconds; one more is refused
+# with 429 and a Retry-After (when the oldest of them leaves the window). 0 = off.
+SUBMIT_RATE_LIMIT = env_int("GENSERVER_SUBMIT_RATE_LIMIT", 60)
+SUBMIT_RATE_WINDOW = env_float("GENSERVER_SUBMIT_RATE_WINDOW", 60.0)
+# Outputs and previews of finished jobs are deleted this long after the job ends
+# (the job stays, with stage "expired" and no outputs). 0 keeps them forever.
+OUTPUT_TTL_SECONDS = env_float("GENSERVER_OUTPUT_TTL", 7 * 24 * 3600.0)
+# Prompt embeddings (a cache shared by jobs with the same prompts) that no active
+# job uses are deleted after this long unused. Checkpoints go when a job ends.
+EMBEDDINGS_TTL_SECONDS = env_float("GENSERVER_EMBEDDINGS_TTL", 3600.0)
+# How often beat runs the retention sweep (seconds).
+RETENTION_INTERVAL_SECONDS = env_float("GENSERVER_RETENTION_INTERVAL", 300.0)
+CELERY_BEAT_SCHEDULE["retention"] = {
+    "task": "tasks.maintenance.retain",
+    "schedule": RETENTION_INTERVAL_SECONDS,
+    "options": {"queue": "control", "expires": RETENTION_INTERVAL_SECONDS},
+}

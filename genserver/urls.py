@@ -1,13 +1,9 @@
-"""Top-level routes: the API, its schema and docs, the admin."""
+"""Top-level routes: the API, its schema and docs, the admin, the health probes."""
 from django.contrib import admin
-from django.http import JsonResponse
 from django.urls import include, path
 from drf_spectacular.views import SpectacularAPIView, SpectacularRedocView, SpectacularSwaggerView
 
-
-def healthz(request):
-    return JsonResponse({"status": "ok"})
-
+from genserver import health
 
 urlpatterns = [
     path("api/v1/", include("genserver.jobs.api.urls")),
@@ -15,5 +11,6 @@ urlpatterns = [
     path("api/docs/", SpectacularSwaggerView.as_view(url_name="schema"), name="docs"),
     path("api/redoc/", SpectacularRedocView.as_view(url_name="schema"), name="redoc"),
     path("admin/", admin.site.urls),
-    path("healthz", healthz, name="healthz"),
+    path("healthz", health.healthz, name="healthz"),
+    path("readyz", health.readyz, name="readyz"),
 ]

@@ -1,18 +1,40 @@
-"""Stage 2: one denoise chunk (queue = the job's class); publishes the next chunk or the decode."""
+"""Stage 2: denoise chunks (queue = the job's class); publishes the next chunk or the decode.
+
+At each chunk boundary the worker yields its card only when it has to: if a
+message it would take before this job's continuation is waiting on its
+queues (shorter work, or an earlier message at the same priority), it
+re-publishes the continuation and returns to the broker; otherwise it runs
+the next chunk in-process from the state in memory, skipping the broker hop
+and the checkpoint restore. The order of work is the same as re-publishing
+every chunk; the checkpoint is still written at every boundary, so a crash
+loses at most one chunk. A task never runs past half the visibility timeout.
+"""
 from __future__ import annotations
 
+import os
 import time
 import traceback
+from concurrent.futures import ThreadPoolExecutor
 
 from celery import shared_task
+from django.conf import settings
 
-from genserver.jobs import services
+from genserver import policy
+from genserver.jobs import selectors, services
 from genserver.redis_client import CANCEL_KEY, client as redis_client
+from genserver.scheduling.classes import priority_for
 from workers.runtime import stages
 
 from .common import family_of, request_of, storage, worker_id
 
 HEARTBEAT_EVERY_SECONDS = 1.0  # lease renewal + progress write; per step would hammer the DB on fast models
+_deleter = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-gc")
+
+
+def _consumed_queues(job_queue: str) -> list[str]:
+    """The class queues this worker consumes (the launcher sets them; a bare worker assumes the job's)."""
+    queues = os.environ.get("GENSERVER_WORKER_QUEUES", "")
+    return [q for q in queues.split(",") if q in ("short", "medium", "long")] or [job_queue]
 
 
 @shared_task(name="tasks.denoise.run_chunk", bind=True)
@@ -23,6 +45,7 @@ def run_chunk(self, job_id: str, from_step: int) -> str:
         return "skipped"  # already past this step, held elsewhere, cancelled or finished
     cancel_key = CANCEL_KEY.format(job_id=job_id)
     last_beat = [time.monotonic()]
+    task_started = time.monotonic()
 
     def should_stop(step: int) -> str:
         if redis_client().exists(cancel_key):
@@ -35,20 +58,38 @@ def run_chunk(self, job_id: str, from_step: int) -> str:
                 return "lease-lost"
         return ""
 
+    def keep_card(step: int) -> bool:
+        """Run the next chunk here: nothing waits that this card would take first, and time is left."""
+        if step >= job.steps or time.monotonic() - task_started > settings.CELERY_VISIBILITY_TIMEOUT / 2:
+            return False
+        remaining = job.estimated_seconds * (job.steps - step) / job.steps
+        continuation = priority_for(job.duration_class, remaining, True, policy.thresholds())
+        return not selectors.waiting_at_or_before(_consumed_queues(job.duration_class), continuation)
+
+    family, store = family_of(job), storage()
+    previous_key = job.checkpoint_key
     try:
-        result = stages.denoise_chunk(
-            family_of(job), storage(), request_of(job), embeddings_ref=job.embeddings_key,
-            checkpoint_ref=job.checkpoint_key, until_step=min(job.steps, from_step + job.chunk_steps),
-            preview_every=job.preview_every, should_stop=should_stop,
-            on_preview=lambda key, step: services.record_preview(job_id, worker, key, step))
+        state = stages.load_state(family, store, request_of(job), job.embeddings_key, job.checkpoint_key)
+        while True:
+            result = stages.run_chunk(
+                family, store, state, until_step=min(job.steps, state.step + job.chunk_steps),
+                preview_every=job.preview_every, should_stop=should_stop,
+                on_preview=lambda key, step: services.record_preview(job_id, worker, key, step))
+            if result.stopped:
+                break
+            stay = keep_card(result.step)
+            if not services.finish_chunk(job_id, worker, result.step, result.checkpoint_key, result.step_seconds,
+                                         keep_lease=stay):
+                return "superseded"
+            if previous_key and previous_key != result.checkpoint_key:
+                # The older checkpoint is no longer needed; an unlink right after an fsync can take
+                # milliseconds, so it happens off the chunk boundary.
+                _deleter.submit(store.delete_prefix, previous_key)
+            previous_key = result.checkpoint_key
+            if not stay:
+                return f"step {result.step}"
     except Exception:  # noqa: BLE001 - recorded on the job, retried from its checkpoint
         return services.fail_attempt(job_id, worker, traceback.format_exc())
     if result.stopped == "cancelled":
         services.finish_cancelled(job_id, worker)
-        return "cancelled"
-    if result.stopped:
-        return result.stopped
-    if services.finish_chunk(job_id, worker, result.step, result.checkpoint_key, result.step_seconds):
-        if job.checkpoint_key and job.checkpoint_key != result.checkpoint_key:
-            storage().delete_prefix(job.checkpoint_key)  # the older checkpoint is no longer needed
-    return f"step {result.step}"
+    return result.stopped

@@ -1,11 +1,18 @@
-"""Stage 1: text encode (queue `encode`), then the first denoise chunk is published."""
+"""Stage 1: text encode (queue `encode`), then the first denoise chunk is published.
+
+The task takes its job and, with it, other queued jobs of the same model (up
+to GENSERVER_ENCODE_BATCH), so prompts that wait together share one
+text-encoder call; embeddings are cached by a hash of (encoder, prompts).
+"""
 from __future__ import annotations
 
 import traceback
 
 from celery import shared_task
+from django.conf import settings
 
 from genserver.jobs import services
+from genserver.metrics import count_embedding_cache
 from workers.runtime import stages
 
 from .common import family_of, request_of, storage, worker_id
@@ -17,9 +24,14 @@ def encode(self, job_id: str) -> str:
     job = services.start_encoding(job_id, worker)
     if job is None:
         return "skipped"  # cancelled, finished, or another worker has it: a redelivery does nothing
+    batch = [job] + services.claim_encode_batch(job, worker, settings.ENCODE_BATCH - 1)
     try:
-        result = stages.encode(family_of(job), storage(), request_of(job))
-    except Exception:  # noqa: BLE001 - recorded on the job, retried from the database
-        return services.fail_attempt(job_id, worker, traceback.format_exc())
-    services.finish_encoding(job_id, worker, result.key)
-    return "cache-hit" if result.cache_hit else "encoded"
+        results = stages.encode(family_of(job), storage(), [request_of(j) for j in batch])
+    except Exception:  # noqa: BLE001 - recorded on the jobs, retried from the database
+        error = traceback.format_exc()
+        return ",".join(services.fail_attempt(j.pk, worker, error) for j in batch)
+    for member, result in zip(batch, results):
+        services.finish_encoding(member.pk, worker, result.key)
+    hits = sum(r.cache_hit for r in results)
+    count_embedding_cache(hits, len(results) - hits)
+    return f"{len(batch)} encoded, {hits} from the cache"

@@ -51,3 +51,6 @@ if not os.environ.get("REDIS_URL"):
     os.environ["REDIS_URL"] = _start_bundled_redis()
 
 from genserver.settings import *  # noqa: E402,F401,F403
+
+# The fault drills (tests/reliability, bench/chaos.py) count what the workers ran to completion.
+CELERY_IMPORTS = ["bench.chaos_probe"]

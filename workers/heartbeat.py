@@ -16,9 +16,11 @@ _stop = threading.Event()
 def _beat(name: str, queues: list[str]) -> None:
     from genserver.redis_client import WORKER_KEY, client
 
-    payload = json.dumps({"name": name, "queues": queues, "pid": os.getpid(),
-                          "devices": os.environ.get("CUDA_VISIBLE_DEVICES", "")})
+    from workers.runtime.cache import loaded_models
+
     while not _stop.is_set():
+        payload = json.dumps({"name": name, "queues": queues, "pid": os.getpid(),
+                              "devices": os.environ.get("CUDA_VISIBLE_DEVICES", ""), "models": loaded_models()})
         try:
             client().set(WORKER_KEY.format(name=name), payload, ex=int(INTERVAL_SECONDS * 3))
         except Exception:  # noqa: BLE001 - liveness is best effort; the broker connection has its own retries

@@ -29,7 +29,7 @@ def worker_argv(spec: WorkerSpec, loglevel: str = "INFO") -> list[str]:
 
 def worker_env(spec: WorkerSpec) -> dict[str, str]:
     env = {"CUDA_VISIBLE_DEVICES": ",".join(str(d) for d in spec.devices),
-           "GENSERVER_WORKER_NAME": spec.name}
+           "GENSERVER_WORKER_NAME": spec.name, "GENSERVER_WORKER_QUEUES": ",".join(spec.queues)}
     if spec.models:
         env["GENSERVER_WORKER_MODELS"] = ",".join(spec.models)
     return env

@@ -125,6 +125,16 @@ def broker_job_ids(queues: Iterable[str]) -> set[str]:
     return found
 
 
+def waiting_at_or_before(queues: Iterable[str], priority: int) -> bool:
+    """Whether a message at `priority` or better waits on any of `queues` (a card's yield test)."""
+    r = redis_client()
+    with r.pipeline() as pipe:
+        for queue in queues:
+            for key in _queue_keys(queue)[: priority + 1]:
+                pipe.llen(key)
+        return any(int(n) for n in pipe.execute())
+
+
 def broker_depth(queue: str) -> int:
     """Messages waiting in the broker for `queue`, over all priority lists (kombu's key layout)."""
     r = redis_client()

@@ -7,9 +7,13 @@ after the transaction that made them valid commits.
 """
 from __future__ import annotations
 
+import errno
 import logging
+import math
+import os
 from dataclasses import dataclass
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 from django.conf import settings
@@ -19,7 +23,7 @@ from django.utils import timezone
 
 from genserver import policy
 from genserver.jobs import selectors
-from genserver.jobs.models import ACTIVE, Job, JobStatus
+from genserver.jobs.models import ACTIVE, TERMINAL, Job, JobStatus
 from genserver.redis_client import CANCEL_KEY, CORRECTION_KEY, client as redis_client
 from genserver.scheduling.admission import Decision, decide
 from genserver.scheduling.chunking import steps_per_chunk
@@ -35,6 +39,17 @@ class AdmissionRefused(Exception):
         super().__init__(decision.reason)
         self.decision = decision
         self.duration_class = duration_class
+
+
+class InFlightLimitReached(Exception):
+    """The user already has MAX_JOBS_IN_FLIGHT unfinished jobs (→ 429 with Retry-After)."""
+
+    def __init__(self, limit: int, in_flight: int, retry_after_seconds: int) -> None:
+        super().__init__(f"You have {in_flight} unfinished jobs; at most {limit} may be queued or running at once. "
+                         "Wait for one to finish or cancel one.")
+        self.limit = limit
+        self.in_flight = in_flight
+        self.retry_after_seconds = retry_after_seconds
 
 
 @dataclass(frozen=True)
@@ -77,7 +92,8 @@ def estimate(data: dict[str, Any]) -> Estimate:
 def submit_job(owner: Any, data: dict[str, Any]) -> Job:
     """Admit and record a validated request, then publish its encode task.
 
-    Raises AdmissionRefused (→ 429) and writes nothing when the class is over its limit.
+    Raises AdmissionRefused (→ 429) and writes nothing when the class is over its limit,
+    and InFlightLimitReached (→ 429) when the owner has too many unfinished jobs.
     """
     from tasks import dispatch
 
@@ -88,6 +104,7 @@ def submit_job(owner: Any, data: dict[str, Any]) -> Job:
     if not decision.accepted:
         raise AdmissionRefused(decision, est.duration_class)
     with transaction.atomic():
+        check_in_flight(owner)
         job = Job.objects.create(
             owner=owner, model=spec.name, family=spec.family, kind=spec.kind, backend=spec.backend,
             prompt=data["prompt"], negative_prompt=data.get("negative_prompt", ""),
@@ -143,6 +160,20 @@ def start_encoding(job_id, worker: str) -> Job | None:
                                status__in=(JobStatus.QUEUED, JobStatus.ENCODING)).update(
         status=JobStatus.ENCODING, stage="encoding", lease_owner=worker, lease_expires_at=_lease_until())
     return Job.objects.get(pk=job_id) if taken else None
+
+
+def claim_encode_batch(job: Job, worker: str, limit: int) -> list[Job]:
+    """More queued jobs of `job`'s model for the same text-encoder call, best priority first.
+
+    Each is taken with the same compare-and-set as `start_encoding`, so its own
+    encode message later finds it taken and does nothing.
+    """
+    if limit <= 0:
+        return []
+    candidates = (Job.objects.filter(model=job.model, status=JobStatus.QUEUED, lease_owner="",
+                                     cancel_requested=False).exclude(pk=job.pk)
+                  .order_by("priority", "created_at").values_list("pk", flat=True)[:limit])
+    return [taken for pk in list(candidates) if (taken := start_encoding(pk, worker)) is not None]
 
 
 def finish_encoding(job_id, worker: str, embeddings_key: str) -> bool:
@@ -203,8 +234,13 @@ def record_preview(job_id, worker: str, key: str, step: int) -> None:
     Job.objects.filter(pk=job_id, lease_owner=worker).update(preview_key=key, preview_step=step)
 
 
-def finish_chunk(job_id, worker: str, step: int, checkpoint_key: str, step_seconds: float | None) -> bool:
-    """Record a saved checkpoint and publish what comes next (the next chunk, or decode)."""
+def finish_chunk(job_id, worker: str, step: int, checkpoint_key: str, step_seconds: float | None,
+                 keep_lease: bool = False) -> bool:
+    """Record a saved checkpoint; then either keep the card (`keep_lease`: the worker runs the next
+    chunk in-process) or publish what comes next (the next chunk, or decode) and let it go.
+
+    False when this worker no longer holds the job or the step was already recorded.
+    """
     from tasks import dispatch
 
     with transaction.atomic():
@@ -214,20 +250,26 @@ def finish_chunk(job_id, worker: str, step: int, checkpoint_key: str, step_secon
             return False
         job.checkpoint_step = job.steps_done = step
         job.checkpoint_key = checkpoint_key
-        job.lease_owner, job.lease_expires_at = "", None
-        job.published_at = timezone.now()
         job.measured_step_seconds = step_seconds
+        job.chunks_run += 1 if keep_lease else 0  # an in-process chunk counts like a claimed one
         if _end_if_cancelled(job):
             return True
-        if step >= job.steps:
-            job.status, job.stage = JobStatus.DECODING, "waiting"
-            job.save()
-            transaction.on_commit(lambda: dispatch.send_decode(job.id, job.priority))
-        else:
-            job.stage = "waiting"
+        if step < job.steps:
             job.priority = priority_for(job.duration_class, job.remaining_seconds, True, policy.thresholds())
+        if keep_lease and step < job.steps:
+            job.lease_expires_at = _lease_until()
             job.save()
-            transaction.on_commit(lambda: dispatch.send_chunk(job.id, step, job.duration_class, job.priority))
+        else:
+            job.lease_owner, job.lease_expires_at = "", None
+            job.published_at = timezone.now()
+            if step >= job.steps:
+                job.status, job.stage = JobStatus.DECODING, "waiting"
+                job.save()
+                transaction.on_commit(lambda: dispatch.send_decode(job.id, job.priority))
+            else:
+                job.stage = "waiting"
+                job.save()
+                transaction.on_commit(lambda: dispatch.send_chunk(job.id, step, job.duration_class, job.priority))
     if step_seconds:
         _learn_step_time(job, step_seconds)
     return True
@@ -295,6 +337,14 @@ def fail_attempt(job_id, worker: str | None, error: str) -> str:
         job.lease_owner, job.lease_expires_at = "", None
         if _end_if_cancelled(job):
             return "cancelled"
+        full = disk_full(error)
+        if full:  # retrying cannot help until someone frees space: fail now, with the reason first
+            job.status, job.stage, job.finished_at = JobStatus.FAILED, "failed", now
+            job.error = (f"storage full: {full} The job failed at once (not retried); free space and retry it "
+                         f"from the admin.\n\n{job.error}")[:4000]
+            job.save()
+            transaction.on_commit(lambda: _after_end(job.pk))
+            return "failed"
         if job.attempts >= settings.MAX_ATTEMPTS:
             job.status, job.stage, job.finished_at = JobStatus.FAILED, "failed", now
             job.error = f"gave up after {job.attempts} attempts; last error: {job.error}"
@@ -397,3 +447,135 @@ def retry_failed(job: Job) -> bool:
     job.refresh_from_db()
     _republish(job)
     return True
+
+
+# --- limits ---------------------------------------------------------------------------
+
+def check_in_flight(owner: Any) -> None:
+    """Inside submit_job's transaction: refuse a user's job beyond MAX_JOBS_IN_FLIGHT unfinished ones.
+
+    The owner's row is locked first (SELECT ... FOR UPDATE on PostgreSQL; SQLite's
+    IMMEDIATE transactions serialise writers anyway), so two concurrent submits
+    cannot both take the last place.
+    """
+    limit = settings.MAX_JOBS_IN_FLIGHT
+    if limit <= 0:
+        return
+    list(type(owner).objects.select_for_update().filter(pk=owner.pk).values_list("pk", flat=True))
+    active = list(Job.objects.filter(owner=owner, status__in=ACTIVE)
+                  .values_list("estimated_seconds", "steps", "steps_done", "clock_scale"))
+    if len(active) < limit:
+        return
+    # The soonest any of them can finish: its remaining work, in wall seconds.
+    soonest = min(est * max(0, steps - done) / steps * scale if steps else 0.0
+                  for est, steps, done, scale in active)
+    raise InFlightLimitReached(limit, len(active), max(1, math.ceil(soonest)))
+
+
+# --- storage errors -----------------------------------------------------------------
+
+_DISK_FULL = (os.strerror(errno.ENOSPC), os.strerror(errno.EDQUOT))
+
+
+def disk_full(error: str) -> str | None:
+    """The message of a stage's final exception (the last line of its traceback) when it is a full
+    disk or quota (a StorageError from a write, or a bare OSError), else None."""
+    lines = error.strip().splitlines()
+    last = lines[-1] if lines else ""
+    if any(marker in last for marker in _DISK_FULL):
+        return last.split(": ", 1)[-1].strip()
+    return None
+
+
+# --- retention ------------------------------------------------------------------------
+
+def retain(now=None) -> dict[str, int]:
+    """Beat task body: expire old outputs and drop unused embeddings (checkpoints go when a job ends)."""
+    now = now or timezone.now()
+    return {"outputs_expired": expire_outputs(now), "embeddings_deleted": sweep_embeddings(now)}
+
+
+def expire_outputs(now=None, batch: int = 500) -> int:
+    """Delete outputs and previews of jobs that ended more than OUTPUT_TTL_SECONDS ago.
+
+    The job row stays (its history, its error); a succeeded one shows stage
+    "expired" and no outputs, and its old output URLs answer 404.
+    """
+    from genserver.storage import default_storage
+
+    ttl = settings.OUTPUT_TTL_SECONDS
+    if ttl <= 0:
+        return 0
+    now = now or timezone.now()
+    cutoff = now - timedelta(seconds=ttl)
+    storage = default_storage()
+    expired = 0
+    candidates = (Job.objects.filter(status__in=TERMINAL, finished_at__lt=cutoff).exclude(stage="expired")
+                  .order_by("finished_at").values_list("pk", "status", "outputs", "preview_key")[:batch])
+    for pk, status, outputs, preview_key in candidates:
+        if not outputs and not preview_key:
+            continue
+        storage.delete_prefix(f"outputs/{pk}")
+        storage.delete_prefix(f"previews/{pk}")
+        fields: dict[str, Any] = {"outputs": [], "preview_key": ""}
+        if status == JobStatus.SUCCEEDED:
+            fields["stage"] = "expired"
+        expired += Job.objects.filter(pk=pk, status__in=TERMINAL).update(**fields)
+    return expired
+
+
+def sweep_embeddings(now=None) -> int:
+    """Delete cached prompt embeddings that no active job uses and none has used for EMBEDDINGS_TTL_SECONDS.
+
+    Files referenced by an active job get their mtime refreshed (mtime = last
+    seen in use). Candidates are renamed aside first, then the database is
+    asked again: if an active job now references one, or any job is encoding
+    (it may have just found the file in the cache), they are put back.
+    """
+    from genserver.storage import default_storage
+
+    now = now or timezone.now()
+    root = default_storage().path("embeddings")
+    if not root.is_dir():
+        return 0
+
+    def in_use() -> set[str]:
+        return set(Job.objects.filter(status__in=ACTIVE).exclude(embeddings_key="")
+                   .values_list("embeddings_key", flat=True))
+
+    used = in_use()
+    stamp = now.timestamp()
+    for key in used:
+        try:
+            os.utime(default_storage().path(key), (stamp, stamp))
+        except (OSError, ValueError):
+            pass
+    oldest = stamp - settings.EMBEDDINGS_TTL_SECONDS
+    aside: list[tuple[str, Path, Path]] = []
+    for path in root.iterdir():
+        key = f"embeddings/{path.name}"
+        if not path.is_file() or path.name.startswith(".") or key in used:
+            continue
+        try:
+            if path.stat().st_mtime >= oldest:
+                continue
+            tomb = path.with_name(f".deleting-{path.name}")
+            os.replace(path, tomb)
+        except OSError:
+            continue
+        aside.append((key, path, tomb))
+    if not aside:
+        return 0
+    keep_all = Job.objects.filter(status=JobStatus.ENCODING).exists()
+    used = in_use()
+    deleted = 0
+    for key, path, tomb in aside:
+        try:
+            if keep_all or key in used:
+                os.replace(tomb, path)
+            else:
+                tomb.unlink(missing_ok=True)
+                deleted += 1
+        except OSError:
+            log.warning("retention: could not settle %s", tomb, exc_info=True)
+    return deleted

@@ -82,3 +82,8 @@ def model_cache() -> ModelCache:
         _cache = ModelCache(settings.MODEL_CACHE_BYTES, settings.DATA_DIR, time_scale=settings.TIME_SCALE,
                             effective_tflops=settings.EFFECTIVE_TFLOPS)
     return _cache
+
+
+def loaded_models() -> list[str]:
+    """Models loaded in this process (the solo pool runs tasks here), for the worker heartbeat."""
+    return _cache.loaded() if _cache is not None and _cache.pid == os.getpid() else []

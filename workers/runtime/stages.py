@@ -26,7 +26,7 @@ def _to_bytes(obj: Any) -> bytes:
 
 
 def _from_bytes(data: bytes) -> Any:
-    return torch.load(io.BytesIO(data), map_location="cpu", weights_only=False)
+    return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)  # tensors and plain values only
 
 
 def _png(image: Any) -> bytes:
@@ -50,14 +50,21 @@ class EncodeResult:
     cache_hit: bool
 
 
-def encode(family: Family, storage: LocalStorage, request: GenerationRequest) -> EncodeResult:
-    """Prompt embeddings, from the cache when the same encoder saw the same prompts."""
-    key = embeddings_key(family, request.prompt, request.negative_prompt)
-    if storage.exists(key):
-        return EncodeResult(key, True)
-    (embeddings,) = family.encode([(request.prompt, request.negative_prompt)])
-    storage.put(key, _to_bytes(embeddings))
-    return EncodeResult(key, False)
+def encode(family: Family, storage: LocalStorage, requests: list[GenerationRequest]) -> list[EncodeResult]:
+    """Prompt embeddings for several requests, from the cache when the same encoder saw the same prompts.
+
+    Every prompt not in the cache is encoded in one batched call (prompts that
+    waited together cost one text-encoder pass); duplicates are encoded once.
+    """
+    keys = [embeddings_key(family, r.prompt, r.negative_prompt) for r in requests]
+    missing: dict[str, tuple[str, str]] = {}
+    for key, r in zip(keys, requests):
+        if key not in missing and not storage.exists(key):
+            missing[key] = (r.prompt, r.negative_prompt)
+    if missing:
+        for key, embeddings in zip(missing, family.encode(list(missing.values()))):
+            storage.put(key, _to_bytes(embeddings))
+    return [EncodeResult(key, key not in missing) for key in keys]
 
 
 def load_state(family: Family, storage: LocalStorage, request: GenerationRequest, embeddings_ref: str,
@@ -76,15 +83,15 @@ class ChunkResult:
     step_seconds: float | None  # mean measured seconds per step in this chunk
 
 
-def denoise_chunk(family: Family, storage: LocalStorage, request: GenerationRequest, *,
-                  embeddings_ref: str, checkpoint_ref: str, until_step: int, preview_every: int,
-                  should_stop: Callable[[int], str], on_preview: Callable[[str, int], None]) -> ChunkResult:
-    """Restore, run steps up to `until_step`, save an atomic checkpoint.
+def run_chunk(family: Family, storage: LocalStorage, state: DenoiseState, *, until_step: int,
+              preview_every: int, should_stop: Callable[[int], str],
+              on_preview: Callable[[str, int], None]) -> ChunkResult:
+    """Advance `state` in place up to `until_step`, then save an atomic checkpoint.
 
     `should_stop(step)` is asked before every step and returns "" to go on or
     the reason to stop (it also renews the lease and records progress).
     """
-    state = load_state(family, storage, request, embeddings_ref, checkpoint_ref)
+    request = state.request
     start_step, started = state.step, time.perf_counter()
     while state.step < until_step:
         reason = should_stop(state.step)
@@ -103,11 +110,23 @@ def denoise_chunk(family: Family, storage: LocalStorage, request: GenerationRequ
 
 def decode(family: Family, storage: LocalStorage, request: GenerationRequest, *, embeddings_ref: str,
            checkpoint_ref: str) -> list[dict[str, str]]:
-    """Final outputs saved through storage; returns [{key, content_type}]."""
+    """Final outputs saved through storage; returns [{key, content_type}].
+
+    An image family yields one PIL image per output (a PNG each); a video
+    family yields one list of frames per output (an H.264 MP4 each, followed
+    by its poster frame as a PNG).
+    """
     state = load_state(family, storage, request, embeddings_ref, checkpoint_ref)
     outputs = []
-    for index, image in enumerate(family.decode(state)):
-        key = storage.put(f"outputs/{request.job_id}/{index}.png", _png(image))
-        outputs.append({"key": key, "content_type": "image/png"})
-    return outputs
+    for index, result in enumerate(family.decode(state)):
+        if isinstance(result, list):
+            from .video import DEFAULT_FPS, encode_mp4, poster
 
+            key = storage.put(f"outputs/{request.job_id}/{index}.mp4", encode_mp4(result, fps=DEFAULT_FPS))
+            outputs.append({"key": key, "content_type": "video/mp4"})
+            key = storage.put(f"outputs/{request.job_id}/{index}.poster.png", _png(poster(result)))
+            outputs.append({"key": key, "content_type": "image/png"})
+        else:
+            key = storage.put(f"outputs/{request.job_id}/{index}.png", _png(result))
+            outputs.append({"key": key, "content_type": "image/png"})
+    return outputs

@@ -14,7 +14,9 @@ step boundaries:
     6. decode      VAE decode of latents / scaling_factor
 
 A checkpoint directory with `text_encoder_2/` and `tokenizer_2/` is SDXL; one
-without is SD 1.5. The scheduler is the registry entry's `scheduler`
+without is SD 1.5. As StableDiffusionXLPipeline does for a missing negative
+prompt (`force_zeros_for_empty_prompt`), SDXL's empty negative prompt is zeros,
+not the encoding of "". The scheduler is the registry entry's `scheduler`
 (UNET_SCHEDULERS), configured from the checkpoint's scheduler/ folder.
 
 The helpers at the top (CheckpointMissingError, check_checkpoint_dir,

@@ -11,4 +11,5 @@ urlpatterns = [
     path("jobs/<uuid:job_id>/preview/", views.JobPreviewView.as_view(), name="job-preview"),
     path("models/", views.ModelListView.as_view(), name="model-list"),
     path("queues/", views.QueueListView.as_view(), name="queue-list"),
+    path("workers/", views.WorkerListView.as_view(), name="worker-list"),
 ]

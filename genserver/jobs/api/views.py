@@ -13,6 +13,7 @@ from rest_framework.views import APIView
 
 from genserver import policy
 from genserver.jobs import selectors, services
+from genserver.jobs.api import throttling
 from genserver.jobs.api.serializers import JobCreateSerializer, JobSerializer
 from genserver.jobs.models import JobStatus
 from genserver.storage import StorageError, default_storage
@@ -24,6 +25,8 @@ def _job_context(request: Request) -> dict:
 
 class JobListCreateView(GenericAPIView):
     serializer_class = JobSerializer
+    parser_classes = [throttling.SubmitJSONParser]  # JSON only: any other content type is a 415
+    throttle_classes = [throttling.SubmitRateThrottle]  # counts POSTs only
 
     def get_queryset(self):
         qs = selectors.jobs_visible_to(self.request.user).select_related("owner")
@@ -45,12 +48,21 @@ class JobListCreateView(GenericAPIView):
 
     @extend_schema(request=JobCreateSerializer, responses={
         201: JobSerializer, 400: OpenApiResponse(description="field errors"),
-        429: OpenApiResponse(description="overloaded; see Retry-After")})
+        413: OpenApiResponse(description="request body too large"),
+        415: OpenApiResponse(description="not JSON"),
+        429: OpenApiResponse(description="overloaded, too many jobs in flight, or submitting too fast; "
+                                         "see Retry-After and `reason`")})
     def post(self, request: Request) -> Response:
+        throttling.check_body_size(request)
         incoming = JobCreateSerializer(data=request.data)
         incoming.is_valid(raise_exception=True)
         try:
             job = services.submit_job(request.user, incoming.validated_data)
+        except services.InFlightLimitReached as full:
+            return Response({"detail": str(full), "reason": "too_many_in_flight", "limit": full.limit,
+                             "in_flight": full.in_flight, "retry_after": full.retry_after_seconds},
+                            status=status.HTTP_429_TOO_MANY_REQUESTS,
+                            headers={"Retry-After": str(full.retry_after_seconds)})
         except services.AdmissionRefused as refused:
             d = refused.decision
             return Response({"detail": d.reason, "reason": "overloaded", "duration_class": refused.duration_class,
@@ -108,6 +120,15 @@ class ModelListView(APIView):
     def get(self, request: Request) -> Response:
         reg = policy.registry()
         return Response([reg.get(name).public() for name in reg.names()])
+
+
+class WorkerListView(APIView):
+    @extend_schema(responses=OpenApiTypes.OBJECT)
+    def get(self, request: Request) -> Response:
+        """Live workers: their queues, cards and the models each one holds; and the embedding cache."""
+        from genserver.metrics import embedding_cache_counts
+
+        return Response({"workers": selectors.live_workers(), "embedding_cache": embedding_cache_counts()})
 
 
 class QueueListView(APIView):

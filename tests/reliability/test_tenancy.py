@@ -1,0 +1,221 @@
+"""6. Tenancy and access: tokens everywhere but the schema and health, owners only, per-user limits.
+
+* Every route except the schema/docs and the health probes refuses a request
+  without a valid token (401); the admin sends non-staff to its login page.
+* Outputs and previews are served only to the owner and staff, through
+  authenticated API routes keyed by an unguessable UUID; storage has no public URL.
+* Another user's job is a 404 to read, list, cancel, or fetch files from.
+* Per-user limits: unfinished jobs (MAX_JOBS_IN_FLIGHT) and accepted submits per
+  window (SUBMIT_RATE_LIMIT), each a 429 with Retry-After and a reason, and no row.
+* Staff actions (retry, re-prioritise, cancel anyone's job) exist only in the admin.
+"""
+from __future__ import annotations
+
+import json
+import uuid
+
+import pytest
+from django.test import Client
+from django.urls import URLPattern, URLResolver, get_resolver
+from rest_framework.test import APIClient
+
+from genserver.jobs.models import Job
+from genserver.storage import default_storage
+from tests.conftest import submit
+
+pytestmark = pytest.mark.django_db
+
+PUBLIC = {"api/schema/", "api/docs/", "api/redoc/", "healthz", "readyz"}
+
+
+def routes(resolver=None, prefix: str = "") -> list[str]:
+    """Every URL pattern of the project, as a concrete path (placeholders filled)."""
+    found = []
+    for entry in (resolver or get_resolver()).url_patterns:
+        pattern = prefix + str(entry.pattern)
+        if isinstance(entry, URLResolver):
+            if pattern.startswith("admin/"):
+                found.append("admin/")
+                continue
+            found += routes(entry, pattern)
+        elif isinstance(entry, URLPattern):
+            found.append(pattern.replace("<uuid:job_id>", str(uuid.uuid4())).replace("<int:index>", "0"))
+    return found
+
+
+def test_every_route_but_schema_and_health_needs_a_token():
+    anonymous, bad_token = APIClient(), APIClient(HTTP_AUTHORIZATION="Token not-a-token")
+    checked = 0
+    for path in routes():
+        if path in PUBLIC:
+            accept = "application/json" if path == "api/schema/" else "text/html"
+            response = anonymous.get("/" + path, HTTP_ACCEPT=accept)
+            assert response.status_code in (200, 503), (path, response.status_code)  # /readyz may say 503
+            continue
+        if path == "admin/":
+            response = anonymous.get("/admin/jobs/job/")
+            assert response.status_code == 302 and "/admin/login/" in response["Location"]
+            continue
+        for client in (anonymous, bad_token):
+            for method in ("get", "post"):
+                response = getattr(client, method)("/" + path)
+                assert response.status_code == 401, (method, path, response.status_code)
+                assert "detail" in response.json() and response.has_header("WWW-Authenticate")
+                checked += 1
+    assert checked >= 7 * 4
+
+
+def test_schema_and_health_answer_without_a_token():
+    anonymous = Client()
+    assert anonymous.get("/api/schema/", HTTP_ACCEPT="application/json").status_code == 200
+    assert anonymous.get("/healthz").json() == {"status": "ok"}
+
+
+def _finished_job(owner) -> Job:
+    """A succeeded job with an output and a preview in storage (as decode leaves it)."""
+    from genserver.jobs import services
+
+    data = {"model": "sdxl-sim", "width": 512, "height": 512, "num_frames": 1, "steps": 20,
+            "guidance_scale": 5.0, "num_outputs": 1}
+    est = services.estimate(data)
+    job = Job.objects.create(owner=owner, model="sdxl-sim", family="unet", kind="image", backend="simulated",
+                             prompt="mine", width=512, height=512, steps=20, guidance_scale=5.0, seed=1,
+                             estimated_seconds=est.seconds, duration_class=est.duration_class,
+                             priority=est.priority, chunk_steps=est.chunk_steps, status="succeeded", stage="done")
+    storage = default_storage()
+    out = storage.put(f"outputs/{job.pk}/0.png", b"\x89PNG output")
+    preview = storage.put(f"previews/{job.pk}/preview.png", b"\x89PNG preview")
+    Job.objects.filter(pk=job.pk).update(outputs=[{"key": out, "content_type": "image/png"}], preview_key=preview)
+    job.refresh_from_db()
+    return job
+
+
+def _read(response) -> bytes:
+    return b"".join(response.streaming_content) if response.streaming else response.content
+
+
+def test_outputs_and_previews_are_served_to_the_owner_and_staff_only(make_user):
+    alice, bob, staff = make_user("alice"), make_user("bob"), make_user("root", staff=True)
+    job = _finished_job(alice.user)
+    body = alice.get(f"/api/v1/jobs/{job.pk}/").json()
+    output_url, preview_url = body["outputs"][0]["url"], body["preview_url"]
+    assert f"/api/v1/jobs/{job.pk}/" in output_url and f"/api/v1/jobs/{job.pk}/" in preview_url
+    for url, content in ((output_url, b"\x89PNG output"), (preview_url, b"\x89PNG preview")):
+        assert _read(alice.get(url)) == content
+        assert _read(staff.get(url)) == content
+        assert bob.get(url).status_code == 404  # not 403: another user's job does not exist for them
+        assert APIClient().get(url).status_code == 401
+    # The files have no other URL: nothing serves the storage directory.
+    for guess in (f"/storage/outputs/{job.pk}/0.png", f"/media/outputs/{job.pk}/0.png",
+                  f"/outputs/{job.pk}/0.png", f"/static/outputs/{job.pk}/0.png",
+                  f"/static/../storage/outputs/{job.pk}/0.png", f"/api/v1/outputs/{job.pk}/0.png"):
+        assert Client().get(guess).status_code == 404, guess
+        assert alice.get(guess).status_code == 404, guess
+    assert uuid.UUID(str(job.pk)).version == 4  # ids are random, not sequential
+
+
+def test_another_users_job_is_404_to_read_list_cancel_and_fetch(make_user):
+    alice, bob = make_user("alice"), make_user("bob")
+    job = _finished_job(alice.user)
+    queued = submit(alice).json()["id"]
+    for job_id in (job.pk, queued):
+        assert bob.get(f"/api/v1/jobs/{job_id}/").status_code == 404
+        assert bob.post(f"/api/v1/jobs/{job_id}/cancel/").status_code == 404
+        assert bob.get(f"/api/v1/jobs/{job_id}/outputs/0/").status_code == 404
+        assert bob.get(f"/api/v1/jobs/{job_id}/preview/").status_code == 404
+    assert bob.get("/api/v1/jobs/").json()["count"] == 0
+    assert bob.get("/api/v1/jobs/?status=queued").json()["count"] == 0
+    assert Job.objects.get(pk=queued).status == "queued" and not Job.objects.get(pk=queued).cancel_requested
+
+
+def test_jobs_in_flight_per_user_are_limited_with_429_and_retry_after(make_user, settings):
+    settings.MAX_JOBS_IN_FLIGHT = 2
+    alice, bob = make_user("alice"), make_user("bob")
+    first, _ = submit(alice).json()["id"], submit(alice).json()["id"]
+    refused = submit(alice, prompt="a third")
+    assert refused.status_code == 429, refused.content
+    assert int(refused["Retry-After"]) >= 1
+    body = refused.json()
+    assert body["reason"] == "too_many_in_flight" and body["limit"] == 2 and body["in_flight"] == 2
+    assert "at most 2" in body["detail"]
+    assert Job.objects.filter(owner=alice.user).count() == 2
+    assert submit(bob).status_code == 201  # the limit is per user
+    alice.post(f"/api/v1/jobs/{first}/cancel/")  # a finished job frees its place
+    assert submit(alice, prompt="a third, later").status_code == 201
+
+
+def test_submit_rate_per_user_is_limited_with_429_and_retry_after(make_user, settings):
+    settings.SUBMIT_RATE_LIMIT, settings.SUBMIT_RATE_WINDOW = 3, 60.0
+    alice, bob = make_user("alice"), make_user("bob")
+    for i in range(3):
+        assert submit(alice, prompt=f"job {i}").status_code == 201
+    refused = submit(alice, prompt="too fast")
+    assert refused.status_code == 429, refused.content
+    assert 1 <= int(refused["Retry-After"]) <= 60
+    body = refused.json()
+    assert body["reason"] == "rate_limited" and body["limit"] == 3 and body["retry_after"] >= 1
+    assert Job.objects.filter(owner=alice.user).count() == 3
+    assert alice.get("/api/v1/jobs/").status_code == 200  # reads are not throttled
+    assert submit(bob).status_code == 201
+    # Once the oldest submits leave the window, the user may submit again.
+    from datetime import timedelta
+
+    from django.utils import timezone
+
+    Job.objects.filter(owner=alice.user).update(created_at=timezone.now() - timedelta(seconds=61))
+    assert submit(alice, prompt="later").status_code == 201
+
+
+def test_in_flight_limit_holds_under_concurrent_submits(make_user, settings):
+    """The limit is checked inside the submit transaction with the user's row locked."""
+    from django.db import connection
+
+    from genserver.jobs import services
+
+    settings.MAX_JOBS_IN_FLIGHT = 1
+    owner = make_user("racer").user
+    data = {"model": "sdxl-sim", "prompt": "p", "width": 512, "height": 512, "num_frames": 1, "steps": 20,
+            "guidance_scale": 5.0, "seed": 1, "num_outputs": 1}
+    with connection.execute_wrapper(_record_sql) as _:
+        _SQL.clear()
+        services.submit_job(owner, data)
+    if connection.vendor == "postgresql":
+        assert any("FOR UPDATE" in sql for sql in _SQL), _SQL
+    with pytest.raises(services.InFlightLimitReached):
+        services.submit_job(owner, data)
+    assert Job.objects.filter(owner=owner).count() == 1
+
+
+_SQL: list[str] = []
+
+
+def _record_sql(execute, sql, params, many, context):
+    _SQL.append(sql)
+    return execute(sql, params, many, context)
+
+
+def test_staff_actions_live_in_the_admin_only(make_user):
+    """The API offers no retry, re-prioritise or other staff action; the admin's need a staff login."""
+    api_routes = [p for p in routes() if p.startswith("api/v1/")]
+    names = {p.split("/")[-2] for p in api_routes}
+    assert not names & {"retry", "reprioritise", "priority", "admin", "requeue"}, api_routes
+    staff = make_user("root", staff=True)
+    job_id = submit(make_user("alice")).json()["id"]
+    for verb in ("retry", "reprioritise", "priority"):
+        assert staff.post(f"/api/v1/jobs/{job_id}/{verb}/").status_code == 404
+    # The admin's actions need a staff session: a plain user is sent to the login page.
+    from django.contrib.auth import get_user_model
+
+    plain = get_user_model().objects.create_user("mallory", password="pw")
+    browser = Client()
+    browser.force_login(plain)
+    response = browser.post("/admin/jobs/job/", {"action": "retry_from_checkpoint", "_selected_action": [job_id]})
+    assert response.status_code == 302 and "/admin/login/" in response["Location"]
+    assert Job.objects.get(pk=job_id).status == "queued"
+
+
+def test_token_header_variants_do_not_authenticate():
+    for header in ("Token", "Token ", "Bearer abc", "Token a b", "token " + "0" * 40, "Basic Zm9vOmJhcg=="):
+        response = APIClient(HTTP_AUTHORIZATION=header).get("/api/v1/jobs/")
+        assert response.status_code == 401, header
+        assert json.loads(response.content)["detail"]

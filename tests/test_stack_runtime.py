@@ -1,0 +1,83 @@
+"""The real diffusion runtime through the whole stack: every family, previews, the prompt cache, batching."""
+from __future__ import annotations
+
+import io
+
+import av
+import pytest
+from PIL import Image
+
+from genserver.metrics import embedding_cache_counts
+from tests.conftest import job_row, submit, wait_for
+
+pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.stack]
+
+
+def finished(job_id, timeout: float = 120.0):
+    return wait_for(lambda: (j := job_row(job_id)).is_terminal and j, timeout, what=f"job {job_id} to finish")
+
+
+def download(api, url: str) -> bytes:
+    return b"".join(api.get(url).streaming_content)
+
+
+@pytest.mark.parametrize("model", ["tiny-sdxl", "tiny-sd-dpm", "tiny-flux", "tiny-flux-dpm"])
+def test_image_family_job_succeeds_with_pngs(stack, api, model):
+    job_id = submit(api, model=model, prompt="a red fox", num_outputs=2, steps=4).json()["id"]
+    job = finished(job_id)
+    assert job.status == "succeeded", job.error
+    outputs = api.get(f"/api/v1/jobs/{job_id}/").json()["outputs"]
+    assert [o["content_type"] for o in outputs] == ["image/png", "image/png"]
+    image = Image.open(io.BytesIO(download(api, outputs[1]["url"])))
+    assert image.size == (job.width, job.height)
+
+
+def test_video_family_job_succeeds_with_an_mp4_and_a_poster(stack, api):
+    job_id = submit(api, model="tiny-wan", prompt="waves", num_frames=9, steps=3).json()["id"]
+    job = finished(job_id)
+    assert job.status == "succeeded", job.error
+    outputs = api.get(f"/api/v1/jobs/{job_id}/").json()["outputs"]
+    assert [o["content_type"] for o in outputs] == ["video/mp4", "image/png"]
+    with av.open(io.BytesIO(download(api, outputs[0]["url"]))) as container:
+        frames = list(container.decode(video=0))
+    assert len(frames) == 9 and (frames[0].width, frames[0].height) == (job.width, job.height)
+    assert download(api, outputs[1]["url"]).startswith(b"\x89PNG")
+
+
+def test_preview_appears_before_the_job_finishes(stack, api):
+    job_id = submit(api, model="tiny-sd", prompt="a slow one", steps=50, preview_every=1,
+                    width=256, height=256).json()["id"]
+    seen = wait_for(lambda: (j := job_row(job_id)).preview_key and j, 60, what="a preview")
+    assert not seen.is_terminal and 1 <= seen.preview_step < seen.steps
+    body = api.get(f"/api/v1/jobs/{job_id}/").json()
+    assert body["preview_url"] and download(api, body["preview_url"]).startswith(b"\x89PNG")
+    assert finished(job_id).status == "succeeded"
+
+
+def test_repeated_prompt_hits_the_embedding_cache(stack, api):
+    before = embedding_cache_counts()
+    first = submit(api, model="tiny-sd", prompt="a cached lighthouse", steps=2).json()["id"]
+    assert finished(first).status == "succeeded"
+    second = submit(api, model="tiny-sd", prompt="a cached lighthouse", steps=2, seed=7).json()["id"]
+    assert finished(second).status == "succeeded"
+    after = embedding_cache_counts()
+    assert after["misses"] - before["misses"] == 1 and after["hits"] - before["hits"] == 1
+    assert job_row(first).embeddings_key == job_row(second).embeddings_key
+
+
+def test_cancelling_a_real_model_during_denoise_skips_decode(stack, api):
+    job_id = submit(api, model="tiny-sd", prompt="cancel me", steps=50, width=256, height=256).json()["id"]
+    wait_for(lambda: job_row(job_id).steps_done >= 1, 60, what="denoising to start")
+    api.post(f"/api/v1/jobs/{job_id}/cancel/")
+    job = finished(job_id, timeout=30)
+    assert job.status == "cancelled" and not job.outputs and job.steps_done < job.steps
+
+
+def test_workers_endpoint_shows_loaded_models(stack, api):
+    assert finished(submit(api, model="tiny-sd", prompt="load me", steps=2).json()["id"]).status == "succeeded"
+
+    def card_holds_tiny_sd():
+        workers = {w["name"]: w for w in api.get("/api/v1/workers/").json()["workers"]}
+        return "tiny-sd" in workers.get("card0", {}).get("models", [])
+
+    wait_for(card_holds_tiny_sd, 15, what="card0's heartbeat to list tiny-sd")
