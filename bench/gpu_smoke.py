@@ -43,7 +43,7 @@ from typing import Any, Sequence
 import torch
 
 from bench.runtime import (PROMPT, encode_one, ignore_preview, load_family, make_request, median, ms,
-                           never_stop, quiet_loading, shape_label, sync, tiny_model_names, timed)
+                           never_stop, quiet_loading, shape_label, tiny_model_names, timed)
 from genserver.registry import ModelSpec, Registry, load_registry
 from genserver.storage import LocalStorage
 from workers.runtime import stages

@@ -83,7 +83,10 @@ def live_stack(env: dict[str, str], boot_timeout: float = 180) -> Iterator[LiveS
     redis_url, redis_env = broker_url()
     full = os.environ.copy() | {"GENSERVER_DATA_DIR": data_dir, "GENSERVER_PORT": str(port),
                                 "FLOWER_PORT": str(flower), "GENSERVER_LOG_LEVEL": "WARNING",
-                                "PYTHONUNBUFFERED": "1"} | redis_env | env
+                                "PYTHONUNBUFFERED": "1",
+                                # One benchmark user stands for many: per-user limits off.
+                                "GENSERVER_MAX_JOBS_IN_FLIGHT": "0", "GENSERVER_SUBMIT_RATE_LIMIT": "0",
+                                } | redis_env | env
     if "REDIS_URL" not in redis_env:
         full.pop("REDIS_URL", None)
     full.pop("DATABASE_URL", None)  # a private SQLite file: the benchmark never touches a shared database

@@ -116,6 +116,13 @@ class Registry:
     def names(self) -> list[str]:
         return sorted(self.models)
 
+    def missing_checkpoints(self, data_dir: Path) -> list[str]:
+        """One readable line per diffusers model whose local checkpoint directory is absent."""
+        return [f"model {spec.name!r}: checkpoint directory {spec.resolved_path(data_dir)} does not exist "
+                f"(run `python manage.py make_tiny_models` for the tiny-* models, or fix `path` in the registry)"
+                for spec in self.models.values()
+                if spec.backend == "diffusers" and not spec.resolved_path(data_dir).is_dir()]
+
 
 def load_registry(paths: str | Path | None = None) -> Registry:
     """Read one registry file, or several joined by os.pathsep (later files add or replace models)."""

@@ -27,4 +27,17 @@ def family_of(job: Job) -> Family:
     return model_cache().get(policy.registry().get(job.model))
 
 
+def preload(job_id: str) -> bool:
+    """Load the job's model before taking its lease: a slow load must not look like a dead worker.
+
+    False when there is no such job (a message for a deleted job)."""
+    from genserver.jobs.selectors import model_of
+
+    model = model_of(job_id)
+    if model is None:
+        return False
+    model_cache().get(policy.registry().get(model))
+    return True
+
+
 storage = default_storage

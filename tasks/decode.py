@@ -8,12 +8,14 @@ from celery import shared_task
 from genserver.jobs import services
 from workers.runtime import stages
 
-from .common import family_of, request_of, storage, worker_id
+from .common import family_of, preload, request_of, storage, worker_id
 
 
 @shared_task(name="tasks.decode.decode", bind=True)
 def decode(self, job_id: str) -> str:
     worker = worker_id(self)
+    if not preload(job_id):
+        return "skipped"
     job = services.start_decoding(job_id, worker)
     if job is None:
         return "skipped"

@@ -25,7 +25,7 @@ from genserver.redis_client import CANCEL_KEY, client as redis_client
 from genserver.scheduling.classes import priority_for
 from workers.runtime import stages
 
-from .common import family_of, request_of, storage, worker_id
+from .common import family_of, preload, request_of, storage, worker_id
 
 HEARTBEAT_EVERY_SECONDS = 1.0  # lease renewal + progress write; per step would hammer the DB on fast models
 _deleter = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-gc")
@@ -40,6 +40,8 @@ def _consumed_queues(job_queue: str) -> list[str]:
 @shared_task(name="tasks.denoise.run_chunk", bind=True)
 def run_chunk(self, job_id: str, from_step: int) -> str:
     worker = worker_id(self)
+    if not preload(job_id):
+        return "skipped"
     job = services.claim_chunk(job_id, worker, from_step)
     if job is None:
         return "skipped"  # already past this step, held elsewhere, cancelled or finished

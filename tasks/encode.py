@@ -15,12 +15,14 @@ from genserver.jobs import services
 from genserver.metrics import count_embedding_cache
 from workers.runtime import stages
 
-from .common import family_of, request_of, storage, worker_id
+from .common import family_of, preload, request_of, storage, worker_id
 
 
 @shared_task(name="tasks.encode.encode", bind=True)
 def encode(self, job_id: str) -> str:
     worker = worker_id(self)
+    if not preload(job_id):
+        return "skipped"
     job = services.start_encoding(job_id, worker)
     if job is None:
         return "skipped"  # cancelled, finished, or another worker has it: a redelivery does nothing

@@ -13,6 +13,8 @@ import time
 os.environ.setdefault("GENSERVER_DATA_DIR", tempfile.mkdtemp(prefix="genserver-test-"))
 os.environ.setdefault("GENSERVER_TIME_SCALE", "0.002")  # Wan 720p (2,960 s of work) runs in 6 s
 os.environ.setdefault("GENSERVER_LEASE_SECONDS", "3")
+# Chunks of 0.1 s of work: tiny real models run as many chunks, so resume and preemption are exercised.
+os.environ.setdefault("GENSERVER_CHUNK_SECONDS", "0.1")
 os.environ.setdefault("GENSERVER_REAPER_INTERVAL", "1")
 os.environ.setdefault("GENSERVER_LOG_LEVEL", "WARNING")
 os.environ.setdefault("GENSERVER_REGISTRY", os.pathsep.join([

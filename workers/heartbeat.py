@@ -6,7 +6,7 @@ import logging
 import os
 import threading
 
-from celery.signals import worker_ready, worker_shutdown
+from celery.signals import worker_init, worker_ready, worker_shutdown
 
 log = logging.getLogger(__name__)
 INTERVAL_SECONDS = 5.0
@@ -26,6 +26,18 @@ def _beat(name: str, queues: list[str]) -> None:
         except Exception:  # noqa: BLE001 - liveness is best effort; the broker connection has its own retries
             log.debug("worker heartbeat failed", exc_info=True)
         _stop.wait(INTERVAL_SECONDS)
+
+
+@worker_init.connect
+def check_checkpoints(**kwargs) -> None:
+    """Refuse to start when a registry model's weights are missing: say so now, not at its first job."""
+    from django.conf import settings
+
+    from genserver import policy
+
+    missing = policy.registry().missing_checkpoints(settings.DATA_DIR)
+    if missing:
+        raise SystemExit("genserver worker cannot start:\n  " + "\n  ".join(missing))
 
 
 @worker_ready.connect

@@ -51,7 +51,9 @@ def wait_for_redis(url: str, timeout: float = 20.0) -> None:
 
 
 def manage(*args: str) -> str:
-    out = subprocess.run([python(), "manage.py", *args], check=True, capture_output=True, text=True)
+    out = subprocess.run([python(), "manage.py", *args], capture_output=True, text=True)
+    if out.returncode:
+        raise SystemExit(f"manage.py {' '.join(args)} failed:\n{out.stderr.strip()}")
     return out.stdout.strip()
 
 
@@ -82,10 +84,10 @@ def main() -> None:
                                                            settings.EMBEDDED_REDIS_PORT)
         else:
             wait_for_redis(os.environ["REDIS_URL"])
-        log.info("migrating the database")
-        manage("migrate", "--noinput")
         log.info("making the tiny demo checkpoints (first run only)")
         manage("make_tiny_models")
+        log.info("checking the registry and migrating the database")
+        manage("migrate", "--noinput")  # runs the system checks: a missing checkpoint stops here
         token = manage("issue_token", "demo").splitlines()[-1]
         supervisor.add("api", [python(), "-m", "gunicorn", "genserver.wsgi:application", "--bind",
                                f"127.0.0.1:{port}", "--workers", os.environ.get("GENSERVER_API_WORKERS", "2"),

@@ -6,3 +6,6 @@ class JobsConfig(AppConfig):
     name = "genserver.jobs"
     label = "jobs"
     default_auto_field = "django.db.models.BigAutoField"
+
+    def ready(self) -> None:
+        from genserver.jobs import checks  # noqa: F401 - registers the start-up checks

@@ -23,6 +23,11 @@ def jobs_visible_to(user: Any) -> QuerySet[Job]:
     return qs if user.is_staff else qs.filter(owner=user)
 
 
+def model_of(job_id) -> str | None:
+    """The job's model name (None if there is no such job), read without taking it."""
+    return Job.objects.filter(pk=job_id).values_list("model", flat=True).first()
+
+
 def _is_running(job: Job) -> bool:
     return bool(job.lease_owner) and job.status in (JobStatus.DENOISING,)
 

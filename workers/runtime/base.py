@@ -12,6 +12,7 @@ stop after any step and continue in another process:
 """
 from __future__ import annotations
 
+import os
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -99,3 +100,12 @@ class Family(ABC):
     def memory_bytes(self) -> int:
         """Approximate resident size, for the model cache's budget."""
         return 0
+
+    @staticmethod
+    def set_vae_tiling(vae: Any, width: int, height: int) -> bool:
+        """Decode in tiles above GENSERVER_VAE_TILE_ABOVE_PIXELS (per frame): the VAE decode is the
+        memory peak of a job, and tiling caps it at some speed and faint seams. Returns whether on."""
+        tiled = width * height > int(os.environ.get("GENSERVER_VAE_TILE_ABOVE_PIXELS", 768 * 768))
+        if hasattr(vae, "enable_tiling"):
+            vae.enable_tiling() if tiled else vae.disable_tiling()
+        return tiled

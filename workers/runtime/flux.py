@@ -330,6 +330,7 @@ class FluxFamily(Family):
         latents = unpack_latents(state.latents.to(self.device, self.dtype), h, w)
         config = self.vae.config
         latents = latents / config.scaling_factor + (config.shift_factor or 0.0)
+        self.set_vae_tiling(self.vae, state.request.width, state.request.height)
         pixels = self.vae.decode(latents).sample  # [n, 3, H, W] in [-1, 1]
         pixels = ((pixels / 2 + 0.5).clamp(0, 1) * 255).round().to(torch.uint8)
         arrays = pixels.permute(0, 2, 3, 1).cpu().numpy()

@@ -417,6 +417,7 @@ class UNetFamily(Family):
     @torch.no_grad()
     def decode(self, state: DenoiseState) -> list[Image.Image]:
         latents = state.latents.to(self.device, self.dtype) / self.vae.config.scaling_factor
+        self.set_vae_tiling(self.vae, state.request.width, state.request.height)
         pixels = self.vae.decode(latents).sample  # [n, 3, H, W] in [-1, 1]
         pixels = ((pixels / 2 + 0.5).clamp(0, 1) * 255).round().to(torch.uint8)
         arrays = pixels.permute(0, 2, 3, 1).cpu().numpy()

@@ -361,6 +361,7 @@ class WanFamily(Family):
         videos = []
         mean, std = self.latents_mean.to(self.device), self.latents_std.to(self.device)
         # One output at a time: a video decode is the memory peak of the whole job.
+        self.set_vae_tiling(self.vae, state.request.width, state.request.height)
         for latent in state.latents.to(self.device, torch.float32).split(1):
             pixels = self.vae.decode((latent * std + mean).to(self.dtype), return_dict=False)[0]  # [1, 3, F, H, W]
             pixels = ((pixels / 2 + 0.5).clamp(0, 1) * 255).round().to(torch.uint8)
