@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import heapq
+import io
 import json
 import os
 import random
@@ -415,6 +416,8 @@ def own_stack(cards: int, clock: float, users: int, database_url: str | None,
 
         _wait(lambda: _redis_up(url), 20, "Redis answering")
         call_command("migrate", "--noinput", verbosity=0)
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+            call_command("make_tiny_models", verbosity=0)  # workers check every registry model at start
         tokens = [Token.objects.get_or_create(user=get_user_model().objects.get_or_create(
             username=f"chaos{i}")[0])[0].key for i in range(users)]
         supervisor = QuietSupervisor(os.path.join(data_dir, "stack.log"), stop_timeout=10)

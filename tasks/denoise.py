@@ -22,7 +22,8 @@ from django.conf import settings
 from genserver import policy
 from genserver.jobs import selectors, services
 from genserver.redis_client import CANCEL_KEY, client as redis_client
-from genserver.scheduling.classes import priority_for
+from genserver.scheduling.classes import CLASSES, priority_for
+from genserver.scheduling.pools import class_of
 from workers.runtime import stages
 
 from .common import family_of, preload, request_of, storage, worker_id
@@ -32,9 +33,9 @@ _deleter = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-gc")
 
 
 def _consumed_queues(job_queue: str) -> list[str]:
-    """The class queues this worker consumes (the launcher sets them; a bare worker assumes the job's)."""
+    """The denoise queues this worker consumes (the launcher sets them; a bare worker assumes the job's)."""
     queues = os.environ.get("GENSERVER_WORKER_QUEUES", "")
-    return [q for q in queues.split(",") if q in ("short", "medium", "long")] or [job_queue]
+    return [q for q in queues.split(",") if class_of(q) in CLASSES] or [job_queue]
 
 
 @shared_task(name="tasks.denoise.run_chunk", bind=True)
@@ -66,7 +67,7 @@ def run_chunk(self, job_id: str, from_step: int) -> str:
             return False
         remaining = job.estimated_seconds * (job.steps - step) / job.steps
         continuation = priority_for(job.duration_class, remaining, True, policy.thresholds())
-        return not selectors.waiting_at_or_before(_consumed_queues(job.duration_class), continuation)
+        return not selectors.waiting_at_or_before(_consumed_queues(job.queue), continuation)
 
     family, store = family_of(job), storage()
     previous_key = job.checkpoint_key

@@ -11,10 +11,10 @@ def send_encode(job_id: UUID, priority: int) -> None:
     app.send_task("tasks.encode.encode", args=[str(job_id)], queue=ENCODE, priority=priority)
 
 
-def send_chunk(job_id: UUID, from_step: int, duration_class: str, priority: int) -> None:
-    """The next denoise chunk goes to the job's class queue at its current priority band."""
-    app.send_task("tasks.denoise.run_chunk", args=[str(job_id), from_step], queue=duration_class,
-                  priority=priority)
+def send_chunk(job_id: UUID, from_step: int, queue: str, priority: int) -> None:
+    """The next denoise chunk goes to the job's queue (its class, or its model's own class queue)
+    at its current priority band."""
+    app.send_task("tasks.denoise.run_chunk", args=[str(job_id), from_step], queue=queue, priority=priority)
 
 
 def send_decode(job_id: UUID, priority: int) -> None:

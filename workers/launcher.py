@@ -21,7 +21,7 @@ from .supervise import Supervisor, python
 
 def worker_argv(spec: WorkerSpec, loglevel: str = "INFO") -> list[str]:
     return [python(), "-m", "celery", "-A", "genserver", "worker",
-            "--hostname", f"{spec.name}@%h", "--queues", ",".join(spec.queues),
+            "--hostname", f"{spec.name}@%h", "--queues", ",".join(spec.consumed_queues()),
             "--concurrency", "1", "--pool", os.environ.get("GENSERVER_WORKER_POOL", "solo"),
             "--prefetch-multiplier", "1",
             "--without-gossip", "--without-mingle", "--task-events", "--loglevel", loglevel]
@@ -29,7 +29,7 @@ def worker_argv(spec: WorkerSpec, loglevel: str = "INFO") -> list[str]:
 
 def worker_env(spec: WorkerSpec) -> dict[str, str]:
     env = {"CUDA_VISIBLE_DEVICES": ",".join(str(d) for d in spec.devices),
-           "GENSERVER_WORKER_NAME": spec.name, "GENSERVER_WORKER_QUEUES": ",".join(spec.queues)}
+           "GENSERVER_WORKER_NAME": spec.name, "GENSERVER_WORKER_QUEUES": ",".join(spec.consumed_queues())}
     if spec.models:
         env["GENSERVER_WORKER_MODELS"] = ",".join(spec.models)
     return env

@@ -45,6 +45,7 @@ class Job(models.Model):
     estimated_seconds = models.FloatField(help_text="expected seconds of denoising work (cost model, corrected)")
     clock_scale = models.FloatField(default=1.0, help_text="wall seconds per second of work (simulated backend)")
     duration_class = models.CharField(max_length=10)
+    queue = models.CharField(max_length=120, default="", help_text="broker queue of its denoise chunks")
     priority = models.PositiveSmallIntegerField(help_text="Redis priority of the job's next message, 0 first")
     chunk_steps = models.PositiveIntegerField(help_text="denoising steps per chunk task")
 

@@ -40,14 +40,14 @@ def _chunk_remaining(job: Job) -> float:
 
 def _work_item(job: Job, wall: bool) -> WorkItem:
     scale = job.clock_scale if wall else 1.0
-    return WorkItem(queue=job.duration_class, priority=job.priority,
+    return WorkItem(queue=job.queue or job.duration_class, priority=job.priority,
                     remaining_seconds=job.remaining_seconds * scale, running=_is_running(job),
                     chunk_remaining_seconds=_chunk_remaining(job) * scale)
 
 
 def _active_jobs() -> list[Job]:
     return list(Job.objects.filter(status__in=ACTIVE).only(
-        "id", "status", "duration_class", "priority", "estimated_seconds", "clock_scale", "steps",
+        "id", "status", "duration_class", "queue", "priority", "estimated_seconds", "clock_scale", "steps",
         "steps_done", "checkpoint_step", "chunk_steps", "lease_owner", "published_at", "created_at"))
 
 
@@ -81,9 +81,10 @@ class QueueSnapshot:
             return None
         if _is_running(job) or job.status == JobStatus.DECODING:
             return 0
-        mine = {w.name for w in self.layout.workers if job.duration_class in w.queues}
+        mine = {w.name for w in self.layout.workers if (job.queue or job.duration_class) in w.consumed_queues()}
         return sum(1 for other in self._ahead(job) if not _is_running(other)
-                   and any(other.duration_class in w.queues for w in self.layout.workers if w.name in mine))
+                   and any((other.queue or other.duration_class) in w.consumed_queues()
+                           for w in self.layout.workers if w.name in mine))
 
     def eta_seconds(self, job: Job) -> float | None:
         """Expected wall seconds until the job finishes denoising. None once terminal."""
@@ -93,7 +94,7 @@ class QueueSnapshot:
         if _is_running(job) or job.status == JobStatus.DECODING:
             return round(own, 3)
         items = [_work_item(o, wall=True) for o in self._ahead(job)]
-        wait = expected_wait(job.duration_class, job.priority, items, self.layout)
+        wait = expected_wait(job.queue or job.duration_class, job.priority, items, self.layout)
         return None if math.isinf(wait) else round(wait + own, 3)
 
 
@@ -171,7 +172,7 @@ def queue_overview() -> list[dict[str, Any]]:
             "depth": sum(1 for j in mine if not _is_running(j)),
             "running": sum(1 for j in mine if _is_running(j)),
             "backlog_seconds": round(sum(j.remaining_seconds for j in mine), 3),
-            "workers": [w.name for w in layout.workers if cls in w.queues],
+            "workers": [w.name for w in layout.workers if cls in w.queues],  # dedicated ones included
             "expected_wait_seconds": None if math.isinf(wait) else round(wait, 3),
             "wait_limit_seconds": limit,
             "accepting": wait <= limit,

@@ -99,8 +99,8 @@ def submit_job(owner: Any, data: dict[str, Any]) -> Job:
 
     spec = policy.registry().get(data["model"])
     est = estimate(data)
-    decision = decide(est.duration_class, est.priority, selectors.backlog_items(), policy.layout(),
-                      policy.limits())
+    queue = policy.layout().queue_for(est.duration_class, spec.name)
+    decision = decide(queue, est.priority, selectors.backlog_items(), policy.layout(), policy.limits())
     if not decision.accepted:
         raise AdmissionRefused(decision, est.duration_class)
     with transaction.atomic():
@@ -112,7 +112,7 @@ def submit_job(owner: Any, data: dict[str, Any]) -> Job:
             steps=data["steps"], guidance_scale=data["guidance_scale"], seed=data["seed"],
             num_outputs=data["num_outputs"], preview_every=data.get("preview_every", 0),
             estimated_seconds=est.seconds, clock_scale=est.clock_scale,
-            duration_class=est.duration_class, priority=est.priority, chunk_steps=est.chunk_steps,
+            duration_class=est.duration_class, queue=queue, priority=est.priority, chunk_steps=est.chunk_steps,
             published_at=timezone.now(),
         )
         transaction.on_commit(lambda: publish_or_leave_to_reaper(dispatch.send_encode, job.id, job.priority))
@@ -191,7 +191,7 @@ def finish_encoding(job_id, worker: str, embeddings_key: str) -> bool:
         job.status, job.stage, job.published_at = JobStatus.DENOISING, "waiting", timezone.now()
         job.save()
         transaction.on_commit(lambda: dispatch.send_chunk(job.id, job.checkpoint_step,
-                                                          job.duration_class, job.priority))
+                                                          job.queue, job.priority))
     return True
 
 
@@ -269,7 +269,7 @@ def finish_chunk(job_id, worker: str, step: int, checkpoint_key: str, step_secon
             else:
                 job.stage = "waiting"
                 job.save()
-                transaction.on_commit(lambda: dispatch.send_chunk(job.id, step, job.duration_class, job.priority))
+                transaction.on_commit(lambda: dispatch.send_chunk(job.id, step, job.queue, job.priority))
     if step_seconds:
         _learn_step_time(job, step_seconds)
     return True
@@ -365,7 +365,7 @@ def _republish(job: Job) -> None:
     if job.status in (JobStatus.QUEUED, JobStatus.ENCODING):
         dispatch.send_encode(job.id, job.priority)
     elif job.status == JobStatus.DENOISING:
-        dispatch.send_chunk(job.id, job.checkpoint_step, job.duration_class, job.priority)
+        dispatch.send_chunk(job.id, job.checkpoint_step, job.queue, job.priority)
     elif job.status == JobStatus.DECODING:
         dispatch.send_decode(job.id, job.priority)
 
@@ -393,7 +393,7 @@ def reap_stale() -> dict[str, int]:
     quiet_since = now - timedelta(seconds=settings.LEASE_SECONDS)
     orphans = list(Job.objects.filter(status__in=ACTIVE, lease_owner="", published_at__lt=quiet_since))
     if orphans:
-        waiting = selectors.broker_job_ids(ALL_QUEUES)
+        waiting = selectors.broker_job_ids(set(ALL_QUEUES) | policy.layout().all_queues())
         for job in orphans:
             if str(job.pk) in waiting:
                 continue

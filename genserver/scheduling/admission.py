@@ -14,14 +14,14 @@ from dataclasses import dataclass
 from typing import Iterable
 
 from .classes import CLASSES, LONG, MEDIUM, SHORT
-from .pools import PoolLayout
+from .pools import PoolLayout, class_of
 
 
 @dataclass(frozen=True)
 class WorkItem:
     """A job in the system, as admission sees it."""
 
-    queue: str  # duration class = queue name
+    queue: str  # the broker queue: the duration class, or "class.model" for a dedicated model
     priority: int
     remaining_seconds: float  # expected work left
     running: bool = False
@@ -55,7 +55,7 @@ class Decision:
 
 
 def _serving(layout: PoolLayout, queue: str) -> set[str]:
-    return {w.name for w in layout.workers if queue in w.queues}
+    return {w.name for w in layout.workers if queue in w.consumed_queues()}
 
 
 def work_ahead(queue: str, priority: int, items: Iterable[WorkItem], layout: PoolLayout) -> tuple[float, int]:
@@ -88,11 +88,12 @@ def expected_wait(queue: str, priority: int, items: Iterable[WorkItem], layout: 
 
 def decide(queue: str, priority: int, items: Iterable[WorkItem], layout: PoolLayout,
            limits: AdmissionLimits) -> Decision:
-    """Accept or refuse a new job of class `queue` at `priority`."""
-    if queue not in CLASSES:
-        raise ValueError(f"unknown duration class {queue!r}")
+    """Accept or refuse a new job for `queue` (its class, or "class.model") at `priority`."""
+    duration_class = class_of(queue)
+    if duration_class not in CLASSES:
+        raise ValueError(f"unknown duration class {duration_class!r}")
     wait = expected_wait(queue, priority, items, layout)
-    limit = limits.for_class(queue)
+    limit = limits.for_class(duration_class)
     if wait <= limit:
         return Decision(True, wait, limit)
     if math.isinf(wait):
@@ -100,5 +101,5 @@ def decide(queue: str, priority: int, items: Iterable[WorkItem], layout: PoolLay
                         reason=f"no worker serves the {queue!r} queue; check the pool layout")
     retry = max(1, math.ceil(wait - limit))
     return Decision(False, wait, limit, retry_after_seconds=retry,
-                    reason=(f"the {queue} class is overloaded: expected wait {wait:.0f} s exceeds its "
+                    reason=(f"the {duration_class} class is overloaded: expected wait {wait:.0f} s exceeds its "
                             f"{limit:.0f} s limit; retry after {retry} s or submit a shorter job"))

@@ -38,6 +38,14 @@ class WorkerSpec:
     def denoises(self) -> bool:
         return any(q in CLASSES for q in self.queues)
 
+    def consumed_queues(self) -> tuple[str, ...]:
+        """The broker queues it reads. A worker dedicated to models reads their own class queues
+        ("short.sdxl", ...), so one process serves one model and never loads another."""
+        if not self.models:
+            return self.queues
+        return tuple(name for q in self.queues
+                     for name in ([f"{q}.{m}" for m in self.models] if q in CLASSES else [q]))
+
 
 @dataclass(frozen=True)
 class PoolLayout:
@@ -47,14 +55,24 @@ class PoolLayout:
         names = [w.name for w in self.workers]
         if len(set(names)) != len(names):
             raise ValueError(f"worker names must be unique, got {names}")
-        served = {q for w in self.workers for q in w.queues}
+        served = {class_of(q) for w in self.workers for q in w.consumed_queues()}
         missing = [q for q in (ENCODE, *CLASSES, DECODE) if q not in served]
         if missing:
             raise ValueError(f"pool layout leaves queues without a worker: {missing}")
 
     def capacity(self, queue: str) -> int:
-        """How many denoise workers take work from `queue`."""
-        return sum(1 for w in self.workers if queue in w.queues)
+        """How many workers take work from `queue`."""
+        return sum(1 for w in self.workers if queue in w.consumed_queues())
+
+    def dedicated_models(self) -> set[str]:
+        return {m for w in self.workers if w.denoises for m in w.models}
+
+    def queue_for(self, duration_class: str, model: str) -> str:
+        """Where a job's denoise chunks go: its model's own class queue if workers are dedicated to it."""
+        return f"{duration_class}.{model}" if model in self.dedicated_models() else duration_class
+
+    def all_queues(self) -> set[str]:
+        return {q for w in self.workers for q in w.consumed_queues()}
 
     def queues_of(self, name: str) -> tuple[str, ...]:
         for w in self.workers:
@@ -67,6 +85,11 @@ class PoolLayout:
             {"name": w.name, "queues": list(w.queues), "devices": list(w.devices), "models": list(w.models)}
             for w in self.workers
         ]}
+
+
+def class_of(queue: str) -> str:
+    """The duration class (or stage) a broker queue belongs to: "short.sdxl" → "short"."""
+    return queue.split(".", 1)[0]
 
 
 def default_layout(num_gpus: int, cpu_workers: int = 2) -> PoolLayout:

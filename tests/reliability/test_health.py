@@ -9,7 +9,7 @@ import pytest
 from django.test import Client
 from django.utils import timezone
 
-from genserver.jobs.models import Job, JobStatus
+from genserver.jobs.models import JobStatus
 from genserver.scheduling.pools import ALL_QUEUES
 from tests.reliability.conftest import make_job
 

@@ -58,3 +58,32 @@ def test_supervisor_restarts_a_child_that_exits_and_stops_all():
     assert child.process.pid != first_pid and child.restarts == 1
     supervisor.stop()
     assert child.process.poll() is not None
+
+
+def test_a_worker_dedicated_to_a_model_reads_only_that_models_queues():
+    layout = load_layout('{"workers": ['
+                         '{"name": "sdxl", "queues": ["short", "medium"], "devices": [0], "models": ["sdxl-sim"]},'
+                         '{"name": "any", "queues": ["short", "medium", "long"], "devices": [1]},'
+                         '{"name": "side", "queues": ["encode", "decode", "control"]}]}', num_gpus=2)
+    dedicated, shared = layout.workers[0], layout.workers[1]
+    assert dedicated.consumed_queues() == ("short.sdxl-sim", "medium.sdxl-sim")
+    assert worker_argv(dedicated)[worker_argv(dedicated).index("--queues") + 1] == "short.sdxl-sim,medium.sdxl-sim"
+    assert worker_env(dedicated)["GENSERVER_WORKER_QUEUES"] == "short.sdxl-sim,medium.sdxl-sim"
+    assert shared.consumed_queues() == ("short", "medium", "long")
+    # Jobs of the dedicated model go to its own queues; others to the class queues.
+    assert layout.queue_for("short", "sdxl-sim") == "short.sdxl-sim"
+    assert layout.queue_for("short", "flux-sim") == "short"
+    assert layout.capacity("short.sdxl-sim") == 1 and layout.capacity("short") == 1
+
+
+def test_admission_counts_only_the_dedicated_cards_for_their_model():
+    from genserver.scheduling.admission import AdmissionLimits, WorkItem, decide
+
+    layout = load_layout('{"workers": ['
+                         '{"name": "a", "queues": ["short", "medium", "long"], "models": ["wan-sim"]},'
+                         '{"name": "b", "queues": ["short", "medium", "long"]},'
+                         '{"name": "c", "queues": ["encode", "decode"]}]}', num_gpus=0)
+    busy = [WorkItem(queue="long.wan-sim", priority=7, remaining_seconds=2000.0)]
+    refused = decide("long.wan-sim", 7, busy, layout, AdmissionLimits())
+    assert not refused.accepted and "long class" in refused.reason
+    assert decide("long", 7, busy, layout, AdmissionLimits()).accepted  # card b is free for other models
