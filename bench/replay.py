@@ -25,7 +25,7 @@ from bench.livestack import live_stack
 from genserver.scheduling.admission import AdmissionLimits
 from genserver.scheduling.chunking import DEFAULT_CHUNK_SECONDS
 from genserver.scheduling.pools import default_layout
-from genserver.scheduling.simulator import IMAGE, KINDS, Request, SimConfig, pct, seed_workload, simulate
+from genserver.scheduling.simulator import KINDS, Request, SimConfig, pct, seed_workload, simulate
 
 CARDS = 4
 # The request that has each of the seed's durations under bench/seed-registry.toml.

@@ -36,8 +36,8 @@ from PIL import Image
 
 from genserver.registry import ModelSpec
 from workers.runtime.base import DenoiseState, Family, GenerationRequest
-from workers.runtime.unet import (CheckpointMissingError, check_checkpoint_dir, latent_preview, module_bytes,
-                                  restore_scheduler_history, scheduler_class, scheduler_history)
+from workers.runtime.unet import (CheckpointMissingError, check_checkpoint_dir, last_denoised, latent_preview,
+                                  module_bytes, resumed_state, scheduler_class, scheduler_history)
 
 __all__ = ["FluxFamily", "CheckpointMissingError", "CHECKPOINT_FORMAT", "FLUX_SCHEDULERS"]
 
@@ -298,24 +298,13 @@ class FluxFamily(Family):
             raise ValueError(f"checkpoint latents {tuple(data['latents'].shape)} do not fit the request "
                              f"({expected})")
         scheduler = self._new_scheduler(request, begin_index=int(data["scheduler_step_index"]))
-        if type(scheduler).__name__ != data["scheduler_class"]:
-            raise ValueError(f"checkpoint used {data['scheduler_class']}, the model now uses "
-                             f"{type(scheduler).__name__}")
-        restore_scheduler_history(scheduler, data, self.device, self.dtype)
-        generator = torch.Generator("cpu")
-        generator.set_state(data["generator_state"])
-        latents = data["latents"].to(self.device, self.dtype)
-        return DenoiseState(request=request, step=int(data["step"]), latents=latents,
-                            embeddings=embeddings, scheduler=scheduler, generator=generator)
+        return resumed_state(scheduler, data, request, embeddings, self.device, self.dtype)
 
     # 5. preview --------------------------------------------------------------
 
     @torch.no_grad()
     def preview(self, state: DenoiseState) -> Image.Image:
-        scheduler = state.scheduler
-        denoised = state.extra.get("denoised")
-        if denoised is None and getattr(scheduler, "model_outputs", None) and scheduler.model_outputs[-1] is not None:
-            denoised = scheduler.model_outputs[-1]  # restored DPM++ history: its last x0 prediction
+        denoised = last_denoised(state)
         if denoised is None:
             denoised = state.latents  # before the first step (or after a restore): the noisy latents
         h, w = self._latent_size(state.request)

@@ -155,6 +155,27 @@ def latent_preview(latent: torch.Tensor, factors: torch.Tensor, bias: torch.Tens
     return image.resize((w * scale, h * scale), Image.NEAREST) if scale > 1 else image
 
 
+def resumed_state(scheduler: Any, data: dict[str, Any], request: GenerationRequest, embeddings: dict[str, Any],
+                  device: str, dtype: torch.dtype) -> DenoiseState:
+    """The tail of every restore: the scheduler's history, the RNG and the latents back in place."""
+    if type(scheduler).__name__ != data["scheduler_class"]:
+        raise ValueError(f"checkpoint used {data['scheduler_class']}, the model now uses {type(scheduler).__name__}")
+    restore_scheduler_history(scheduler, data, device, dtype)
+    generator = torch.Generator("cpu")
+    generator.set_state(data["generator_state"])
+    return DenoiseState(request=request, step=int(data["step"]), latents=data["latents"].to(device, dtype),
+                        embeddings=embeddings, scheduler=scheduler, generator=generator)
+
+
+def last_denoised(state: DenoiseState) -> torch.Tensor | None:
+    """The latest x0 estimate: from the last step, or a restored multistep history's last prediction."""
+    denoised = state.extra.get("denoised")
+    outputs = getattr(state.scheduler, "model_outputs", None)
+    if denoised is None and outputs and outputs[-1] is not None:
+        denoised = outputs[-1]
+    return denoised
+
+
 def module_bytes(*modules: torch.nn.Module) -> int:
     return sum(t.numel() * t.element_size() for m in modules for t in [*m.parameters(), *m.buffers()])
 
@@ -382,24 +403,14 @@ class UNetFamily(Family):
         if data["steps"] != request.steps:
             raise ValueError(f"checkpoint was made for {data['steps']} steps, the request has {request.steps}")
         scheduler = self._new_scheduler(request.steps, begin_index=int(data["scheduler_step_index"]))
-        if type(scheduler).__name__ != data["scheduler_class"]:
-            raise ValueError(f"checkpoint used {data['scheduler_class']}, the model now uses "
-                             f"{type(scheduler).__name__}")
-        restore_scheduler_history(scheduler, data, self.device, self.dtype)
-        generator = torch.Generator("cpu")
-        generator.set_state(data["generator_state"])
-        latents = data["latents"].to(self.device, self.dtype)
-        return DenoiseState(request=request, step=int(data["step"]), latents=latents,
-                            embeddings=embeddings, scheduler=scheduler, generator=generator)
+        return resumed_state(scheduler, data, request, embeddings, self.device, self.dtype)
 
     # 5. preview --------------------------------------------------------------
 
     @torch.no_grad()
     def preview(self, state: DenoiseState) -> Image.Image:
         scheduler = state.scheduler
-        denoised = state.extra.get("denoised")
-        if denoised is None and getattr(scheduler, "model_outputs", None) and scheduler.model_outputs[-1] is not None:
-            denoised = scheduler.model_outputs[-1]  # restored DPM++ history: its last x0 prediction
+        denoised = last_denoised(state)
         if denoised is None:
             # Before the first step (or right after a restore) only the noisy
             # latents exist. Euler-type schedulers scale them by ~sqrt(σ² + 1); undo
