@@ -18,10 +18,14 @@ of its attempts: the drill tests recovery, not the poison-job limit. Then it
 stops killing and waits (at most `--drain` seconds) for every accepted job to end.
 
 It prints the totals and exits 1 if any accepted job was lost, stuck or
-failed, ran a chunk or a decode twice to completion, or redid more than the
-interrupted chunk. The measurements are the database (what each job became)
-and the probe (`bench/chaos_probe.py`: what the workers ran to completion).
-A short version runs in the tests (tests/reliability/test_chaos.py).
+failed, had a chunk or its decode recorded twice, came out with the wrong set
+of outputs, or redid more than the interrupted chunk. It also counts
+"superseded" runs: a chunk a live worker finished after its lease had expired
+and another worker had taken the job (computed twice, recorded once). The
+measurements are the database (what each job became) and the probe
+(`bench/chaos_probe.py`: what the workers ran to completion). Results and
+their reading: docs/RELIABILITY.md. A short version runs in the tests
+(tests/reliability/test_chaos.py).
 """
 from __future__ import annotations
 
@@ -491,7 +495,7 @@ def main(argv: list[str] | None = None) -> int:
         report = drill(target, offers, args.seconds, args.kill_every, rng, args.drain,
                        say=lambda line: print(line, flush=True))
     print("\n".join(report.lines()))
-    print("OK: no accepted job lost, stuck, failed or run twice" if report.ok else "FAILED")
+    print("OK: no accepted job lost, stuck, failed or recorded twice" if report.ok else "FAILED")
     return 0 if report.ok else 1
 
 

@@ -1,8 +1,9 @@
 """Health probes, answered without a token (they reveal no job, user or secret).
 
     GET /healthz   200 while the process serves requests; touches neither the database nor Redis.
-    GET /readyz    200 when the database and Redis answer and every queue has a live worker
-                   consuming it; 503 otherwise, naming each problem. Per queue it reports the
+    GET /readyz    200 when the database and Redis answer and every queue of the pool layout
+                   (and encode, decode, control) has a live worker consuming it; 503
+                   otherwise, naming each problem. Per queue it reports the
                    live workers, the messages waiting in the broker, and the jobs waiting for
                    that queue with the age of the oldest one's message (from the database,
                    which knows when each job's next task was published).
@@ -20,7 +21,8 @@ from django.db.models import Count, Min, Q
 from django.http import HttpRequest, JsonResponse
 from django.utils import timezone
 
-from genserver.scheduling.pools import ALL_QUEUES, CONTROL, DECODE, ENCODE
+from genserver import policy
+from genserver.scheduling.pools import ALL_QUEUES, CONTROL, DECODE, ENCODE, class_of
 
 log = logging.getLogger(__name__)
 
@@ -53,14 +55,19 @@ def _waiting_by_queue() -> dict[str, dict[str, Any]]:
     put(ENCODE, agg["n"], agg["oldest"])
     agg = unheld.filter(status=JobStatus.DECODING).aggregate(n=Count("pk"), oldest=Min("published_at"))
     put(DECODE, agg["n"], agg["oldest"])
-    for row in (unheld.filter(status=JobStatus.DENOISING).values("duration_class")
+    for row in (unheld.filter(status=JobStatus.DENOISING).values("queue", "duration_class")
                 .annotate(n=Count("pk"), oldest=Min("published_at"))):
-        put(row["duration_class"], row["n"], row["oldest"])
+        put(row["queue"] or row["duration_class"], row["n"], row["oldest"])
     for entry in waiting.values():
         oldest = entry.pop("oldest")
         entry["oldest_message_age_seconds"] = (round(max(0.0, (now - oldest).total_seconds()), 3)
                                                if oldest is not None else None)
     return waiting
+
+
+def _queue_order(queue: str) -> tuple[int, str]:
+    stage = class_of(queue)
+    return (ALL_QUEUES.index(stage) if stage in ALL_QUEUES else len(ALL_QUEUES), queue)
 
 
 def readyz(request: HttpRequest) -> JsonResponse:
@@ -89,8 +96,11 @@ def readyz(request: HttpRequest) -> JsonResponse:
     except Exception as exc:  # noqa: BLE001
         checks["redis"] = {"ok": False, "error": _brief(exc)}
         problems.append("Redis (the broker) is unreachable")
+    # The queues some worker of the layout reads (a worker dedicated to a model reads its own class
+    # queues, "short.sdxl"), plus encode, decode and control (the reaper runs there).
+    expected = set(policy.layout().all_queues()) | {ENCODE, DECODE, CONTROL}
     queues: dict[str, dict[str, Any]] = {}
-    for queue in ALL_QUEUES:
+    for queue in sorted(expected | set(waiting), key=_queue_order):
         names = sorted(w.get("name", "?") for w in live if queue in w.get("queues", []))
         depth = None
         if redis_ok:
@@ -104,7 +114,7 @@ def readyz(request: HttpRequest) -> JsonResponse:
             entry.pop("waiting_jobs")
             entry.pop("oldest_message_age_seconds")
         queues[queue] = entry
-        if redis_ok and not names:
+        if redis_ok and not names and queue in expected:
             problems.append(f"no live worker consumes queue {queue!r}")
     checks["workers"] = {"ok": redis_ok and all(q["live_workers"] for q in queues.values()),
                          "live": sorted(w.get("name", "?") for w in live)}

@@ -10,6 +10,7 @@ import time
 from dataclasses import dataclass, field
 
 log = logging.getLogger("genserver.supervise")
+STABLE_SECONDS = 60.0  # a child that ran this long before exiting restarts without back-off
 
 
 @dataclass
@@ -21,6 +22,7 @@ class Child:
     process: subprocess.Popen | None = None
     restarts: int = 0
     next_start: float = 0.0
+    started_at: float = 0.0
 
 
 class Supervisor:
@@ -46,6 +48,7 @@ class Supervisor:
         env.update(child.env)
         log.info("starting %s: %s", child.name, " ".join(child.argv))
         child.process = subprocess.Popen(child.argv, env=env, start_new_session=True)
+        child.started_at = time.monotonic()
 
     def install_signal_handlers(self) -> None:
         def handler(signum, frame):
@@ -68,6 +71,8 @@ class Supervisor:
             if not child.restart:
                 continue
             if child.next_start == 0.0:
+                if now - child.started_at > STABLE_SECONDS:
+                    child.restarts = 0  # it ran fine for a while: this exit is not part of a crash loop
                 delay = min(30.0, 0.5 * 2 ** min(child.restarts, 6))
                 child.next_start = now + delay
                 log.warning("%s exited with %s; restarting in %.1f s", child.name, proc.returncode, delay)

@@ -528,11 +528,10 @@ def expire_outputs(now=None, batch: int = 500) -> int:
     cutoff = now - timedelta(seconds=ttl)
     storage = default_storage()
     expired = 0
-    candidates = (Job.objects.filter(status__in=TERMINAL, finished_at__lt=cutoff).exclude(stage="expired")
-                  .order_by("finished_at").values_list("pk", "status", "outputs", "preview_key")[:batch])
-    for pk, status, outputs, preview_key in candidates:
-        if not outputs and not preview_key:
-            continue
+    candidates = (Job.objects.filter(~Q(outputs=[]) | ~Q(preview_key=""), status__in=TERMINAL,
+                                     finished_at__lt=cutoff)
+                  .order_by("finished_at").values_list("pk", "status")[:batch])
+    for pk, status in candidates:
         storage.delete_prefix(f"outputs/{pk}")
         storage.delete_prefix(f"previews/{pk}")
         fields: dict[str, Any] = {"outputs": [], "preview_key": ""}
@@ -561,12 +560,21 @@ def sweep_embeddings(now=None) -> int:
         return set(Job.objects.filter(status__in=ACTIVE).exclude(embeddings_key="")
                    .values_list("embeddings_key", flat=True))
 
+    for tomb in root.glob(".deleting-*"):  # left by a sweep that died midway: put back, decide again
+        original = tomb.with_name(tomb.name[len(".deleting-"):])
+        try:
+            if original.exists():
+                tomb.unlink(missing_ok=True)
+            else:
+                os.replace(tomb, original)
+        except OSError:
+            pass
     used = in_use()
     stamp = now.timestamp()
     for key in used:
         try:
             os.utime(default_storage().path(key), (stamp, stamp))
-        except (OSError, ValueError):
+        except Exception:  # noqa: BLE001 - a missing file or an odd key: nothing to keep fresh
             pass
     oldest = stamp - settings.EMBEDDINGS_TTL_SECONDS
     aside: list[tuple[str, Path, Path]] = []

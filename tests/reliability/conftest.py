@@ -39,7 +39,8 @@ def make_job(owner, **fields):
     est = services.estimate(data)
     values = dict(owner=owner, model="sdxl-sim", family="unet", kind="image", backend="simulated", prompt="p",
                   width=512, height=512, steps=20, guidance_scale=5.0, seed=1, estimated_seconds=est.seconds,
-                  duration_class=est.duration_class, priority=est.priority, chunk_steps=est.chunk_steps)
+                  duration_class=est.duration_class, queue=est.duration_class, priority=est.priority,
+                  chunk_steps=est.chunk_steps)
     return Job.objects.create(**(values | fields))
 
 

@@ -61,7 +61,7 @@ def test_every_message_published_twice_runs_each_chunk_once(stack, make_user):
                     dispatch.send_encode(job.pk, job.priority)
                     outcomes.append(encode.apply(args=[job_id]).get())
                 elif job.status == JobStatus.DENOISING:
-                    dispatch.send_chunk(job.pk, job.checkpoint_step, job.duration_class, job.priority)
+                    dispatch.send_chunk(job.pk, job.checkpoint_step, job.queue, job.priority)
                     outcomes.append(run_chunk.apply(args=[job_id, job.checkpoint_step]).get())
                 elif job.status == JobStatus.DECODING:
                     dispatch.send_decode(job.pk, job.priority)
@@ -139,8 +139,8 @@ def test_concurrent_claims_of_one_stage_let_exactly_one_run(make_user, stage):
     job = Job.objects.create(owner=owner, model="wan-sim", family="wan", kind="video", backend="simulated",
                              prompt="race", width=832, height=480, num_frames=81, steps=20, guidance_scale=5.0,
                              seed=1, estimated_seconds=est.seconds, clock_scale=est.clock_scale,
-                             duration_class=est.duration_class, priority=est.priority, chunk_steps=est.chunk_steps,
-                             status=status, checkpoint_step=0)
+                             duration_class=est.duration_class, queue=est.duration_class, priority=est.priority,
+                             chunk_steps=est.chunk_steps, status=status, checkpoint_step=0)
     take = {"chunk": lambda worker: services.claim_chunk(job.pk, worker, 0),
             "decode": lambda worker: services.start_decoding(job.pk, worker),
             "encode": lambda worker: services.start_encoding(job.pk, worker)}[stage]

@@ -60,7 +60,6 @@ def test_redis_flushed_mid_run_loses_no_job(stack, api):
     ids = [running, *waiting]
     assert waiting_messages(ids), "nothing was waiting in the broker: the drill would prove nothing"
     client().flushdb()  # queued messages, unacked messages, cancel flags, worker heartbeats: all gone
-    assert not waiting_messages(ids)
     late = submit(api, **VIDEO, prompt="cancelled after the flush").json()["id"]
     assert api.post(f"/api/v1/jobs/{late}/cancel/").status_code == 202
     jobs = [finished(i) for i in ids]

@@ -95,3 +95,32 @@ def test_readyz_sees_a_dead_worker_and_the_launcher_restarts_it(stack):
     stack.wait_ready()  # the supervisor (the launcher's) restarts it
     assert stack.child("decode").process.pid != before
     wait_for(lambda: Client().get("/readyz").status_code == 200, 20, what="ready again")
+
+
+def test_readyz_knows_the_queues_of_workers_dedicated_to_a_model(monkeypatch):
+    """A worker dedicated to a model reads that model's class queues ("short.sdxl-sim"): /readyz checks
+    those too, and names one left without a live worker."""
+    from genserver import policy
+    from genserver.redis_client import WORKER_KEY, client
+    from genserver.scheduling.pools import PoolLayout, WorkerSpec
+
+    layout = PoolLayout(workers=(
+        WorkerSpec("sdxl-card", ("short", "medium", "long"), models=("sdxl-sim",)),
+        WorkerSpec("any-card", ("short", "medium", "long")),
+        WorkerSpec("enc", ("encode", "control")), WorkerSpec("dec", ("decode",))))
+    monkeypatch.setattr(policy, "layout", lambda: layout)
+    keys = []
+    for spec in layout.workers:
+        keys.append(WORKER_KEY.format(name=spec.name))
+        client().set(keys[-1], json.dumps({"name": spec.name, "queues": list(spec.consumed_queues())}), ex=30)
+    try:
+        body = Client().get("/readyz").json()
+        assert body["status"] == "ready", body["problems"]
+        assert body["queues"]["short.sdxl-sim"]["live_workers"] == ["sdxl-card"]
+        assert "any-card" in body["queues"]["short"]["live_workers"]
+        client().delete(keys[0])
+        response = Client().get("/readyz")
+        assert response.status_code == 503
+        assert "no live worker consumes queue 'long.sdxl-sim'" in response.json()["problems"]
+    finally:
+        client().delete(*keys)

@@ -22,6 +22,7 @@ from rest_framework.test import APIClient
 from genserver.jobs.models import Job
 from genserver.storage import default_storage
 from tests.conftest import submit
+from tests.reliability.conftest import make_job
 
 pytestmark = pytest.mark.django_db
 
@@ -73,15 +74,7 @@ def test_schema_and_health_answer_without_a_token():
 
 def _finished_job(owner) -> Job:
     """A succeeded job with an output and a preview in storage (as decode leaves it)."""
-    from genserver.jobs import services
-
-    data = {"model": "sdxl-sim", "width": 512, "height": 512, "num_frames": 1, "steps": 20,
-            "guidance_scale": 5.0, "num_outputs": 1}
-    est = services.estimate(data)
-    job = Job.objects.create(owner=owner, model="sdxl-sim", family="unet", kind="image", backend="simulated",
-                             prompt="mine", width=512, height=512, steps=20, guidance_scale=5.0, seed=1,
-                             estimated_seconds=est.seconds, duration_class=est.duration_class,
-                             priority=est.priority, chunk_steps=est.chunk_steps, status="succeeded", stage="done")
+    job = make_job(owner, prompt="mine", status="succeeded", stage="done")
     storage = default_storage()
     out = storage.put(f"outputs/{job.pk}/0.png", b"\x89PNG output")
     preview = storage.put(f"previews/{job.pk}/preview.png", b"\x89PNG preview")
