@@ -41,6 +41,10 @@ class Job(models.Model):
     num_outputs = models.PositiveSmallIntegerField(default=1)
     preview_every = models.PositiveIntegerField(default=0)
 
+    # A client's retry of the same submit (Idempotency-Key header) returns this job.
+    idempotency_key = models.CharField(max_length=200, blank=True, default="")
+    request_fingerprint = models.CharField(max_length=64, blank=True, default="")
+
     # How the scheduler sees it.
     estimated_seconds = models.FloatField(help_text="expected seconds of denoising work (cost model, corrected)")
     clock_scale = models.FloatField(default=1.0, help_text="wall seconds per second of work (simulated backend)")
@@ -77,6 +81,10 @@ class Job(models.Model):
 
     class Meta:
         ordering = ["-created_at"]
+        constraints = [
+            models.UniqueConstraint(fields=["owner", "idempotency_key"], condition=~models.Q(idempotency_key=""),
+                                    name="unique_idempotency_key_per_owner"),
+        ]
         indexes = [
             models.Index(fields=["owner", "-created_at"]),
             models.Index(fields=["status", "priority", "created_at"]),

@@ -8,6 +8,8 @@ after the transaction that made them valid commits.
 from __future__ import annotations
 
 import errno
+import hashlib
+import json
 import logging
 import math
 import os
@@ -17,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from django.conf import settings
-from django.db import transaction
+from django.db import IntegrityError, transaction
 from django.db.models import F, Q
 from django.utils import timezone
 
@@ -89,11 +91,38 @@ def estimate(data: dict[str, Any]) -> Estimate:
 
 # --- submit and cancel (API side) ------------------------------------------------
 
-def submit_job(owner: Any, data: dict[str, Any]) -> Job:
+class IdempotencyConflict(Exception):
+    """The Idempotency-Key was used before for a different request (→ 422)."""
+
+
+def fingerprint(data: dict[str, Any]) -> str:
+    """A stable digest of a validated request (the seed included once it is drawn)."""
+    return hashlib.sha256(json.dumps(data, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def replayed_job(owner: Any, idempotency_key: str, data: dict[str, Any]) -> Job | None:
+    """The job an earlier submit with this key created, or None. Raises IdempotencyConflict when
+    the key came with a different request. A request without a seed matches on everything else."""
+    if not idempotency_key:
+        return None
+    job = Job.objects.filter(owner=owner, idempotency_key=idempotency_key).first()
+    if job is None:
+        return None
+    candidate = {k: v for k, v in data.items() if k != "seed_drawn"}
+    if data.get("seed_drawn"):
+        candidate["seed"] = job.seed  # the retry drew its own seed; the first one's counts
+    if job.request_fingerprint != fingerprint(candidate):
+        raise IdempotencyConflict(f"Idempotency-Key {idempotency_key!r} was used for a different request "
+                                  f"(job {job.pk}); use a new key for a new request.")
+    return job
+
+
+def submit_job(owner: Any, data: dict[str, Any], idempotency_key: str = "") -> Job:
     """Admit and record a validated request, then publish its encode task.
 
     Raises AdmissionRefused (→ 429) and writes nothing when the class is over its limit,
-    and InFlightLimitReached (→ 429) when the owner has too many unfinished jobs.
+    and InFlightLimitReached (→ 429) when the owner has too many unfinished jobs; an
+    IntegrityError when another submit recorded the same `idempotency_key` first.
     """
     from tasks import dispatch
 
@@ -103,20 +132,40 @@ def submit_job(owner: Any, data: dict[str, Any]) -> Job:
     decision = decide(queue, est.priority, selectors.backlog_items(), policy.layout(), policy.limits())
     if not decision.accepted:
         raise AdmissionRefused(decision, est.duration_class)
+    recorded = {k: v for k, v in data.items() if k != "seed_drawn"}
     with transaction.atomic():
         check_in_flight(owner)
-        job = Job.objects.create(
-            owner=owner, model=spec.name, family=spec.family, kind=spec.kind, backend=spec.backend,
-            prompt=data["prompt"], negative_prompt=data.get("negative_prompt", ""),
-            width=data["width"], height=data["height"], num_frames=data["num_frames"],
-            steps=data["steps"], guidance_scale=data["guidance_scale"], seed=data["seed"],
-            num_outputs=data["num_outputs"], preview_every=data.get("preview_every", 0),
-            estimated_seconds=est.seconds, clock_scale=est.clock_scale,
-            duration_class=est.duration_class, queue=queue, priority=est.priority, chunk_steps=est.chunk_steps,
-            published_at=timezone.now(),
-        )
+        job = _record_job(owner, spec, data, est, queue, idempotency_key, fingerprint(recorded))
         transaction.on_commit(lambda: publish_or_leave_to_reaper(dispatch.send_encode, job.id, job.priority))
     return job
+
+
+def submit_or_replay(owner: Any, data: dict[str, Any], idempotency_key: str = "") -> tuple[Job, bool]:
+    """(the job, whether it is a replay): a submit that a client may safely retry with the same key."""
+    replay = replayed_job(owner, idempotency_key, data)
+    if replay is not None:
+        return replay, True
+    try:
+        return submit_job(owner, data, idempotency_key), False
+    except IntegrityError:
+        replay = replayed_job(owner, idempotency_key, data)  # a concurrent retry committed first
+        if replay is None:
+            raise
+        return replay, True
+
+
+def _record_job(owner: Any, spec: Any, data: dict[str, Any], est: "Estimate", queue: str, idempotency_key: str,
+                request_fingerprint: str) -> Job:
+    return Job.objects.create(
+        owner=owner, model=spec.name, family=spec.family, kind=spec.kind, backend=spec.backend,
+        prompt=data["prompt"], negative_prompt=data.get("negative_prompt", ""),
+        width=data["width"], height=data["height"], num_frames=data["num_frames"],
+        steps=data["steps"], guidance_scale=data["guidance_scale"], seed=data["seed"],
+        num_outputs=data["num_outputs"], preview_every=data.get("preview_every", 0),
+        estimated_seconds=est.seconds, clock_scale=est.clock_scale,
+        duration_class=est.duration_class, queue=queue, priority=est.priority, chunk_steps=est.chunk_steps,
+        published_at=timezone.now(), idempotency_key=idempotency_key, request_fingerprint=request_fingerprint,
+    )
 
 
 def cancel_job(job: Job) -> Job:

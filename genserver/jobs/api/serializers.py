@@ -78,6 +78,7 @@ class JobCreateSerializer(serializers.Serializer):
         attrs.setdefault("guidance_scale", dflt.guidance_scale)
         if "seed" not in attrs:
             attrs["seed"] = secrets.randbelow(2**32)
+            attrs["seed_drawn"] = True  # an idempotent retry without a seed matches the first one's
         errors: dict[str, list[str]] = {}
         for field, maximum in (("width", lim.max_width), ("height", lim.max_height)):
             value = attrs[field]

@@ -46,8 +46,13 @@ class JobListCreateView(GenericAPIView):
         data = JobSerializer(page, many=True, context=_job_context(request)).data
         return self.get_paginated_response(data)
 
-    @extend_schema(request=JobCreateSerializer, responses={
-        201: JobSerializer, 400: OpenApiResponse(description="field errors"),
+    @extend_schema(request=JobCreateSerializer, parameters=[OpenApiParameter(
+        "Idempotency-Key", OpenApiTypes.STR, OpenApiParameter.HEADER,
+        description="retrying a submit with the same key returns the first job (200) instead of a new one")],
+        responses={
+        201: JobSerializer, 200: OpenApiResponse(JobSerializer, description="a retry with the same Idempotency-Key"),
+        422: OpenApiResponse(description="the Idempotency-Key was used for a different request"),
+        400: OpenApiResponse(description="field errors"),
         413: OpenApiResponse(description="request body too large"),
         415: OpenApiResponse(description="not JSON"),
         429: OpenApiResponse(description="overloaded, too many jobs in flight, or submitting too fast; "
@@ -56,8 +61,14 @@ class JobListCreateView(GenericAPIView):
         throttling.check_body_size(request)
         incoming = JobCreateSerializer(data=request.data)
         incoming.is_valid(raise_exception=True)
+        key = request.headers.get("Idempotency-Key", "").strip()
+        if len(key) > 200:
+            return Response({"Idempotency-Key": ["At most 200 characters."]}, status=status.HTTP_400_BAD_REQUEST)
         try:
-            job = services.submit_job(request.user, incoming.validated_data)
+            job, replayed = services.submit_or_replay(request.user, incoming.validated_data, key)
+        except services.IdempotencyConflict as conflict:
+            return Response({"detail": str(conflict), "reason": "idempotency_conflict"},
+                            status=status.HTTP_422_UNPROCESSABLE_ENTITY)
         except services.InFlightLimitReached as full:
             return Response({"detail": str(full), "reason": "too_many_in_flight", "limit": full.limit,
                              "in_flight": full.in_flight, "retry_after": full.retry_after_seconds},
@@ -70,7 +81,10 @@ class JobListCreateView(GenericAPIView):
                              "limit_seconds": d.limit_seconds, "retry_after": d.retry_after_seconds},
                             status=status.HTTP_429_TOO_MANY_REQUESTS,
                             headers={"Retry-After": str(d.retry_after_seconds)})
-        return Response(JobSerializer(job, context=_job_context(request)).data, status=status.HTTP_201_CREATED)
+        body = JobSerializer(job, context=_job_context(request)).data
+        if replayed:
+            return Response(body, status=status.HTTP_200_OK, headers={"Idempotent-Replayed": "true"})
+        return Response(body, status=status.HTTP_201_CREATED)
 
 
 class JobDetailView(APIView):
