@@ -224,6 +224,13 @@ ADMIT_LONG_SECONDS = env_float("GENSERVER_ADMIT_LONG_SECONDS", 1800.0)
 POOLS = env_str("GENSERVER_POOLS", "")
 NUM_GPUS = os.environ.get("GENSERVER_NUM_GPUS")
 CPU_WORKERS = env_int("GENSERVER_CPU_WORKERS", 2)
+# Generated layout only. Cards that serve images alone (unset: a quarter, at least
+# one): more keeps images fast under a video backlog, fewer gives video more cards
+# (the simulator prefers 0 with an overload cap; docs/BENCHMARKS.md prices both).
+IMAGE_CARDS = int(os.environ["GENSERVER_IMAGE_CARDS"]) if os.environ.get("GENSERVER_IMAGE_CARDS") else None
+# The most cards that run long (video) work at once (unset: every non-image card).
+# A lower cap shortens images' waits and lengthens videos' (the seed's exercise).
+MAX_LONG_CARDS = int(os.environ["GENSERVER_MAX_LONG_CARDS"]) if os.environ.get("GENSERVER_MAX_LONG_CARDS") else None
 
 # --- Recovery ------------------------------------------------------------------------
 # A running task renews its lease every step; a lease this old means the worker died.

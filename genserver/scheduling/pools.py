@@ -92,18 +92,28 @@ def class_of(queue: str) -> str:
     return queue.split(".", 1)[0]
 
 
-def default_layout(num_gpus: int, cpu_workers: int = 2) -> PoolLayout:
+def default_layout(num_gpus: int, cpu_workers: int = 2, image_cards: int | None = None,
+                   max_long_cards: int | None = None) -> PoolLayout:
     """The generated layout for a machine.
 
-    With N cards: about a quarter of them (at least one) serve images only
-    (short, medium), the rest serve video and also take images first (the
-    priority bands put short chunks ahead of long ones on every card). Text
+    With N cards: `image_cards` of them (default about a quarter, at least one)
+    serve images only (short, medium); the rest serve video and also take images
+    first (the priority bands put short chunks ahead of long ones on every card).
+    `max_long_cards` caps the cards that run long work at once (the seed's
+    "at most 2 cards on video"): cards beyond the cap serve images only. Text
     encode and VAE decode get their own processes, sharing the last card (CPU
     when there is none). With no GPU, `cpu_workers` CPU processes play the
     cards with the same logic.
     """
     cards = num_gpus if num_gpus > 0 else max(1, cpu_workers)
-    image_cards = max(1, round(cards / 4)) if cards > 1 else 0
+    if image_cards is None:
+        image_cards = max(1, round(cards / 4)) if cards > 1 else 0
+    if max_long_cards is not None:
+        if max_long_cards < 1:
+            raise ValueError("max_long_cards must be at least 1: some card has to run long work")
+        image_cards = max(image_cards, cards - max_long_cards)
+    if not 0 <= image_cards < cards:
+        raise ValueError(f"image_cards must be within 0..{cards - 1} for {cards} cards, got {image_cards}")
     workers: list[WorkerSpec] = []
     for i in range(cards):
         devices = (i,) if num_gpus > 0 else ()
@@ -131,10 +141,11 @@ def parse_layout(data: dict) -> PoolLayout:
             f"{exc!r}") from None
 
 
-def load_layout(spec: str | None, num_gpus: int, cpu_workers: int = 2) -> PoolLayout:
+def load_layout(spec: str | None, num_gpus: int, cpu_workers: int = 2, image_cards: int | None = None,
+                max_long_cards: int | None = None) -> PoolLayout:
     """A layout from `spec` (inline JSON, or a .json/.toml file path), else the default."""
     if not spec:
-        return default_layout(num_gpus, cpu_workers)
+        return default_layout(num_gpus, cpu_workers, image_cards, max_long_cards)
     text = spec.strip()
     if text.startswith("{"):
         return parse_layout(json.loads(text))

@@ -87,3 +87,15 @@ def test_admission_counts_only_the_dedicated_cards_for_their_model():
     refused = decide("long.wan-sim", 7, busy, layout, AdmissionLimits())
     assert not refused.accepted and "long class" in refused.reason
     assert decide("long", 7, busy, layout, AdmissionLimits()).accepted  # card b is free for other models
+
+
+def test_long_work_cap_and_image_cards_shape_the_generated_layout():
+    capped = default_layout(num_gpus=8, max_long_cards=2)
+    assert [w.name for w in capped.workers if "long" in w.queues] == ["gpu6", "gpu7"]
+    assert capped.capacity("long") == 2 and capped.capacity("short") == 8
+    lent = default_layout(num_gpus=4, image_cards=0)
+    assert lent.capacity("long") == 4
+    with pytest.raises(ValueError, match="at least 1"):
+        default_layout(num_gpus=4, max_long_cards=0)
+    with pytest.raises(ValueError, match="image_cards"):
+        default_layout(num_gpus=4, image_cards=4)
