@@ -15,7 +15,8 @@ from pathlib import Path
 from .classes import CLASSES, LONG, MEDIUM, SHORT
 
 ENCODE, DECODE, CONTROL = "encode", "decode", "control"
-ALL_QUEUES: tuple[str, ...] = (ENCODE, SHORT, MEDIUM, LONG, DECODE, CONTROL)
+WEBHOOKS = "webhooks"  # webhook deliveries: HTTP only, never on a denoising card's worker
+ALL_QUEUES: tuple[str, ...] = (ENCODE, SHORT, MEDIUM, LONG, DECODE, CONTROL, WEBHOOKS)
 
 
 @dataclass(frozen=True)
@@ -99,7 +100,7 @@ def default_layout(num_gpus: int, cpu_workers: int = 2) -> PoolLayout:
     (short, medium), the rest serve video and also take images first (the
     priority bands put short chunks ahead of long ones on every card). Text
     encode and VAE decode get their own processes, sharing the last card (CPU
-    when there is none). With no GPU, `cpu_workers` CPU processes play the
+    when there is none); the encode process also delivers webhooks. With no GPU, `cpu_workers` CPU processes play the
     cards with the same logic.
     """
     cards = num_gpus if num_gpus > 0 else max(1, cpu_workers)
@@ -111,7 +112,7 @@ def default_layout(num_gpus: int, cpu_workers: int = 2) -> PoolLayout:
         queues = (SHORT, MEDIUM) if i < image_cards else (SHORT, MEDIUM, LONG)
         workers.append(WorkerSpec(name=f"{prefix}{i}", queues=queues, devices=devices))
     side = (num_gpus - 1,) if num_gpus > 0 else ()
-    workers.append(WorkerSpec(name="encode", queues=(ENCODE, CONTROL), devices=side))
+    workers.append(WorkerSpec(name="encode", queues=(ENCODE, CONTROL, WEBHOOKS), devices=side))
     workers.append(WorkerSpec(name="decode", queues=(DECODE,), devices=side))
     return PoolLayout(tuple(workers))
 
