@@ -22,7 +22,7 @@ from django.http import HttpRequest, JsonResponse
 from django.utils import timezone
 
 from genserver import policy
-from genserver.scheduling.pools import ALL_QUEUES, CONTROL, DECODE, ENCODE, class_of
+from genserver.scheduling.pools import ALL_QUEUES, CONTROL, DECODE, ENCODE, WEBHOOKS, class_of
 
 log = logging.getLogger(__name__)
 
@@ -110,7 +110,7 @@ def readyz(request: HttpRequest) -> JsonResponse:
                 depth = None
         entry = {"live_workers": names, "broker_messages": depth,
                  "waiting_jobs": 0, "oldest_message_age_seconds": None} | waiting.get(queue, {})
-        if queue == CONTROL:
+        if queue in (CONTROL, WEBHOOKS):  # no job waits there
             entry.pop("waiting_jobs")
             entry.pop("oldest_message_age_seconds")
         queues[queue] = entry

@@ -260,3 +260,20 @@ CELERY_BEAT_SCHEDULE["retention"] = {
     "schedule": RETENTION_INTERVAL_SECONDS,
     "options": {"queue": "control", "expires": RETENTION_INTERVAL_SECONDS},
 }
+
+# --- Webhooks ------------------------------------------------------------------------
+# A job's optional `webhook_url` receives signed JSON events (started, preview,
+# succeeded, failed, cancelled), delivered by tasks on the `webhooks` queue.
+# HMAC-SHA256 key of the X-Genserver-Signature header; unset → derived from DJANGO_SECRET_KEY.
+WEBHOOK_SECRET = env_str("GENSERVER_WEBHOOK_SECRET", "") or __import__("hashlib").sha256(
+    f"genserver-webhooks:{SECRET_KEY}".encode()).hexdigest()
+# Seconds to connect and get an answer, per attempt.
+WEBHOOK_TIMEOUT_SECONDS = env_float("GENSERVER_WEBHOOK_TIMEOUT", 5.0)
+# Attempts per event (the first included); retry n waits BACKOFF * 2**(n-1) seconds.
+WEBHOOK_MAX_ATTEMPTS = env_int("GENSERVER_WEBHOOK_MAX_ATTEMPTS", 6)
+WEBHOOK_BACKOFF_SECONDS = env_float("GENSERVER_WEBHOOK_BACKOFF", 1.0)
+# Accept webhook URLs whose host is private, loopback or link-local (SSRF guard; off in production).
+WEBHOOK_ALLOW_PRIVATE = env_bool("GENSERVER_WEBHOOK_ALLOW_PRIVATE", False)
+# Public base of the API (e.g. https://gen.example.com) for absolute URLs in webhook payloads;
+# unset → paths (/api/v1/jobs/...).
+PUBLIC_URL = env_str("GENSERVER_PUBLIC_URL", "").rstrip("/")

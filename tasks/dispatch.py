@@ -4,7 +4,7 @@ from __future__ import annotations
 from uuid import UUID
 
 from genserver.celery import app
-from genserver.scheduling.pools import DECODE, ENCODE
+from genserver.scheduling.pools import DECODE, ENCODE, WEBHOOKS
 
 
 def send_encode(job_id: UUID, priority: int) -> None:
@@ -19,3 +19,8 @@ def send_chunk(job_id: UUID, from_step: int, queue: str, priority: int) -> None:
 
 def send_decode(job_id: UUID, priority: int) -> None:
     app.send_task("tasks.decode.decode", args=[str(job_id)], queue=DECODE, priority=priority)
+
+
+def send_webhook(job_id: UUID, event: str, payload: dict) -> None:
+    """A webhook event goes to its own queue, consumed by a worker that holds no card."""
+    app.send_task("tasks.webhooks.deliver", args=[str(job_id), event, payload], queue=WEBHOOKS)

@@ -17,14 +17,17 @@ os.environ.setdefault("GENSERVER_LEASE_SECONDS", "3")
 os.environ.setdefault("GENSERVER_CHUNK_SECONDS", "0.1")
 os.environ.setdefault("GENSERVER_REAPER_INTERVAL", "1")
 os.environ.setdefault("GENSERVER_LOG_LEVEL", "WARNING")
+# Webhook receivers in the tests listen on 127.0.0.1; retries back off from 0.2 s.
+os.environ.setdefault("GENSERVER_WEBHOOK_ALLOW_PRIVATE", "1")
+os.environ.setdefault("GENSERVER_WEBHOOK_BACKOFF", "0.2")
 os.environ.setdefault("GENSERVER_REGISTRY", os.pathsep.join([
     os.path.join(os.path.dirname(__file__), "..", "genserver", "registry.toml"),
     os.path.join(os.path.dirname(__file__), "registry-extra.toml"),
 ]))
-# One card that takes every class, plus the encode and decode workers.
+# One card that takes every class, plus the encode (and webhooks) and decode workers.
 os.environ.setdefault("GENSERVER_POOLS", '{"workers": ['
                       '{"name": "card0", "queues": ["short", "medium", "long"]},'
-                      '{"name": "encode", "queues": ["encode", "control"]},'
+                      '{"name": "encode", "queues": ["encode", "control", "webhooks"]},'
                       '{"name": "decode", "queues": ["decode"]}]}')
 
 

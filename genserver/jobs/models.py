@@ -40,6 +40,8 @@ class Job(models.Model):
     seed = models.BigIntegerField()
     num_outputs = models.PositiveSmallIntegerField(default=1)
     preview_every = models.PositiveIntegerField(default=0)
+    webhook_url = models.URLField(max_length=500, blank=True, default="",
+                                  help_text="receives signed JSON events (started, preview, succeeded, ...)")
 
     # A client's retry of the same submit (Idempotency-Key header) returns this job.
     idempotency_key = models.CharField(max_length=200, blank=True, default="")

@@ -31,7 +31,7 @@ from genserver.scheduling.admission import Decision, decide
 from genserver.scheduling.chunking import steps_per_chunk
 from genserver.scheduling.classes import priority_for
 from genserver.scheduling.cost import JobShape, StepTimeCorrection, estimate_job_seconds
-from genserver.scheduling.pools import ALL_QUEUES
+from genserver.scheduling.pools import ALL_QUEUES, WEBHOOKS
 
 log = logging.getLogger(__name__)
 
@@ -162,6 +162,7 @@ def _record_job(owner: Any, spec: Any, data: dict[str, Any], est: "Estimate", qu
         width=data["width"], height=data["height"], num_frames=data["num_frames"],
         steps=data["steps"], guidance_scale=data["guidance_scale"], seed=data["seed"],
         num_outputs=data["num_outputs"], preview_every=data.get("preview_every", 0),
+        webhook_url=data.get("webhook_url", ""),
         estimated_seconds=est.seconds, clock_scale=est.clock_scale,
         duration_class=est.duration_class, queue=queue, priority=est.priority, chunk_steps=est.chunk_steps,
         published_at=timezone.now(), idempotency_key=idempotency_key, request_fingerprint=request_fingerprint,
@@ -275,12 +276,21 @@ def heartbeat(job_id, worker: str, steps_done: int | None = None) -> bool:
         fields["steps_done"] = steps_done
     renewed = Job.objects.filter(pk=job_id, lease_owner=worker, status__in=ACTIVE).update(**fields)
     if renewed and steps_done == 0:
-        Job.objects.filter(pk=job_id, started_at__isnull=True).update(started_at=now)
+        if Job.objects.filter(pk=job_id, started_at__isnull=True).update(started_at=now):
+            _emit_on_commit(job_id, "started")  # once: a resumed job does not start again
     return bool(renewed)
 
 
 def record_preview(job_id, worker: str, key: str, step: int) -> None:
-    Job.objects.filter(pk=job_id, lease_owner=worker).update(preview_key=key, preview_step=step)
+    if Job.objects.filter(pk=job_id, lease_owner=worker).update(preview_key=key, preview_step=step):
+        _emit_on_commit(job_id, "preview")
+
+
+def _emit_on_commit(job_id, event: str) -> None:
+    """Publish the job's webhook event once the transition that made it true commits."""
+    from genserver import webhooks
+
+    transaction.on_commit(lambda: webhooks.emit(job_id, event))
 
 
 def finish_chunk(job_id, worker: str, step: int, checkpoint_key: str, step_seconds: float | None,
@@ -442,7 +452,8 @@ def reap_stale() -> dict[str, int]:
     quiet_since = now - timedelta(seconds=settings.LEASE_SECONDS)
     orphans = list(Job.objects.filter(status__in=ACTIVE, lease_owner="", published_at__lt=quiet_since))
     if orphans:
-        waiting = selectors.broker_job_ids(set(ALL_QUEUES) | policy.layout().all_queues())
+        # A waiting webhook delivery names the job too, but does not move it on.
+        waiting = selectors.broker_job_ids((set(ALL_QUEUES) | policy.layout().all_queues()) - {WEBHOOKS})
         for job in orphans:
             if str(job.pk) in waiting:
                 continue
@@ -454,7 +465,9 @@ def reap_stale() -> dict[str, int]:
 
 
 def _after_end(job_id) -> None:
-    """Retention once a job is terminal: drop its checkpoints and cancel flag."""
+    """Once a job is terminal (called after the transition committed): drop its checkpoints and
+    cancel flag, and publish its webhook event (succeeded, failed or cancelled)."""
+    from genserver import webhooks
     from genserver.storage import default_storage
 
     default_storage().delete_prefix(f"checkpoints/{job_id}")
@@ -462,6 +475,9 @@ def _after_end(job_id) -> None:
         redis_client().delete(CANCEL_KEY.format(job_id=job_id))
     except Exception:  # noqa: BLE001
         pass
+    status = Job.objects.filter(pk=job_id).values_list("status", flat=True).first()
+    if status in TERMINAL:
+        webhooks.emit(job_id, status)
 
 
 def reprioritise(job: Job, priority: int) -> Job:

@@ -15,7 +15,8 @@ from pathlib import Path
 from .classes import CLASSES, LONG, MEDIUM, SHORT
 
 ENCODE, DECODE, CONTROL = "encode", "decode", "control"
-ALL_QUEUES: tuple[str, ...] = (ENCODE, SHORT, MEDIUM, LONG, DECODE, CONTROL)
+WEBHOOKS = "webhooks"  # webhook deliveries: HTTP only, never on a denoising card's worker
+ALL_QUEUES: tuple[str, ...] = (ENCODE, SHORT, MEDIUM, LONG, DECODE, CONTROL, WEBHOOKS)
 
 
 @dataclass(frozen=True)
@@ -102,7 +103,7 @@ def default_layout(num_gpus: int, cpu_workers: int = 2, image_cards: int | None 
     `max_long_cards` caps the cards that run long work at once (the seed's
     "at most 2 cards on video"): cards beyond the cap serve images only. Text
     encode and VAE decode get their own processes, sharing the last card (CPU
-    when there is none). With no GPU, `cpu_workers` CPU processes play the
+    when there is none); the encode process also delivers webhooks. With no GPU, `cpu_workers` CPU processes play the
     cards with the same logic.
     """
     cards = num_gpus if num_gpus > 0 else max(1, cpu_workers)
@@ -121,7 +122,7 @@ def default_layout(num_gpus: int, cpu_workers: int = 2, image_cards: int | None 
         queues = (SHORT, MEDIUM) if i < image_cards else (SHORT, MEDIUM, LONG)
         workers.append(WorkerSpec(name=f"{prefix}{i}", queues=queues, devices=devices))
     side = (num_gpus - 1,) if num_gpus > 0 else ()
-    workers.append(WorkerSpec(name="encode", queues=(ENCODE, CONTROL), devices=side))
+    workers.append(WorkerSpec(name="encode", queues=(ENCODE, CONTROL, WEBHOOKS), devices=side))
     workers.append(WorkerSpec(name="decode", queues=(DECODE,), devices=side))
     return PoolLayout(tuple(workers))
 

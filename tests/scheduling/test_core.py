@@ -182,7 +182,7 @@ def test_default_layout_for_four_cards():
     assert [w.queues for w in denoise] == [("short", "medium")] + [("short", "medium", "long")] * 3
     assert [w.devices for w in denoise] == [(0,), (1,), (2,), (3,)]
     assert (layout.capacity(SHORT), layout.capacity(MEDIUM), layout.capacity(LONG)) == (4, 4, 3)
-    assert layout.queues_of("encode") == ("encode", "control") and layout.capacity("decode") == 1
+    assert layout.queues_of("encode") == ("encode", "control", "webhooks") and layout.capacity("decode") == 1
 
 
 @pytest.mark.parametrize("gpus, image_only", [(1, 0), (2, 1), (8, 2)])

@@ -50,6 +50,8 @@ class JobCreateSerializer(serializers.Serializer):
     seed = StrictIntegerField(required=False, min_value=0, max_value=2**63 - 1)
     num_outputs = StrictIntegerField(required=False, default=1, min_value=1, max_value=4)
     preview_every = StrictIntegerField(required=False, default=0, min_value=0, max_value=10000)
+    webhook_url = serializers.URLField(max_length=500, required=False, allow_blank=True, default="",
+                                       help_text="http(s) URL that receives signed JSON events of the job")
 
     def to_internal_value(self, data: Any) -> dict[str, Any]:
         if not isinstance(data, dict):
@@ -66,6 +68,17 @@ class JobCreateSerializer(serializers.Serializer):
         except RegistryError:
             raise serializers.ValidationError(
                 f"Unknown model {value!r}; available: {', '.join(policy.registry().names())}.") from None
+        return value
+
+    def validate_webhook_url(self, value: str) -> str:
+        from genserver.webhooks import WebhookURLError, check_url
+
+        if not value:
+            return ""
+        try:
+            check_url(value)
+        except WebhookURLError as exc:
+            raise serializers.ValidationError(str(exc)) from None
         return value
 
     def validate(self, attrs: dict[str, Any]) -> dict[str, Any]:
@@ -135,7 +148,7 @@ class JobSerializer(serializers.ModelSerializer):
             "id", "owner", "model", "kind", "status", "stage", "progress", "queue_position", "eta_seconds",
             "estimated_seconds", "duration_class", "preview_url", "preview_step", "outputs", "error",
             "prompt", "negative_prompt", "width", "height", "num_frames", "steps", "guidance_scale", "seed",
-            "num_outputs", "preview_every", "attempts", "cancel_requested",
+            "num_outputs", "preview_every", "webhook_url", "attempts", "cancel_requested",
             "created_at", "started_at", "finished_at",
         ]
         read_only_fields = fields

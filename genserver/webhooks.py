@@ -1,0 +1,158 @@
+"""Webhooks: a job's optional `webhook_url` receives signed JSON events.
+
+Events: started (first denoising step), preview (each preview written),
+succeeded, failed, cancelled. The job service calls `emit` right after the
+transition commits; `emit` only publishes a `tasks.webhooks.deliver` message
+on the `webhooks` queue, so no worker holding a card ever waits on HTTP.
+The delivery task POSTs the body, signed with HMAC-SHA256 of
+WEBHOOK_SECRET, and retries with exponential backoff on a connection error
+or a non-2xx answer (WEBHOOK_MAX_ATTEMPTS in all).
+"""
+from __future__ import annotations
+
+import hashlib
+import hmac
+import ipaddress
+import json
+import logging
+import socket
+import urllib.error
+import urllib.request
+from typing import Any
+from urllib.parse import urlsplit
+
+from django.conf import settings
+from django.urls import reverse
+from django.utils import timezone
+
+log = logging.getLogger(__name__)
+
+EVENTS = ("started", "preview", "succeeded", "failed", "cancelled")
+SIGNATURE_HEADER = "X-Genserver-Signature"
+
+
+class WebhookURLError(ValueError):
+    """A webhook URL the service refuses to call."""
+
+
+# --- URLs (the SSRF guard) --------------------------------------------------------------
+
+def _refused_address(address: str) -> bool:
+    ip = ipaddress.ip_address(address.split("%", 1)[0])
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped:
+        ip = ip.ipv4_mapped
+    return (ip.is_private or ip.is_loopback or ip.is_link_local or ip.is_multicast or ip.is_reserved
+            or ip.is_unspecified or not ip.is_global)
+
+
+def check_url(url: str) -> None:
+    """Raise WebhookURLError unless `url` is http(s), at most 500 characters, and (unless
+    WEBHOOK_ALLOW_PRIVATE) every address its host resolves to is public."""
+    if len(url) > 500:
+        raise WebhookURLError("At most 500 characters.")
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https"):
+        raise WebhookURLError("Only http and https webhook URLs are accepted.")
+    host = parts.hostname
+    if not host:
+        raise WebhookURLError("The webhook URL has no host.")
+    if parts.username or parts.password:
+        raise WebhookURLError("Credentials in the webhook URL are not accepted; verify the signature instead.")
+    if settings.WEBHOOK_ALLOW_PRIVATE:
+        return
+    try:
+        port = parts.port or (443 if parts.scheme == "https" else 80)
+        addresses = {info[4][0] for info in socket.getaddrinfo(host, port, proto=socket.IPPROTO_TCP)}
+    except (OSError, ValueError, UnicodeError):
+        raise WebhookURLError(f"The webhook host {host!r} does not resolve.") from None
+    if not addresses or any(_refused_address(a) for a in addresses):
+        raise WebhookURLError(f"The webhook host {host!r} is a private, loopback or reserved address; "
+                              "only public hosts are accepted.")
+
+
+# --- payload and signature ----------------------------------------------------------------
+
+def _absolute(path: str) -> str:
+    return f"{settings.PUBLIC_URL}{path}"
+
+
+def job_payload(job) -> dict[str, Any]:
+    """The job as the event describes it (a subset of the API's representation)."""
+    def stamp(value):
+        return value.isoformat() if value else None
+
+    return {
+        "id": str(job.pk), "model": job.model, "kind": job.kind, "status": job.status, "stage": job.stage,
+        "progress": {"step": job.steps_done, "total_steps": job.steps},
+        "preview_url": _absolute(reverse("job-preview", args=[job.pk])) if job.preview_key else None,
+        "preview_step": job.preview_step,
+        "outputs": [{"url": _absolute(reverse("job-output", args=[job.pk, i])), "content_type": o["content_type"]}
+                    for i, o in enumerate(job.outputs)],
+        "error": job.error, "attempts": job.attempts, "url": _absolute(reverse("job-detail", args=[job.pk])),
+        "created_at": stamp(job.created_at), "started_at": stamp(job.started_at),
+        "finished_at": stamp(job.finished_at),
+    }
+
+
+def sign(body: bytes, secret: str | None = None) -> str:
+    """The X-Genserver-Signature value of a raw body."""
+    key = (secret if secret is not None else settings.WEBHOOK_SECRET).encode()
+    return "sha256=" + hmac.new(key, body, hashlib.sha256).hexdigest()
+
+
+def verify(body: bytes, signature: str, secret: str | None = None) -> bool:
+    """What a receiver does: compare the header with the HMAC of the raw body, in constant time."""
+    return hmac.compare_digest(sign(body, secret), signature or "")
+
+
+def encode_body(event: str, job: dict[str, Any]) -> bytes:
+    return json.dumps({"event": event, "job": job, "sent_at": timezone.now().isoformat()},
+                      separators=(",", ":"), sort_keys=True).encode()
+
+
+# --- enqueue (job service side) -----------------------------------------------------------
+
+def emit(job_id, event: str) -> None:
+    """Publish `event` of the job to the `webhooks` queue if it has a webhook URL.
+
+    Called after the transition committed. Best effort: a broker error is logged,
+    never raised into the worker that made the transition.
+    """
+    from genserver.jobs.models import Job
+
+    try:
+        job = Job.objects.filter(pk=job_id).exclude(webhook_url="").first()
+        if job is None:
+            return
+        from tasks import dispatch
+
+        dispatch.send_webhook(job.pk, event, job_payload(job))
+    except Exception:  # noqa: BLE001 - a webhook must never break a transition
+        log.warning("could not enqueue webhook %s of job %s", event, job_id, exc_info=True)
+
+
+# --- delivery (webhooks worker side) ------------------------------------------------------
+
+class _NoRedirect(urllib.request.HTTPRedirectHandler):
+    """A redirect is an answer, not a hop: following it could reach a host check_url refused."""
+
+    def redirect_request(self, *args, **kwargs):  # noqa: ANN002, ANN003
+        return None
+
+
+_opener = urllib.request.build_opener(_NoRedirect)
+
+
+def post(url: str, event: str, delivery: str, body: bytes, timeout: float | None = None) -> int:
+    """POST one signed event; returns the HTTP status (2xx). Raises on a connection error or non-2xx."""
+    request = urllib.request.Request(url, data=body, method="POST", headers={
+        "Content-Type": "application/json", "User-Agent": "genserver-webhooks/1",
+        "X-Genserver-Event": event, "X-Genserver-Delivery": delivery, SIGNATURE_HEADER: sign(body),
+    })
+    timeout = settings.WEBHOOK_TIMEOUT_SECONDS if timeout is None else timeout
+    with _opener.open(request, timeout=timeout) as response:
+        response.read(65536)
+        status = response.status
+    if not 200 <= status < 300:
+        raise urllib.error.HTTPError(url, status, f"answered {status}", None, None)
+    return status

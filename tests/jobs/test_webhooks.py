@@ -1,0 +1,200 @@
+"""Webhooks: signed JSON events per job, delivered from the `webhooks` queue with retries.
+
+A local HTTP server thread on 127.0.0.1 plays the receiver and records every request.
+"""
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+from django.conf import settings
+
+from genserver import webhooks
+
+from tests.conftest import job_row, submit, wait_for
+
+VIDEO = {"model": "wan-sim", "width": 832, "height": 480, "num_frames": 81}
+
+
+class Receiver:
+    """Records requests; `fail[event]` is how many times to answer 500 before 200 for that event."""
+
+    def __init__(self) -> None:
+        self.requests: list[dict] = []
+        self.fail: dict[str, int] = {}
+        self.lock = threading.Lock()
+        receiver = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self):  # noqa: N802
+                body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
+                event = self.headers.get("X-Genserver-Event", "")
+                with receiver.lock:
+                    left = receiver.fail.get(event, 0)
+                    status = 500 if left else 200
+                    if left:
+                        receiver.fail[event] = left - 1
+                    receiver.requests.append({"path": self.path, "headers": dict(self.headers), "body": body,
+                                              "status": status, "at": time.monotonic()})
+                self.send_response(status)
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+
+            def log_message(self, *args):
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+
+    def url(self, path: str = "/hook") -> str:
+        return f"http://127.0.0.1:{self.server.server_address[1]}{path}"
+
+    def delivered(self, path: str) -> list[dict]:
+        """Bodies of the requests to `path` answered 200, in arrival order."""
+        with self.lock:
+            return [json.loads(r["body"]) | {"_headers": r["headers"]} for r in self.requests
+                    if r["path"] == path and r["status"] == 200]
+
+    def events(self, path: str) -> list[str]:
+        return [b["event"] for b in self.delivered(path)]
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.fixture
+def receiver():
+    r = Receiver()
+    yield r
+    r.close()
+
+
+def assert_signed(request: dict) -> None:
+    headers = {k.lower(): v for k, v in request["headers"].items()}
+    expected = "sha256=" + hmac.new(settings.WEBHOOK_SECRET.encode(), request["body"], hashlib.sha256).hexdigest()
+    assert headers["x-genserver-signature"] == expected
+    assert headers["content-type"] == "application/json"
+    assert headers["x-genserver-event"] == json.loads(request["body"])["event"]
+    assert len(headers["x-genserver-delivery"]) == 36  # a uuid
+
+
+# --- unit ------------------------------------------------------------------------------------
+
+def test_signature_verifies_with_the_secret(receiver):
+    body = webhooks.encode_body("succeeded", {"id": "x", "status": "succeeded"})
+    assert webhooks.post(receiver.url(), "succeeded", "0" * 8 + "-0000-0000-0000-" + "0" * 12, body) == 200
+    request = receiver.requests[0]
+    assert request["body"] == body
+    assert_signed(request)
+    assert webhooks.verify(body, request["headers"]["X-Genserver-Signature"])
+    assert not webhooks.verify(body + b" ", request["headers"]["X-Genserver-Signature"])
+    assert not webhooks.verify(body, request["headers"]["X-Genserver-Signature"], secret="another secret")
+    assert set(json.loads(body)) == {"event", "job", "sent_at"}
+
+
+def test_non_2xx_raises_so_the_task_retries(receiver):
+    receiver.fail["failed"] = 1
+    with pytest.raises(OSError):
+        webhooks.post(receiver.url(), "failed", "d", webhooks.encode_body("failed", {}))
+
+
+def test_private_hosts_are_refused_unless_allowed(settings):
+    settings.WEBHOOK_ALLOW_PRIVATE = False
+    for url in ("http://127.0.0.1:8000/x", "http://localhost/x", "http://10.1.2.3/x", "http://169.254.169.254/",
+                "http://[::1]/x", "http://[::ffff:127.0.0.1]/x"):
+        with pytest.raises(webhooks.WebhookURLError):
+            webhooks.check_url(url)
+    with pytest.raises(webhooks.WebhookURLError):
+        webhooks.check_url("file:///etc/passwd")
+    settings.WEBHOOK_ALLOW_PRIVATE = True
+    webhooks.check_url("http://127.0.0.1:8000/x")
+
+
+# --- validation ------------------------------------------------------------------------------
+
+@pytest.mark.django_db
+def test_webhook_url_is_accepted_and_shown(api):
+    response = submit(api, webhook_url="http://127.0.0.1:9/hook")
+    assert response.status_code == 201, response.content
+    assert response.json()["webhook_url"] == "http://127.0.0.1:9/hook"
+    assert job_row(response.json()["id"]).webhook_url == "http://127.0.0.1:9/hook"
+    assert submit(api).json()["webhook_url"] == ""
+
+
+@pytest.mark.django_db
+@pytest.mark.parametrize("url", ["ftp://example.com/hook", "javascript:alert(1)", "not a url",
+                                 "http://example.com/" + "x" * 500])
+def test_bad_webhook_url_is_refused(api, url):
+    response = submit(api, webhook_url=url)
+    assert response.status_code == 400, response.content
+    assert "webhook_url" in response.json()
+
+
+@pytest.mark.django_db
+def test_private_webhook_host_is_refused_when_not_allowed(api, settings):
+    settings.WEBHOOK_ALLOW_PRIVATE = False
+    response = submit(api, webhook_url="http://127.0.0.1:8080/hook")
+    assert response.status_code == 400, response.content
+    assert "private" in json.dumps(response.json()["webhook_url"])
+
+
+# --- end to end (real workers) ---------------------------------------------------------------
+
+def finished(job_id, timeout: float = 60.0):
+    return wait_for(lambda: (j := job_row(job_id)).is_terminal and j, timeout, what=f"job {job_id} to finish")
+
+
+@pytest.mark.stack
+@pytest.mark.django_db(transaction=True)
+def test_job_receives_started_preview_and_succeeded_in_order_signed(stack, api, receiver):
+    response = submit(api, model="tiny-sd", prompt="a red fox", steps=10, preview_every=5,
+                      webhook_url=receiver.url("/ok"))
+    assert response.status_code == 201, response.content
+    job_id = response.json()["id"]
+    assert finished(job_id, timeout=120).status == "succeeded"
+    wait_for(lambda: "succeeded" in receiver.events("/ok"), 30, what="the succeeded event")
+    events = receiver.events("/ok")
+    assert events == ["started", "preview", "succeeded"], events
+    for request in receiver.requests:
+        assert_signed(request)
+    bodies = receiver.delivered("/ok")
+    assert all(b["job"]["id"] == job_id for b in bodies)
+    assert bodies[0]["job"]["status"] == "denoising" and bodies[0]["job"]["started_at"]
+    assert bodies[1]["job"]["preview_step"] == 5 and bodies[1]["job"]["preview_url"].endswith("/preview/")
+    done = bodies[2]["job"]
+    assert done["status"] == "succeeded" and done["progress"] == {"step": 10, "total_steps": 10}
+    assert done["outputs"] and done["outputs"][0]["url"].endswith(f"/api/v1/jobs/{job_id}/outputs/0/")
+    assert len({b["_headers"]["X-Genserver-Delivery"] for b in bodies}) == 3
+
+
+@pytest.mark.stack
+@pytest.mark.django_db(transaction=True)
+def test_cancelled_job_receives_cancelled(stack, api, receiver):
+    job_id = submit(api, **VIDEO, webhook_url=receiver.url("/cancel")).json()["id"]
+    wait_for(lambda: job_row(job_id).steps_done >= 1, 30, what="a step")
+    assert api.post(f"/api/v1/jobs/{job_id}/cancel/").status_code == 202
+    assert finished(job_id, timeout=10).status == "cancelled"
+    wait_for(lambda: "cancelled" in receiver.events("/cancel"), 30, what="the cancelled event")
+    assert receiver.events("/cancel") == ["started", "cancelled"]
+    assert receiver.delivered("/cancel")[-1]["job"]["status"] == "cancelled"
+
+
+@pytest.mark.stack
+@pytest.mark.django_db(transaction=True)
+def test_failing_receiver_gets_the_event_on_the_third_try(stack, api, receiver):
+    receiver.fail["succeeded"] = 2
+    job_id = submit(api, webhook_url=receiver.url("/flaky")).json()["id"]
+    assert finished(job_id).status == "succeeded"
+    wait_for(lambda: "succeeded" in receiver.events("/flaky"), 30, what="the succeeded event after retries")
+    tries = [r for r in receiver.requests if r["headers"].get("X-Genserver-Event") == "succeeded"]
+    assert [r["status"] for r in tries] == [500, 500, 200]
+    assert len({r["headers"]["X-Genserver-Delivery"] for r in tries}) == 1, "one delivery id across retries"
+    gaps = [b["at"] - a["at"] for a, b in zip(tries, tries[1:])]
+    assert gaps[1] > gaps[0] * 1.3, f"backoff did not grow: {gaps}"  # 0.2 s, then 0.4 s in the tests
