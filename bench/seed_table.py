@@ -3,6 +3,7 @@
     .venv/bin/python -m bench.seed_table                  # tables (Markdown) on stdout
     .venv/bin/python -m bench.seed_table --plots docs/img # and the PNGs
     .venv/bin/python -m bench.seed_table --seeds 20       # robustness over more workloads
+    .venv/bin/python -m bench.seed_table --groups         # only the card-group tables (8 cards)
 
 Everything runs in the plain-Python simulator (`genserver.scheduling.simulator`),
 which calls the scheduling core the live service uses. The workload is the
@@ -26,13 +27,16 @@ from genserver.scheduling.admission import AdmissionLimits
 from genserver.scheduling.chunking import DEFAULT_CHUNK_SECONDS
 from genserver.scheduling.simulator import (
     DEFAULT_CHECKPOINT_SECONDS, DEFAULT_SWITCH_SECONDS, IMAGE, KINDS, SEED_POLICIES, VIDEO, SimConfig,
-    SimResult, mixed_layout, offered_load, our_config, pct, seed_waits, seed_workload, simulate,
+    SEED_VIDEO_SECONDS, SimResult, group_table, mixed_layout, offered_load, our_config, pct, seed_waits,
+    seed_workload, simulate, simulate_groups,
 )
 
 RATES: tuple[float, ...] = (0.06, 0.08)
 OVERLOAD_RATE = 0.12
 CHUNKS: tuple[float, ...] = (1.0, 2.4, 4.0, 4.8, 6.0, 9.6, 12.0, 24.0, 60.0)
 IMAGE_FACTOR, VIDEO_FACTOR = 0.6, 1.1  # targets: images P99 ≤ 0.6 × pools', videos P99 ≤ 1.1 × FCFS'
+# The chapter's "several cards" table (8 cards): cards per group → latency minutes, videos/hour.
+SEED_GROUP_FIGURES: dict[int, tuple[float, float]] = {1: (25.0, 19.2), 2: (13.2, 18.2), 4: (7.1, 16.9), 8: (3.9, 15.4)}
 SEED_FIGURES = {  # the chapter's printed table (rate 0.06): images P50/P99, videos P50/P99
     "fcfs": (17, 473, 19, 423), "sjf": (2, 90, 23, 614), "pools": (0, 7, 152, 745)}
 OURS, OURS_YOD = "ours", "ours + yield-on-demand"
@@ -101,6 +105,19 @@ def mark(ok: bool) -> str:
 
 
 # --------------------------------------------------------------------------- sections
+
+
+def section_groups(cards: int = 8, load: float = 0.7) -> str:
+    """The seed's card-group table (closed form), then the layouts simulated on a video workload."""
+    closed = table([f"cards per group ({cards} cards)", "groups", "latency (min)", "videos/hour", "the chapter prints"],
+                   [[r.group, r.groups, f"{r.latency_minutes:.1f}", f"{r.videos_per_hour:.1f}",
+                     " / ".join(map(str, SEED_GROUP_FIGURES.get(r.group, ())))] for r in group_table(cards=cards)])
+    sims = table(["layout", "capacity videos/h", "load", "latency P50 (min)", "latency P99 (min)", "videos/h"],
+                 [[r.layout, f"{r.capacity_per_hour:.1f}", f"{r.load:.0%}", f"{r.p50_minutes:.1f}",
+                   f"{r.p99_minutes:.1f}", f"{r.videos_per_hour:.1f}"] for r in simulate_groups(cards, load)])
+    return (f"{closed}\n\nSimulated: 400 Poisson arrivals (seed 0) of {SEED_VIDEO_SECONDS / 60:.0f}-min videos "
+            f"offering {load:.0%} of {cards} single cards, everything admitted, latency = arrival → completion:\n\n"
+            f"{sims}")
 
 
 def section_seed_table() -> str:
@@ -415,9 +432,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--plots", type=Path, help="write the PNGs into this directory")
     parser.add_argument("--seeds", type=int, default=10, help="workloads for the robustness table (0: skip)")
+    parser.add_argument("--groups", action="store_true", help="print only the card-group tables (8 cards)")
     args = parser.parse_args(argv)
     started = time.perf_counter()
     out = sys.stdout.write
+    if args.groups:
+        out("### Card groups (8 cards)\n\n" + section_groups() + "\n")
+        out(f"\n({time.perf_counter() - started:.1f} s)\n")
+        return 0
 
     out("## Scheduling policy (simulator)\n\n")
     out(f"Costs modelled: checkpoint save + restore {DEFAULT_CHECKPOINT_SECONDS} s per chunk boundary, "
@@ -439,6 +461,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.seeds > 0:
         out(f"### Robustness: seeds 0..{args.seeds - 1} (median ratio, and how many seeds meet the target)\n\n")
         out(section_seeds(args.seeds) + "\n\n")
+    out("### Card groups (8 cards)\n\n" + section_groups() + "\n\n")
     if args.plots:
         for path in write_plots(args.plots, sides, points):
             out(f"wrote {path}\n")

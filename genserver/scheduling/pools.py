@@ -18,6 +18,22 @@ ENCODE, DECODE, CONTROL = "encode", "decode", "control"
 WEBHOOKS = "webhooks"  # webhook deliveries: HTTP only, never on a denoising card's worker
 ALL_QUEUES: tuple[str, ...] = (ENCODE, SHORT, MEDIUM, LONG, DECODE, CONTROL, WEBHOOKS)
 
+# Sequence parallelism's efficiency for a group of k cards serving one job (the seed's
+# table: communication and imbalance cost 5 % at 2 cards, 12 % at 4, 20 % at 8).
+GROUP_EFFICIENCY: dict[int, float] = {1: 1.0, 2: 0.95, 4: 0.88, 8: 0.80}
+
+
+def group_speedup(k: int) -> float:
+    """How many times faster a group of `k` cards runs one job than one card: k × efficiency.
+
+    Only the group sizes of `GROUP_EFFICIENCY` are known; any other size is refused
+    rather than guessed (sequence parallelism splits the sequence evenly, so groups
+    are powers of two in practice).
+    """
+    if k not in GROUP_EFFICIENCY:
+        raise ValueError(f"no efficiency known for a group of {k} cards; known sizes: {sorted(GROUP_EFFICIENCY)}")
+    return k * GROUP_EFFICIENCY[k]
+
 
 @dataclass(frozen=True)
 class WorkerSpec:
@@ -34,6 +50,11 @@ class WorkerSpec:
             raise ValueError(f"worker {self.name!r}: unknown queues {unknown}; known: {list(ALL_QUEUES)}")
         if not self.queues:
             raise ValueError(f"worker {self.name!r} consumes no queue")
+
+    @property
+    def group_size(self) -> int:
+        """The cards serving one job at a time: a worker with k devices is a group of k (CPU: 1)."""
+        return max(1, len(self.devices))
 
     @property
     def denoises(self) -> bool:

@@ -19,7 +19,13 @@ Two simulators live here:
   the job's next chunk with `priority_for(..., started=True)` and goes back to
   the broker (chunk-level preemption). It charges a checkpoint save + restore
   at every chunk boundary and a model switch whenever a card runs a chunk of
-  another model than its previous chunk's.
+  another model than its previous chunk's. A worker with k devices is a card
+  group (sequence parallelism): it runs one job at a time, `group_speedup(k)`
+  times faster than one card (a step of S single-card seconds takes
+  S / speedup there).
+* `group_table` / `group_layouts` / `simulate_groups`: the seed's "several
+  cards" trade-off (one request per card or per group of cards) as its
+  closed-form table and as layouts run through `simulate` on a video workload.
 
 Two metrics per class:
 
@@ -42,7 +48,7 @@ from typing import Any, Iterable, Literal, Mapping, Sequence
 from .admission import AdmissionLimits, WorkItem, decide, expected_wait
 from .chunking import DEFAULT_CHUNK_SECONDS, steps_per_chunk
 from .classes import CLASSES, LONG, MEDIUM, SHORT, ClassThresholds, priority_for
-from .pools import CONTROL, DECODE, ENCODE, PoolLayout, WorkerSpec, default_layout
+from .pools import CONTROL, DECODE, ENCODE, GROUP_EFFICIENCY, PoolLayout, WorkerSpec, default_layout, group_speedup
 
 IMAGE, VIDEO = "image", "video"
 KINDS: tuple[str, ...] = (IMAGE, VIDEO)
@@ -295,6 +301,7 @@ class _Card:
     chunk_steps: int = 0
     last_model: str | None = None
     busy_seconds: float = 0.0
+    speedup: float = 1.0  # a group of k cards: group_speedup(k)
 
 
 @dataclass
@@ -303,6 +310,7 @@ class ClassResult:
 
     waits: list[float] = field(default_factory=list)  # arrival → first step
     delays: list[float] = field(default_factory=list)  # completion − arrival − service
+    latencies: list[float] = field(default_factory=list)  # completion − arrival
     accepted: int = 0
     refused: int = 0
 
@@ -372,7 +380,8 @@ class _Simulation:
         denoisers = [w for w in cfg.layout.workers if w.denoises]
         if not denoisers:
             raise ValueError("the layout has no denoise worker")
-        self.cards = [_Card(i, w.name, tuple(q for q in w.queues if q in CLASSES))
+        self.cards = [_Card(i, w.name, tuple(q for q in w.queues if q in CLASSES),
+                            speedup=group_speedup(w.group_size))
                       for i, w in enumerate(denoisers)]
         self.broker = _Broker()
         self.jobs: dict[int, _Job] = {}  # accepted and unfinished, by id
@@ -436,7 +445,8 @@ class _Simulation:
     def _start_chunk(self, card: _Card, job: _Job, now: float, in_process: bool = False) -> None:
         """Run the job's next chunk on `card` from `now`, charging what the service pays."""
         cfg = self.cfg
-        k = min(steps_per_chunk(cfg.chunk_seconds, job.step_seconds), job.steps - job.steps_done)
+        step_seconds = job.step_seconds / card.speedup  # wall seconds of one step on this card (group)
+        k = min(steps_per_chunk(cfg.chunk_seconds, step_seconds), job.steps - job.steps_done)
         overhead = 0.0
         if card.last_model is not None and card.last_model != job.model:
             overhead += cfg.switch_seconds
@@ -446,7 +456,7 @@ class _Simulation:
         if job.first_step is None:
             job.first_step = now + overhead
         last = job.steps_done + k >= job.steps
-        duration = overhead + k * job.step_seconds + (0.0 if last else self.save_seconds)
+        duration = overhead + k * step_seconds + (0.0 if last else self.save_seconds)
         card.job, card.chunk_steps, card.last_model = job, k, job.model
         card.busy_until = now + duration
         card.busy_seconds += duration
@@ -490,6 +500,7 @@ class _Simulation:
             assert job.first_step is not None
             res.waits.append(job.first_step - job.request.arrival)
             res.delays.append(now - job.request.arrival - job.request.seconds)
+            res.latencies.append(now - job.request.arrival)
             return
         job.priority = priority_for(job.duration_class, job.remaining_seconds, True, self.cfg.thresholds)
         if self.cfg.yield_on_demand:
@@ -559,8 +570,116 @@ def simulate_rate(rate: float, config: SimConfig | None = None, arrivals: int = 
     return simulate(seed_workload(arrivals, rate, seed), config)
 
 
+# --------------------------------------------------------------------------- card groups
+
+SEED_VIDEO_SECONDS = 25 * 60.0  # the seed's 5-second 720p Wan video: 25 minutes on one card
+
+
+@dataclass(frozen=True)
+class GroupRow:
+    """One line of the seed's "several cards" table: `cards` split into groups of `group`."""
+
+    group: int  # cards per group
+    groups: int  # groups on the machine
+    latency_minutes: float  # one video, alone on a group
+    videos_per_hour: float  # the whole machine, every group busy
+
+
+def group_table(single_seconds: float = SEED_VIDEO_SECONDS, cards: int = 8) -> list[GroupRow]:
+    """The seed's closed-form table: latency = single / (k × eff), throughput = cards / k / latency.
+
+    One row per group size of `GROUP_EFFICIENCY` that divides `cards`; with the
+    defaults: 25.0 min / 19.2 videos/h (k=1), 13.2 / 18.2, 7.1 / 16.9, 3.9 / 15.4 (k=8).
+    """
+    rows = []
+    for k in sorted(GROUP_EFFICIENCY):
+        if k > cards or cards % k:
+            continue
+        latency = single_seconds / group_speedup(k)
+        rows.append(GroupRow(k, cards // k, latency / 60, cards / k / latency * 3600))
+    return rows
+
+
+def group_layout(groups: Sequence[int]) -> PoolLayout:
+    """A layout of denoise workers, one per entry of `groups` (its card count), on consecutive
+    devices, every one consuming short, medium and long; plus encode/decode on the CPU."""
+    workers, first = [], 0
+    for i, k in enumerate(groups):
+        group_speedup(k)  # refuse an unknown group size here, not mid-simulation
+        workers.append(WorkerSpec(name=f"g{i}x{k}", queues=(SHORT, MEDIUM, LONG),
+                                  devices=tuple(range(first, first + k))))
+        first += k
+    workers.append(WorkerSpec(name="encode", queues=(ENCODE, CONTROL)))
+    workers.append(WorkerSpec(name="decode", queues=(DECODE,)))
+    return PoolLayout(tuple(workers))
+
+
+def group_layouts(cards: int = 8) -> dict[str, PoolLayout]:
+    """The layouts compared for `cards` cards: every uniform split, and the seed's pooled one
+    (one group of half the cards beside single cards; "two groups of 4 serving interactive
+    requests and the rest ... a card at a time" scaled to one machine)."""
+    layouts = {f"{cards // k}×{k}": group_layout([k] * (cards // k))
+               for k in sorted(GROUP_EFFICIENCY) if k <= cards and cards % k == 0}
+    half = cards // 2
+    if half in GROUP_EFFICIENCY and half > 1:
+        layouts[f"pooled: 1×{half} + {cards - half}×1"] = group_layout([half] + [1] * (cards - half))
+    return layouts
+
+
+def video_workload(arrivals: int = 400, rate: float = 0.7 * 8 / SEED_VIDEO_SECONDS, seed: int = 0,
+                   seconds: float = SEED_VIDEO_SECONDS) -> list[Request]:
+    """Poisson arrivals at `rate` per second of videos of `seconds` single-card seconds each
+    (the default rate offers 70 % of 8 single cards)."""
+    rng = random.Random(seed)
+    t, requests = 0.0, []
+    for _ in range(arrivals):
+        t += rng.expovariate(rate)
+        requests.append(Request(t, VIDEO, seconds))
+    return requests
+
+
+@dataclass(frozen=True)
+class GroupResult:
+    """One layout on the video workload."""
+
+    layout: str
+    capacity_per_hour: float  # videos/hour with every worker busy
+    load: float  # offered work / capacity
+    p50_minutes: float  # completion − arrival
+    p99_minutes: float
+    videos_per_hour: float  # finished / (last completion − first arrival)
+
+
+def simulate_groups(cards: int = 8, load: float = 0.7, arrivals: int = 400, seed: int = 0,
+                    single_seconds: float = SEED_VIDEO_SECONDS) -> list[GroupResult]:
+    """Every layout of `group_layouts(cards)` on one video workload offering `load` of `cards`
+    single cards: latency P50/P99 (minutes, arrival → completion) and throughput.
+
+    Everything is admitted (no admission limits, no long cap), so the layouts are
+    compared on the same requests; checkpoint costs are the defaults. Every worker
+    consumes the same queue, idle workers popping the way Redis serves them (the
+    one blocked longest first), so the pooled layout's group takes whichever video
+    comes when it is the longest idle: it is not routed interactive requests.
+    """
+    rate = load * cards / single_seconds
+    requests = video_workload(arrivals, rate, seed, single_seconds)
+    results = []
+    for name, layout in group_layouts(cards).items():
+        cfg = SimConfig(layout=layout, limits=None, steps={single_seconds: 50})
+        run = simulate(requests, cfg)
+        res = run.classes[VIDEO]
+        capacity = sum(group_speedup(w.group_size) for w in layout.workers if w.denoises) * 3600 / single_seconds
+        span = run.makespan - requests[0].arrival  # the last event is the last completion
+        results.append(GroupResult(name, capacity, rate * 3600 / capacity, pct(res.latencies, 0.5) / 60,
+                                   pct(res.latencies, 0.99) / 60, len(res.latencies) / span * 3600))
+    return results
+
+
+
 __all__ = [
     "IMAGE", "VIDEO", "KINDS", "SEED_POLICIES", "Request", "seed_workload", "offered_load", "pct",
     "seed_waits", "seed_simulate", "mixed_layout", "SimConfig", "our_config", "ClassResult",
     "SimResult", "simulate", "simulate_rate", "DEFAULT_CHECKPOINT_SECONDS", "DEFAULT_SWITCH_SECONDS",
+    "SEED_VIDEO_SECONDS", "GroupRow", "group_table", "group_layout", "group_layouts", "video_workload",
+    "GroupResult", "simulate_groups",
 ]
