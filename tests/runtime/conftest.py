@@ -147,23 +147,21 @@ def wan_family(wan_spec: ModelSpec, wan_data_dir: Path) -> Family:
 # --- resuming in another process --------------------------------------------------
 
 CHILD = textwrap.dedent("""
-    import dataclasses, io, sys
+    import dataclasses, importlib, io, sys
     from pathlib import Path
     import torch
     from genserver.registry import load_registry
     from workers.runtime.base import GenerationRequest
+    from workers.runtime.cache import FAMILY_ADAPTERS
 
     data_dir, saved, result, threads = Path(sys.argv[1]), sys.argv[2], sys.argv[3], int(sys.argv[4])
-    torch.set_num_threads(threads)
-    cases = torch.load(saved, weights_only=True)
+    torch.set_num_threads(threads)  # as the parent: float reductions split the same way
+    cases = torch.load(saved, weights_only=True)  # plain tensors and values only
     registry, out = load_registry(), {}
     for key, blob in cases.items():
         spec = dataclasses.replace(registry.get(blob["model"]), scheduler=blob["scheduler"])
-        if spec.family == "flux":
-            from workers.runtime.flux import FluxFamily as Adapter
-        else:
-            from workers.runtime.unet import UNetFamily as Adapter
-        family = Adapter(spec, "cpu", data_dir)
+        module, name = FAMILY_ADAPTERS[spec.family].split(":")
+        family = getattr(importlib.import_module(module), name)(spec, "cpu", data_dir)
         request = GenerationRequest(**blob["request"])
         # Chunk 2: restore, run to `until`, checkpoint through bytes (as storage does) ...
         state = family.restore(request, blob["embeddings"], blob["checkpoint"])
@@ -179,6 +177,21 @@ CHILD = textwrap.dedent("""
         out[key] = {"latents": state.latents, "step": state.step}
     torch.save(out, result)
 """)
+
+
+def resume_in_child(data_dir: Path, cases: dict[str, dict[str, Any]], tmp: Path) -> dict[str, dict[str, Any]]:
+    """Finish every case (its model, scheduler, request, embeddings, checkpoint and `until`) in ONE
+    separate Python process: restore, run to `until`, checkpoint through bytes, restore, finish.
+    Returns {key: {"latents", "step"}}."""
+    saved, result = tmp / "jobs.pt", tmp / "result.pt"
+    torch.save(cases, saved)
+    threads = torch.get_num_threads()
+    env = os.environ | {"PYTHONPATH": str(REPO_ROOT), "OMP_NUM_THREADS": str(threads)}
+    proc = subprocess.run([sys.executable, "-c", CHILD, str(data_dir), str(saved), str(result), str(threads)],
+                          cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return torch.load(result, weights_only=True)
+
 
 
 @pytest.fixture(scope="session")
@@ -204,13 +217,6 @@ def resumed_in_child(load_family: Callable[..., Family], data_dir: Path,
         family.step(state)
         cases[key] = {"model": model, "scheduler": scheduler, "request": dataclasses.asdict(request),
                       "embeddings": embeddings, "checkpoint": family.checkpoint(state), "until": 3}
-    saved, result = tmp / "jobs.pt", tmp / "result.pt"
-    torch.save(cases, saved)
-    env = os.environ | {"PYTHONPATH": str(REPO_ROOT), "OMP_NUM_THREADS": str(TORCH_THREADS)}
-    args = [str(data_dir), str(saved), str(result), str(TORCH_THREADS)]
-    proc = subprocess.run([sys.executable, "-c", CHILD, *args], cwd=REPO_ROOT, env=env, capture_output=True,
-                          text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    resumed = torch.load(result, weights_only=True)
+    resumed = resume_in_child(data_dir, cases, tmp)
     return {key: {"straight": straight[key], "resumed": resumed[key]["latents"], "step": resumed[key]["step"],
                   "steps": cases[key]["request"]["steps"]} for key in cases}

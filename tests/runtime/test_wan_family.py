@@ -6,10 +6,6 @@ from __future__ import annotations
 
 import dataclasses
 import io
-import os
-import subprocess
-import sys
-import textwrap
 import time
 from pathlib import Path
 
@@ -25,7 +21,8 @@ from workers.runtime.tiny_wan import make_tiny_wan
 from workers.runtime.video import encode_mp4, poster, read_mp4
 from workers.runtime.wan import SCHEDULERS, CheckpointMissingError, WanFamily
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
+from tests.runtime.conftest import resume_in_child
+
 
 
 def make_request(**overrides) -> GenerationRequest:
@@ -118,37 +115,6 @@ def test_latents_have_wan_geometry(wan_family: WanFamily) -> None:
 
 # --- checkpoint / restore -----------------------------------------------------
 
-CHILD = textwrap.dedent("""
-    import dataclasses, io, sys
-    from pathlib import Path
-    import torch
-    from genserver.registry import load_registry
-    from workers.runtime.base import GenerationRequest
-    from workers.runtime.wan import WanFamily
-
-    data_dir, saved, result, threads = Path(sys.argv[1]), sys.argv[2], sys.argv[3], int(sys.argv[4])
-    torch.set_num_threads(threads)  # as the parent: float reductions split the same way
-    cases = torch.load(saved, weights_only=True)  # plain tensors and values only
-    out = {}
-    for scheduler, blob in cases.items():
-        spec = dataclasses.replace(load_registry().get("tiny-wan"), scheduler=scheduler)
-        family = WanFamily(spec, "cpu", data_dir)
-        request = GenerationRequest(**blob["request"])
-        # Chunk 2: restore, run to `until`, checkpoint through bytes (as storage does) ...
-        state = family.restore(request, blob["embeddings"], blob["checkpoint"])
-        while state.step < blob["until"]:
-            family.step(state)
-        buffer = io.BytesIO()
-        torch.save(family.checkpoint(state), buffer)
-        buffer.seek(0)
-        # ... chunk 3: restore that and finish.
-        state = family.restore(request, blob["embeddings"], torch.load(buffer, weights_only=True))
-        while not state.done:
-            family.step(state)
-        out[scheduler] = {"latents": state.latents, "step": state.step}
-    torch.save(out, result)
-""")
-
 
 @pytest.fixture(scope="module")
 def resumed_in_child(families: dict[str, WanFamily], wan_data_dir: Path,
@@ -168,16 +134,9 @@ def resumed_in_child(families: dict[str, WanFamily], wan_data_dir: Path,
         straight[scheduler] = run_to_end(family, family.prepare(request, embeddings))
         state = family.prepare(request, embeddings)
         family.step(state)
-        cases[scheduler] = {"request": dataclasses.asdict(request), "embeddings": embeddings,
-                            "checkpoint": family.checkpoint(state), "until": 3}
-    saved, result = tmp / "jobs.pt", tmp / "result.pt"
-    torch.save(cases, saved)
-    threads = torch.get_num_threads()
-    env = os.environ | {"PYTHONPATH": str(REPO_ROOT), "OMP_NUM_THREADS": str(threads)}
-    proc = subprocess.run([sys.executable, "-c", CHILD, str(wan_data_dir), str(saved), str(result), str(threads)],
-                          cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    resumed = torch.load(result, weights_only=True)
+        cases[scheduler] = {"model": "tiny-wan", "scheduler": scheduler, "request": dataclasses.asdict(request),
+                            "embeddings": embeddings, "checkpoint": family.checkpoint(state), "until": 3}
+    resumed = resume_in_child(wan_data_dir, cases, tmp)
     return {name: {"straight": straight[name], "resumed": resumed[name]["latents"], "step": resumed[name]["step"]}
             for name in cases}
 
