@@ -101,6 +101,32 @@ class Family(ABC):
         """Approximate resident size, for the model cache's budget."""
         return 0
 
+    def checkpoint_fields(self, state: DenoiseState, checkpoint_format: str) -> dict[str, Any]:
+        """What every family's checkpoint holds: position, latents, scheduler index and RNG (CPU copies)."""
+        scheduler = state.scheduler
+        # The index the next step will use. None until the first scale_model_input/step,
+        # in which case begin_index says where it will start.
+        index = scheduler.step_index if scheduler.step_index is not None else scheduler.begin_index
+        return {
+            "format": checkpoint_format,
+            "model": self.spec.name,
+            "step": int(state.step),
+            "steps": int(state.request.steps),
+            "latents": state.latents.detach().to("cpu", copy=True),
+            "scheduler_class": type(scheduler).__name__,
+            "scheduler_step_index": int(index),
+            "generator_state": state.generator.get_state().clone(),
+        }
+
+    @staticmethod
+    def check_checkpoint_fields(data: dict[str, Any], request: GenerationRequest,
+                                formats: tuple[str, ...]) -> None:
+        """Refuse a checkpoint of another format or step count before restoring anything."""
+        if data.get("format") not in formats:
+            raise ValueError(f"not a {formats[-1]} checkpoint (format={data.get('format')!r})")
+        if data["steps"] != request.steps:
+            raise ValueError(f"checkpoint was made for {data['steps']} steps, the request has {request.steps}")
+
     @staticmethod
     def set_vae_tiling(vae: Any, width: int, height: int) -> bool:
         """Decode in tiles above GENSERVER_VAE_TILE_ABOVE_PIXELS (per frame): the VAE decode is the

@@ -272,26 +272,12 @@ class FluxFamily(Family):
     # 4. checkpoint / restore -------------------------------------------------
 
     def checkpoint(self, state: DenoiseState) -> dict[str, Any]:
-        scheduler = state.scheduler
-        index = scheduler.step_index if scheduler.step_index is not None else scheduler.begin_index
-        return {
-            "format": CHECKPOINT_FORMAT,
-            "model": self.spec.name,
-            "step": int(state.step),
-            "steps": int(state.request.steps),
-            "latents": state.latents.detach().to("cpu", copy=True),  # packed [n, tokens, 64]
-            "scheduler_class": type(scheduler).__name__,
-            "scheduler_step_index": int(index),
-            **scheduler_history(scheduler),
-            "generator_state": state.generator.get_state().clone(),
-        }
+        # Latents stay packed: [n, tokens, 64].
+        return self.checkpoint_fields(state, CHECKPOINT_FORMAT) | scheduler_history(state.scheduler)
 
     def restore(self, request: GenerationRequest, embeddings: dict[str, Any],
                 data: dict[str, Any]) -> DenoiseState:
-        if data.get("format") != CHECKPOINT_FORMAT:
-            raise ValueError(f"not a {CHECKPOINT_FORMAT} checkpoint (format={data.get('format')!r})")
-        if data["steps"] != request.steps:
-            raise ValueError(f"checkpoint was made for {data['steps']} steps, the request has {request.steps}")
+        self.check_checkpoint_fields(data, request, (CHECKPOINT_FORMAT,))
         h, w = self._latent_size(request)
         expected = (request.num_outputs, (h // 2) * (w // 2), self.latent_channels * 4)
         if tuple(data["latents"].shape) != expected:

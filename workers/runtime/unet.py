@@ -380,28 +380,11 @@ class UNetFamily(Family):
     # 4. checkpoint / restore -------------------------------------------------
 
     def checkpoint(self, state: DenoiseState) -> dict[str, Any]:
-        scheduler = state.scheduler
-        # Position: the index the next step will use. None until the first
-        # scale_model_input/step, in which case begin_index says where it will start.
-        index = scheduler.step_index if scheduler.step_index is not None else scheduler.begin_index
-        return {
-            "format": CHECKPOINT_FORMAT,
-            "model": self.spec.name,
-            "step": int(state.step),
-            "steps": int(state.request.steps),
-            "latents": state.latents.detach().to("cpu", copy=True),
-            "scheduler_class": type(scheduler).__name__,
-            "scheduler_step_index": int(index),
-            **scheduler_history(scheduler),
-            "generator_state": state.generator.get_state().clone(),
-        }
+        return self.checkpoint_fields(state, CHECKPOINT_FORMAT) | scheduler_history(state.scheduler)
 
     def restore(self, request: GenerationRequest, embeddings: dict[str, Any],
                 data: dict[str, Any]) -> DenoiseState:
-        if data.get("format") not in READABLE_FORMATS:
-            raise ValueError(f"not a {CHECKPOINT_FORMAT} checkpoint (format={data.get('format')!r})")
-        if data["steps"] != request.steps:
-            raise ValueError(f"checkpoint was made for {data['steps']} steps, the request has {request.steps}")
+        self.check_checkpoint_fields(data, request, READABLE_FORMATS)
         scheduler = self._new_scheduler(request.steps, begin_index=int(data["scheduler_step_index"]))
         return resumed_state(scheduler, data, request, embeddings, self.device, self.dtype)
 

@@ -298,29 +298,13 @@ class WanFamily(Family):
 
     def checkpoint(self, state: DenoiseState) -> dict[str, Any]:
         scheduler = state.scheduler
-        # Position: the index the next step will use. None before the first step,
-        # in which case begin_index says where it will start.
-        index = scheduler.step_index if scheduler.step_index is not None else scheduler.begin_index
         history = {name: _to_cpu(getattr(scheduler, name))
                    for name in SCHEDULER_HISTORY if hasattr(scheduler, name)}
-        return {
-            "format": CHECKPOINT_FORMAT,
-            "model": self.spec.name,
-            "step": int(state.step),
-            "steps": int(state.request.steps),
-            "latents": state.latents.detach().to("cpu", copy=True),
-            "scheduler_class": type(scheduler).__name__,
-            "scheduler_step_index": int(index),
-            "scheduler_history": history,
-            "generator_state": state.generator.get_state().clone(),
-        }
+        return self.checkpoint_fields(state, CHECKPOINT_FORMAT) | {"scheduler_history": history}
 
     def restore(self, request: GenerationRequest, embeddings: dict[str, Any],
                 data: dict[str, Any]) -> DenoiseState:
-        if data.get("format") != CHECKPOINT_FORMAT:
-            raise ValueError(f"not a {CHECKPOINT_FORMAT} checkpoint (format={data.get('format')!r})")
-        if data["steps"] != request.steps:
-            raise ValueError(f"checkpoint was made for {data['steps']} steps, the request has {request.steps}")
+        self.check_checkpoint_fields(data, request, (CHECKPOINT_FORMAT,))
         scheduler = self._new_scheduler(request.steps, begin_index=int(data["scheduler_step_index"]))
         if type(scheduler).__name__ != data["scheduler_class"]:
             raise ValueError(f"checkpoint used {data['scheduler_class']}, the model now uses "
