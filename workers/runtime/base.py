@@ -7,6 +7,7 @@ stop after any step and continue in another process:
     2. prepare   initial latents from the seed, scheduler set for `steps`
     3. step      one denoising step (the scheduler's `step` contract)
     4. checkpoint / restore   everything needed to continue exactly
+       (reschedule: continue a restored state on a schedule for another total)
     5. preview   a cheap latent → RGB picture
     6. decode    VAE decode → PIL images (one per output; video: frames)
 """
@@ -107,7 +108,7 @@ class Family(ABC):
         # The index the next step will use. None until the first scale_model_input/step,
         # in which case begin_index says where it will start.
         index = scheduler.step_index if scheduler.step_index is not None else scheduler.begin_index
-        return {
+        fields = {
             "format": checkpoint_format,
             "model": self.spec.name,
             "step": int(state.step),
@@ -117,6 +118,26 @@ class Family(ABC):
             "scheduler_step_index": int(index),
             "generator_state": state.generator.get_state().clone(),
         }
+        return fields | self.denoised_field(state)
+
+    @staticmethod
+    def denoised_field(state: DenoiseState) -> dict[str, Any]:
+        """The last step's x0 estimate as a checkpoint entry (none before the first step): what a job
+        stopped early decodes, and what a rescheduled one continues from."""
+        denoised = state.extra.get("denoised")
+        return {} if denoised is None else {"denoised": denoised.detach().to("cpu", copy=True)}
+
+    def final_latents(self, state: DenoiseState) -> Any:
+        """What `decode` turns into pixels: the latents of a finished state; for one whose schedule has
+        not ended (a job stopped early) its current x0 estimate, when it has one."""
+        if not state.done and state.extra.get("denoised") is not None:
+            return state.extra["denoised"]
+        return state.latents
+
+    def reschedule(self, state: DenoiseState, new_steps: int) -> DenoiseState:
+        """The state (k = state.step steps done) continued on a schedule for `new_steps` in all, k < new_steps:
+        re-expressed at the new schedule's noise level for step k (see reschedule.py)."""
+        raise NotImplementedError(f"{type(self).__name__} cannot change the step count midway")
 
     @staticmethod
     def check_checkpoint_fields(data: dict[str, Any], request: GenerationRequest,

@@ -286,6 +286,16 @@ class FluxFamily(Family):
         scheduler = self._new_scheduler(request, begin_index=int(data["scheduler_step_index"]))
         return resumed_state(scheduler, data, request, embeddings, self.device, self.dtype)
 
+    @torch.no_grad()
+    def reschedule(self, state: DenoiseState, new_steps: int) -> DenoiseState:
+        """Continue on a fresh (shifted) schedule for `new_steps` (see reschedule.py; history reset)."""
+        import dataclasses
+
+        from workers.runtime.reschedule import continue_state
+
+        scheduler = self._new_scheduler(dataclasses.replace(state.request, steps=new_steps), begin_index=state.step)
+        return continue_state(state, new_steps, scheduler)
+
     # 5. preview --------------------------------------------------------------
 
     @torch.no_grad()
@@ -302,7 +312,7 @@ class FluxFamily(Family):
     @torch.no_grad()
     def decode(self, state: DenoiseState) -> list[Image.Image]:
         h, w = self._latent_size(state.request)
-        latents = unpack_latents(state.latents.to(self.device, self.dtype), h, w)
+        latents = unpack_latents(self.final_latents(state).to(self.device, self.dtype), h, w)
         config = self.vae.config
         latents = latents / config.scaling_factor + (config.shift_factor or 0.0)
         self.set_vae_tiling(self.vae, state.request.width, state.request.height)

@@ -20,7 +20,8 @@ from genserver.scheduling.cost import JobShape, estimate_job_seconds
 from .base import DenoiseState, Family, GenerationRequest
 
 LATENT_SIDE = 8  # simulated latents stay tiny whatever the resolution
-MAX_OUTPUT_SIDE = 1024  # outputs keep the requested aspect, capped to stay cheap to encode
+MAX_OUTPUT_SIDE = 1024
+PULL = 0.85  # each step keeps this much of the latents and moves the rest towards the prompt's target  # outputs keep the requested aspect, capped to stay cheap to encode
 
 
 class SimulatedFault(RuntimeError):
@@ -56,15 +57,38 @@ class SimulatedFamily(Family):
             raise SimulatedFault(f"simulated out-of-memory at step {state.step + 1} of {self.spec.name}")
         time.sleep(self.step_seconds(state.request) * self.time_scale)
         # A deterministic pull towards a prompt-dependent target: outputs depend on prompt and seed.
-        target = state.embeddings["prompt_embeds"][:4].view(1, 4, 1, 1)
-        state.latents = state.latents * 0.85 + target * 0.15
+        target = self._target(state)
+        state.latents = state.latents * PULL + target * (1 - PULL)
         state.step += 1
+        # The x0 estimate: where the remaining pulls take the latents (exact for this linear model).
+        state.extra["denoised"] = target + (state.latents - target) * PULL ** max(0, state.request.steps - state.step)
+
+    @staticmethod
+    def _target(state: DenoiseState) -> torch.Tensor:
+        return state.embeddings["prompt_embeds"][:4].view(1, 4, 1, 1)
 
     def checkpoint(self, state: DenoiseState) -> dict[str, Any]:
-        return {"step": state.step, "latents": state.latents.clone()}
+        # `steps` (the total the state was made for) tells load_state when the job's total changed.
+        return {"step": state.step, "steps": state.request.steps, "latents": state.latents.clone()} | \
+            self.denoised_field(state)
 
     def restore(self, request: GenerationRequest, embeddings: dict[str, Any], data: dict[str, Any]) -> DenoiseState:
-        return DenoiseState(request=request, step=int(data["step"]), latents=data["latents"], embeddings=embeddings)
+        state = DenoiseState(request=request, step=int(data["step"]), latents=data["latents"], embeddings=embeddings)
+        if data.get("denoised") is not None:
+            state.extra["denoised"] = data["denoised"]
+        return state
+
+    def reschedule(self, state: DenoiseState, new_steps: int) -> DenoiseState:
+        """No schedule to rebuild: the same latents, a new total (the x0 estimate follows it)."""
+        import dataclasses
+
+        if not state.step < new_steps:
+            raise ValueError(f"cannot continue {state.step} steps done on a schedule of {new_steps}")
+        request = dataclasses.replace(state.request, steps=new_steps)
+        target = self._target(state)
+        denoised = target + (state.latents - target) * PULL ** (new_steps - state.step)
+        return DenoiseState(request=request, step=state.step, latents=state.latents, embeddings=state.embeddings,
+                            extra={"denoised": denoised})
 
     def _render(self, latents: torch.Tensor, width: int, height: int) -> Image.Image:
         rgb = latents[:3].unsqueeze(0)
@@ -79,4 +103,4 @@ class SimulatedFamily(Family):
         r = state.request
         scale = min(1.0, MAX_OUTPUT_SIDE / max(r.width, r.height))
         size = (max(1, int(r.width * scale)), max(1, int(r.height * scale)))
-        return [self._render(latents, *size) for latents in state.latents]
+        return [self._render(latents, *size) for latents in self.final_latents(state)]

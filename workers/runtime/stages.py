@@ -6,6 +6,7 @@ passes callbacks for the cancel check, the lease heartbeat and previews.
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import io
 import time
@@ -72,14 +73,33 @@ def load_state(family: Family, storage: LocalStorage, request: GenerationRequest
     embeddings = _from_bytes(storage.get(embeddings_ref))
     if not checkpoint_ref:
         return family.prepare(request, embeddings)
-    return family.restore(request, embeddings, _from_bytes(storage.get(checkpoint_ref)))
+    data = _from_bytes(storage.get(checkpoint_ref))
+    if int(data.get("steps", request.steps)) != request.steps:
+        return restore_for_new_total(family, request, embeddings, data)
+    return family.restore(request, embeddings, data)
+
+
+def restore_for_new_total(family: Family, request: GenerationRequest, embeddings: dict[str, Any],
+                          data: dict[str, Any]) -> DenoiseState:
+    """A checkpoint made for another total (the job's steps changed midway; the only way past the
+    families' step-count check). Restored on the schedule it was made for, then:
+
+    * k = its step ≥ the request's total (the job stopped early): returned as it is, unfinished on its
+      own schedule, so `decode` decodes its x0 estimate;
+    * k < the request's total: continued on a schedule for the new total (`Family.reschedule`).
+    """
+    made_for = dataclasses.replace(request, steps=int(data["steps"]))
+    state = family.restore(made_for, embeddings, data)
+    if state.step >= request.steps:
+        return state
+    return family.reschedule(state, request.steps)
 
 
 @dataclass(frozen=True)
 class ChunkResult:
     step: int  # steps done after the chunk
     checkpoint_key: str  # where that state was saved ("" if stopped before saving)
-    stopped: str  # "" ran to the chunk's end; "cancelled" or "lease-lost" otherwise
+    stopped: str  # "" ran to the chunk's end; "cancelled", "lease-lost" or "steps-changed" otherwise
     step_seconds: float | None  # mean measured seconds per step in this chunk
 
 
@@ -106,6 +126,11 @@ def run_chunk(family: Family, storage: LocalStorage, state: DenoiseState, *, unt
     key = storage.put(checkpoint_key(request.job_id, state.step), _to_bytes(family.checkpoint(state)))
     steps_run = state.step - start_step
     return ChunkResult(state.step, key, "", elapsed / steps_run if steps_run else None)
+
+
+def save_checkpoint(family: Family, storage: LocalStorage, state: DenoiseState) -> str:
+    """An atomic checkpoint of `state` outside a chunk's end (a worker stopping for a change of steps)."""
+    return storage.put(checkpoint_key(state.request.job_id, state.step), _to_bytes(family.checkpoint(state)))
 
 
 def decode(family: Family, storage: LocalStorage, request: GenerationRequest, *, embeddings_ref: str,

@@ -9,9 +9,10 @@ step boundaries:
     2. prepare     seeded Gaussian latents × init_noise_sigma, scheduler set for `steps`
     3. step        classifier-free guidance (one UNet call on [uncond, cond]) + scheduler.step
                    (SDXL: pooled text embeds + time ids as `added_cond_kwargs`)
-    4. checkpoint  latents, step, scheduler position and multistep history, generator state (CPU)
+    4. checkpoint  latents, step, scheduler position and multistep history, generator state, the last
+                   x0 estimate (CPU); `reschedule` continues on a schedule for another total
     5. preview     SD's (or SDXL's) 4×3 latent→RGB projection, no VAE
-    6. decode      VAE decode of latents / scaling_factor
+    6. decode      VAE decode of latents / scaling_factor (a job stopped early: its x0 estimate)
 
 A checkpoint directory with `text_encoder_2/` and `tokenizer_2/` is SDXL; one
 without is SD 1.5. As StableDiffusionXLPipeline does for a missing negative
@@ -163,8 +164,20 @@ def resumed_state(scheduler: Any, data: dict[str, Any], request: GenerationReque
     restore_scheduler_history(scheduler, data, device, dtype)
     generator = torch.Generator("cpu")
     generator.set_state(data["generator_state"])
-    return DenoiseState(request=request, step=int(data["step"]), latents=data["latents"].to(device, dtype),
-                        embeddings=embeddings, scheduler=scheduler, generator=generator)
+    state = DenoiseState(request=request, step=int(data["step"]), latents=data["latents"].to(device, dtype),
+                         embeddings=embeddings, scheduler=scheduler, generator=generator)
+    restore_denoised(state, data, device, dtype)
+    return state
+
+
+def restore_denoised(state: DenoiseState, data: dict[str, Any], device: str, dtype: torch.dtype) -> None:
+    """The checkpoint's x0 estimate back in `state.extra` (older checkpoints have none: a multistep
+    history's newest prediction stands in, as in `last_denoised`)."""
+    denoised = data.get("denoised")
+    if denoised is not None:
+        state.extra["denoised"] = denoised.to(device, dtype)
+    elif (fallback := last_denoised(state)) is not None:
+        state.extra["denoised"] = fallback
 
 
 def last_denoised(state: DenoiseState) -> torch.Tensor | None:
@@ -388,6 +401,13 @@ class UNetFamily(Family):
         scheduler = self._new_scheduler(request.steps, begin_index=int(data["scheduler_step_index"]))
         return resumed_state(scheduler, data, request, embeddings, self.device, self.dtype)
 
+    @torch.no_grad()
+    def reschedule(self, state: DenoiseState, new_steps: int) -> DenoiseState:
+        """Continue on a fresh schedule for `new_steps` (see reschedule.py; multistep history reset)."""
+        from workers.runtime.reschedule import continue_state
+
+        return continue_state(state, new_steps, self._new_scheduler(new_steps, begin_index=state.step))
+
     # 5. preview --------------------------------------------------------------
 
     @torch.no_grad()
@@ -410,7 +430,7 @@ class UNetFamily(Family):
 
     @torch.no_grad()
     def decode(self, state: DenoiseState) -> list[Image.Image]:
-        latents = state.latents.to(self.device, self.dtype) / self.vae.config.scaling_factor
+        latents = self.final_latents(state).to(self.device, self.dtype) / self.vae.config.scaling_factor
         self.set_vae_tiling(self.vae, state.request.width, state.request.height)
         pixels = self.vae.decode(latents).sample  # [n, 3, H, W] in [-1, 1]
         pixels = ((pixels / 2 + 0.5).clamp(0, 1) * 255).round().to(torch.uint8)

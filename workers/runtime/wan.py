@@ -315,8 +315,18 @@ class WanFamily(Family):
         generator = torch.Generator("cpu")
         generator.set_state(data["generator_state"])
         latents = data["latents"].to(self.device, torch.float32)
-        return DenoiseState(request=request, step=int(data["step"]), latents=latents,
-                            embeddings=embeddings, scheduler=scheduler, generator=generator)
+        state = DenoiseState(request=request, step=int(data["step"]), latents=latents,
+                             embeddings=embeddings, scheduler=scheduler, generator=generator)
+        if data.get("denoised") is not None:  # older checkpoints have no x0 estimate
+            state.extra["denoised"] = data["denoised"].to(self.device, torch.float32)
+        return state
+
+    @torch.no_grad()
+    def reschedule(self, state: DenoiseState, new_steps: int) -> DenoiseState:
+        """Continue on a fresh schedule for `new_steps` (see reschedule.py; multistep history reset)."""
+        from workers.runtime.reschedule import continue_state
+
+        return continue_state(state, new_steps, self._new_scheduler(new_steps, begin_index=state.step))
 
     # 5. preview --------------------------------------------------------------
 
@@ -346,7 +356,7 @@ class WanFamily(Family):
         mean, std = self.latents_mean.to(self.device), self.latents_std.to(self.device)
         # One output at a time: a video decode is the memory peak of the whole job.
         self.set_vae_tiling(self.vae, state.request.width, state.request.height)
-        for latent in state.latents.to(self.device, torch.float32).split(1):
+        for latent in self.final_latents(state).to(self.device, torch.float32).split(1):
             pixels = self.vae.decode((latent * std + mean).to(self.dtype), return_dict=False)[0]  # [1, 3, F, H, W]
             pixels = ((pixels / 2 + 0.5).clamp(0, 1) * 255).round().to(torch.uint8)
             arrays = pixels[0].permute(1, 2, 3, 0).cpu().numpy()  # [F, H, W, 3]
