@@ -7,6 +7,7 @@ import redis
 from django.conf import settings
 
 CANCEL_KEY = "genserver:cancel:{job_id}"
+STEPS_KEY = "genserver:steps:{job_id}"  # the job's latest total; a worker running another total stops
 CORRECTION_KEY = "genserver:step-correction"
 WORKER_KEY = "genserver:worker:{name}"
 

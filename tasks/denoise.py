@@ -21,7 +21,7 @@ from django.conf import settings
 
 from genserver import policy
 from genserver.jobs import selectors, services
-from genserver.redis_client import CANCEL_KEY, client as redis_client
+from genserver.redis_client import CANCEL_KEY, STEPS_KEY, client as redis_client
 from genserver.scheduling.classes import CLASSES, priority_for
 from genserver.scheduling.pools import class_of
 from workers.runtime import stages
@@ -53,6 +53,8 @@ def run_chunk(self, job_id: str, from_step: int) -> str:
     def should_stop(step: int) -> str:
         if redis_client().exists(cancel_key):
             return "cancelled"
+        if _steps_changed(job_id, job.steps):
+            return "steps-changed"
         if step == 0:
             services.heartbeat(job_id, worker, steps_done=0)  # started_at: the first step begins now
         if time.monotonic() - last_beat[0] > HEARTBEAT_EVERY_SECONDS:
@@ -78,6 +80,8 @@ def run_chunk(self, job_id: str, from_step: int) -> str:
                 family, store, state, until_step=min(job.steps, state.step + job.chunk_steps),
                 preview_every=job.preview_every, should_stop=should_stop,
                 on_preview=lambda key, step: services.record_preview(job_id, worker, key, step))
+            if result.stopped == "steps-changed":
+                return _hand_back_for_new_total(job_id, worker, family, store, state, previous_key)
             if result.stopped:
                 break
             stay = keep_card(result.step)
@@ -96,3 +100,18 @@ def run_chunk(self, job_id: str, from_step: int) -> str:
     if result.stopped == "cancelled":
         services.finish_cancelled(job_id, worker)
     return result.stopped
+
+
+def _steps_changed(job_id: str, total: int) -> bool:
+    """The job's total was changed (POST /steps/) to another than the one this worker runs."""
+    value = redis_client().get(STEPS_KEY.format(job_id=job_id))
+    return value is not None and int(value) != total
+
+
+def _hand_back_for_new_total(job_id: str, worker: str, family, store, state, previous_key: str) -> str:
+    """Save the state at this step and give the job back: the job service publishes its decode (stopped
+    early) or the next chunk, which continues on a schedule for the new total."""
+    key = stages.save_checkpoint(family, store, state) if state.step > 0 else ""
+    if services.release_for_new_total(job_id, worker, state.step, key) and key and previous_key not in ("", key):
+        _deleter.submit(store.delete_prefix, previous_key)
+    return "steps-changed"

@@ -35,7 +35,10 @@ class Job(models.Model):
     width = models.PositiveIntegerField()
     height = models.PositiveIntegerField()
     num_frames = models.PositiveIntegerField(default=1)
-    steps = models.PositiveIntegerField()
+    steps = models.PositiveIntegerField(help_text="the total: as asked, or as changed midway (a job stopped "
+                                                  "early: the steps it did)")
+    steps_requested = models.PositiveIntegerField(null=True, blank=True,
+                                                  help_text="the total asked at submit, once the steps were changed")
     guidance_scale = models.FloatField()
     seed = models.BigIntegerField()
     num_outputs = models.PositiveSmallIntegerField(default=1)

@@ -121,6 +121,28 @@ class JobCreateSerializer(serializers.Serializer):
         return attrs
 
 
+class StepsChangeSerializer(serializers.Serializer):
+    """POST /jobs/{id}/steps/: a new total. Needs the job's `model` in the context (its max_steps)."""
+
+    steps = StrictIntegerField(min_value=1, max_value=10000,
+                               help_text="the new total: at most the steps done stops the job at its next step "
+                                         "and decodes its current x0 estimate; more continues refining")
+
+    def to_internal_value(self, data: Any) -> dict[str, Any]:
+        if not isinstance(data, dict):
+            raise serializers.ValidationError({"non_field_errors": ["Send a JSON object: {\"steps\": N}."]})
+        unknown = sorted(set(data) - set(self.fields))
+        if unknown:
+            raise serializers.ValidationError({k: ["Unknown field; only `steps` can change."] for k in unknown})
+        return super().to_internal_value(data)
+
+    def validate_steps(self, value: int) -> int:
+        spec = policy.registry().get(self.context["model"])
+        if value > spec.limits.max_steps:
+            raise serializers.ValidationError(f"At most {spec.limits.max_steps} steps for {spec.name}.")
+        return value
+
+
 class ProgressSerializer(serializers.Serializer):
     step = serializers.IntegerField()
     total_steps = serializers.IntegerField()
@@ -140,6 +162,7 @@ class JobSerializer(serializers.ModelSerializer):
     estimated_seconds = serializers.SerializerMethodField()
     preview_url = serializers.SerializerMethodField()
     outputs = serializers.SerializerMethodField()
+    steps_requested = serializers.SerializerMethodField()
     owner = serializers.CharField(source="owner.username", read_only=True)
 
     class Meta:
@@ -147,11 +170,16 @@ class JobSerializer(serializers.ModelSerializer):
         fields = [
             "id", "owner", "model", "kind", "status", "stage", "progress", "queue_position", "eta_seconds",
             "estimated_seconds", "duration_class", "preview_url", "preview_step", "outputs", "error",
-            "prompt", "negative_prompt", "width", "height", "num_frames", "steps", "guidance_scale", "seed",
+            "prompt", "negative_prompt", "width", "height", "num_frames", "steps", "steps_requested", "guidance_scale", "seed",
             "num_outputs", "preview_every", "webhook_url", "attempts", "cancel_requested",
             "created_at", "started_at", "finished_at",
         ]
         read_only_fields = fields
+
+    @extend_schema_field(OpenApiTypes.INT)
+    def get_steps_requested(self, job: Job) -> int:
+        """The total asked at submit (`steps` differs once it was changed midway)."""
+        return job.steps_requested if job.steps_requested is not None else job.steps
 
     @extend_schema_field(ProgressSerializer)
     def get_progress(self, job: Job) -> dict[str, int]:

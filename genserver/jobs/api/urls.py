@@ -7,6 +7,7 @@ urlpatterns = [
     path("jobs/", views.JobListCreateView.as_view(), name="job-list"),
     path("jobs/<uuid:job_id>/", views.JobDetailView.as_view(), name="job-detail"),
     path("jobs/<uuid:job_id>/cancel/", views.JobCancelView.as_view(), name="job-cancel"),
+    path("jobs/<uuid:job_id>/steps/", views.JobStepsView.as_view(), name="job-steps"),
     path("jobs/<uuid:job_id>/outputs/<int:index>/", views.JobOutputView.as_view(), name="job-output"),
     path("jobs/<uuid:job_id>/preview/", views.JobPreviewView.as_view(), name="job-preview"),
     path("models/", views.ModelListView.as_view(), name="model-list"),

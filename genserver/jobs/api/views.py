@@ -14,7 +14,7 @@ from rest_framework.views import APIView
 from genserver import policy
 from genserver.jobs import selectors, services
 from genserver.jobs.api import throttling
-from genserver.jobs.api.serializers import JobCreateSerializer, JobSerializer
+from genserver.jobs.api.serializers import JobCreateSerializer, JobSerializer, StepsChangeSerializer
 from genserver.jobs.models import JobStatus
 from genserver.storage import StorageError, default_storage
 
@@ -99,6 +99,38 @@ class JobCancelView(APIView):
     def post(self, request: Request, job_id) -> Response:
         job = get_object_or_404(selectors.jobs_visible_to(request.user), pk=job_id)
         job = services.cancel_job(job)
+        return Response(JobSerializer(job, context=_job_context(request)).data, status=status.HTTP_202_ACCEPTED)
+
+
+class JobStepsView(APIView):
+    parser_classes = [throttling.SubmitJSONParser]  # JSON only
+
+    @extend_schema(request=StepsChangeSerializer, responses={
+        202: OpenApiResponse(JobSerializer, description="accepted: `steps` is the new total (a running job takes it "
+                                                        "up at its next step; one stopped early then shows the "
+                                                        "steps it did), `steps_requested` the total asked at submit"),
+        400: OpenApiResponse(description="field errors"),
+        404: OpenApiResponse(description="no such job of yours"),
+        409: OpenApiResponse(description="the job is decoding, finished or being cancelled; see `reason`"),
+        429: OpenApiResponse(description="the added work is refused by admission (class overloaded); "
+                                         "see Retry-After and `reason`; nothing changed")})
+    def post(self, request: Request, job_id) -> Response:
+        """Change the step count midway: fewer stops early (decoding the current x0 estimate), more continues."""
+        job = get_object_or_404(selectors.jobs_visible_to(request.user), pk=job_id)
+        incoming = StepsChangeSerializer(data=request.data, context={"model": job.model})
+        incoming.is_valid(raise_exception=True)
+        try:
+            job = services.change_steps(job, incoming.validated_data["steps"])
+        except services.StepsChangeRefused as refused:
+            return Response({"detail": str(refused), "reason": refused.reason, "status": refused.status},
+                            status=status.HTTP_409_CONFLICT)
+        except services.AdmissionRefused as refused:
+            d = refused.decision
+            return Response({"detail": d.reason, "reason": "overloaded", "duration_class": refused.duration_class,
+                             "expected_wait_seconds": round(d.expected_wait_seconds, 1),
+                             "limit_seconds": d.limit_seconds, "retry_after": d.retry_after_seconds},
+                            status=status.HTTP_429_TOO_MANY_REQUESTS,
+                            headers={"Retry-After": str(d.retry_after_seconds)})
         return Response(JobSerializer(job, context=_job_context(request)).data, status=status.HTTP_202_ACCEPTED)
 
 
