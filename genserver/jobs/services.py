@@ -241,6 +241,7 @@ def change_steps(job: Job, new_steps: int) -> Job:
             job.steps_done = job.checkpoint_step
             _retotal(job, job.checkpoint_step)  # nothing runs it: stop now, at the steps done
             job.status, job.stage, job.published_at = JobStatus.DECODING, "waiting", now
+            job.lease_owner, job.lease_expires_at = "", None  # an expired holder, if any, finds it lost
             job.save()
             transaction.on_commit(lambda: publish_or_leave_to_reaper(dispatch.send_decode, job.id, job.priority))
         else:
