@@ -54,7 +54,7 @@ def test_tiny_sd_extended_runs_the_new_total(stack, api):
     assert job.steps == job.steps_done == job.checkpoint_step == 50 and job.steps_requested == 40
     outputs = api.get(f"/api/v1/jobs/{job_id}/").json()["outputs"]
     assert download(api, outputs[0]["url"]).startswith(b"\x89PNG")
-    assert change(api, job_id, 60).status_code == 409  # finished
+    assert change(api, job_id, 45).status_code == 409  # finished
 
 
 def test_simulated_job_stopped_early_and_another_extended(stack, api):
