@@ -9,14 +9,18 @@ log = logging.getLogger(__name__)
 EMBEDDING_CACHE_KEY = "genserver:embedding-cache"
 
 
-def count_embedding_cache(hits: int, misses: int) -> None:
+def _count(key: str, **increments: int) -> None:
     try:
         with client().pipeline() as pipe:
-            pipe.hincrby(EMBEDDING_CACHE_KEY, "hits", hits)
-            pipe.hincrby(EMBEDDING_CACHE_KEY, "misses", misses)
+            for field, amount in increments.items():
+                pipe.hincrby(key, field, amount)
             pipe.execute()
     except Exception:  # noqa: BLE001 - counting never fails a job
-        log.debug("could not count embedding cache use", exc_info=True)
+        log.debug("could not count %s", key, exc_info=True)
+
+
+def count_embedding_cache(hits: int, misses: int) -> None:
+    _count(EMBEDDING_CACHE_KEY, hits=hits, misses=misses)
 
 
 def embedding_cache_counts() -> dict[str, int]:
@@ -29,13 +33,7 @@ MERGE_KEY = "genserver:merged-denoise"
 
 def count_merged_batch(jobs: int) -> None:
     """A denoise task took `jobs` (≥ 2) same-shape jobs as one batch."""
-    try:
-        with client().pipeline() as pipe:
-            pipe.hincrby(MERGE_KEY, "batches", 1)
-            pipe.hincrby(MERGE_KEY, "jobs", jobs)
-            pipe.execute()
-    except Exception:  # noqa: BLE001 - counting never fails a job
-        log.debug("could not count a merged batch", exc_info=True)
+    _count(MERGE_KEY, batches=1, jobs=jobs)
 
 
 def merged_counts() -> dict[str, int]:
