@@ -8,6 +8,12 @@ the next chunk in-process from the state in memory, skipping the broker hop
 and the checkpoint restore. The order of work is the same as re-publishing
 every chunk; the checkpoint is still written at every boundary, so a crash
 loses at most one chunk. A task never runs past half the visibility timeout.
+
+Merged work: when the job's model allows it (the registry's `max_merge`), the
+task also takes other jobs waiting with the same shape at the same step and
+runs them as one batch, one model call per step. Each member keeps its own
+lease, progress, previews, checkpoint, cancel and outputs; a member that is
+cancelled or loses its lease leaves the batch and the others go on.
 """
 from __future__ import annotations
 
@@ -15,16 +21,20 @@ import os
 import time
 import traceback
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 
 from celery import shared_task
 from django.conf import settings
 
 from genserver import policy
 from genserver.jobs import selectors, services
+from genserver.jobs.models import Job
+from genserver.metrics import count_merged_batch
 from genserver.redis_client import CANCEL_KEY, STEPS_KEY, client as redis_client
 from genserver.scheduling.classes import CLASSES, priority_for
 from genserver.scheduling.pools import class_of
 from workers.runtime import stages
+from workers.runtime.base import DenoiseState
 
 from .common import family_of, preload, request_of, storage, worker_id
 
@@ -38,6 +48,18 @@ def _consumed_queues(job_queue: str) -> list[str]:
     return [q for q in queues.split(",") if class_of(q) in CLASSES] or [job_queue]
 
 
+@dataclass
+class _Member:
+    """One job of the batch this task runs, and what the task keeps about it between steps."""
+
+    job: Job
+    cancel_key: str
+    last_beat: float
+    checkpoint_key: str  # the last checkpoint recorded, deleted once the next one is
+    state: DenoiseState | None = None
+    outcome: str = ""  # set once the job has left this task
+
+
 @shared_task(name="tasks.denoise.run_chunk", bind=True)
 def run_chunk(self, job_id: str, from_step: int) -> str:
     worker = worker_id(self)
@@ -46,72 +68,98 @@ def run_chunk(self, job_id: str, from_step: int) -> str:
     job = services.claim_chunk(job_id, worker, from_step)
     if job is None:
         return "skipped"  # already past this step, held elsewhere, cancelled or finished
-    cancel_key = CANCEL_KEY.format(job_id=job_id)
-    last_beat = [time.monotonic()]
+    partners = services.claim_merge_partners(job, worker, policy.registry().get(job.model).max_merge)
+    if partners:
+        count_merged_batch(1 + len(partners))
+    members = [_Member(j, CANCEL_KEY.format(job_id=j.pk), time.monotonic(), j.checkpoint_key)
+               for j in [job, *partners]]
+    return _denoise(members, worker)
+
+
+def _denoise(members: list[_Member], worker: str) -> str:
+    """Run the jobs' chunks as one batch until each has left: finished its steps, yielded the card,
+    stopped, or failed. Returns the outcome of the first (the job whose message this is)."""
+    lead = members[0].job
+    by_id = {str(m.job.pk): m for m in members}
     task_started = time.monotonic()
 
-    def should_stop(step: int) -> str:
-        if redis_client().exists(cancel_key):
+    def should_stop(state: DenoiseState, step: int) -> str:
+        member = by_id[state.request.job_id]
+        job_id = member.job.pk
+        if redis_client().exists(member.cancel_key):
             return "cancelled"
-        if _steps_changed(job_id, job.steps):
+        if _steps_changed(job_id, member.job.steps):
             return "steps-changed"
         if step == 0:
             services.heartbeat(job_id, worker, steps_done=0)  # started_at: the first step begins now
-        if time.monotonic() - last_beat[0] > HEARTBEAT_EVERY_SECONDS:
-            last_beat[0] = time.monotonic()
+        if time.monotonic() - member.last_beat > HEARTBEAT_EVERY_SECONDS:
+            member.last_beat = time.monotonic()
             if not services.heartbeat(job_id, worker, steps_done=step):
                 return "lease-lost"
         return ""
 
     def keep_card(step: int) -> bool:
         """Run the next chunk here: nothing waits that this card would take first, and time is left."""
-        if step >= job.steps or time.monotonic() - task_started > settings.CELERY_VISIBILITY_TIMEOUT / 2:
+        if step >= lead.steps or time.monotonic() - task_started > settings.CELERY_VISIBILITY_TIMEOUT / 2:
             return False
-        remaining = job.estimated_seconds * (job.steps - step) / job.steps
-        continuation = priority_for(job.duration_class, remaining, True, policy.thresholds())
-        return not selectors.waiting_at_or_before(_consumed_queues(job.queue), continuation)
+        remaining = lead.estimated_seconds * (lead.steps - step) / lead.steps
+        continuation = priority_for(lead.duration_class, remaining, True, policy.thresholds())
+        return not selectors.waiting_at_or_before(_consumed_queues(lead.queue), continuation)
 
-    family, store = family_of(job), storage()
-    previous_key = job.checkpoint_key
+    def on_preview(state: DenoiseState, key: str, step: int) -> None:
+        services.record_preview(state.request.job_id, worker, key, step)
+
+    family, store = family_of(lead), storage()
     try:
-        state = stages.load_state(family, store, request_of(job), job.embeddings_key, job.checkpoint_key)
-        while True:
-            result = stages.run_chunk(
-                family, store, state, until_step=min(job.steps, state.step + job.chunk_steps),
-                preview_every=job.preview_every, should_stop=should_stop,
-                on_preview=lambda key, step: services.record_preview(job_id, worker, key, step))
-            if result.stopped == "steps-changed":
-                return _hand_back_for_new_total(job_id, worker, family, store, state, previous_key)
-            if result.stopped:
-                break
-            stay = keep_card(result.step)
-            if not services.finish_chunk(job_id, worker, result.step, result.checkpoint_key, result.step_seconds,
-                                         keep_lease=stay):
-                return "superseded"
-            if previous_key and previous_key != result.checkpoint_key:
-                # The older checkpoint is no longer needed; an unlink right after an fsync can take
-                # milliseconds, so it happens off the chunk boundary.
-                _deleter.submit(store.delete_prefix, previous_key)
-            previous_key = result.checkpoint_key
-            if not stay:
-                return f"step {result.step}"
-    except Exception:  # noqa: BLE001 - recorded on the job, retried from its checkpoint
-        return services.fail_attempt(job_id, worker, traceback.format_exc())
-    if result.stopped == "cancelled":
-        services.finish_cancelled(job_id, worker)
-    return result.stopped
+        for m in members:
+            m.state = stages.load_state(family, store, request_of(m.job), m.job.embeddings_key, m.checkpoint_key)
+        while running := [m for m in members if not m.outcome]:
+            results = stages.run_merged_chunk(
+                family, store, [m.state for m in running],
+                until_step=min(lead.steps, running[0].state.step + lead.chunk_steps),
+                preview_every=lead.preview_every, should_stop=should_stop, on_preview=on_preview)
+            stay = keep_card(max(r.step for r in results))
+            for m, result in zip(running, results):
+                m.outcome = (_hand_back_for_new_total(m, worker, family, store) if result.stopped == "steps-changed"
+                             else _record_chunk(m, result, worker, stay, store))
+    except Exception:  # noqa: BLE001 - recorded on each job, retried from its checkpoint
+        error = traceback.format_exc()
+        for m in members:
+            if not m.outcome:  # still held here; the others were recorded and let go
+                m.outcome = services.fail_attempt(m.job.pk, worker, error)
+    return members[0].outcome
 
 
-def _steps_changed(job_id: str, total: int) -> bool:
+def _record_chunk(member: _Member, result: stages.ChunkResult, worker: str, stay: bool, store) -> str:
+    """Record one job's chunk; "" while it stays in this task, else how it left."""
+    job_id = member.job.pk
+    if result.stopped:
+        if result.stopped == "cancelled":
+            services.finish_cancelled(job_id, worker)
+        return result.stopped
+    if not services.finish_chunk(job_id, worker, result.step, result.checkpoint_key, result.step_seconds,
+                                 keep_lease=stay):
+        return "superseded"
+    if member.checkpoint_key and member.checkpoint_key != result.checkpoint_key:
+        # The older checkpoint is no longer needed; an unlink right after an fsync can take
+        # milliseconds, so it happens off the chunk boundary.
+        _deleter.submit(store.delete_prefix, member.checkpoint_key)
+    member.checkpoint_key = result.checkpoint_key
+    return "" if stay else f"step {result.step}"
+
+
+def _steps_changed(job_id, total: int) -> bool:
     """The job's total was changed (POST /steps/) to another than the one this worker runs."""
     value = redis_client().get(STEPS_KEY.format(job_id=job_id))
     return value is not None and int(value) != total
 
 
-def _hand_back_for_new_total(job_id: str, worker: str, family, store, state, previous_key: str) -> str:
-    """Save the state at this step and give the job back: the job service publishes its decode (stopped
-    early) or the next chunk, which continues on a schedule for the new total."""
+def _hand_back_for_new_total(member: _Member, worker: str, family, store) -> str:
+    """Save the job's state at this step and give it back: the job service publishes its decode
+    (stopped early) or the next chunk, which continues on a schedule for the new total."""
+    state = member.state
     key = stages.save_checkpoint(family, store, state) if state.step > 0 else ""
-    if services.release_for_new_total(job_id, worker, state.step, key) and key and previous_key not in ("", key):
-        _deleter.submit(store.delete_prefix, previous_key)
+    released = services.release_for_new_total(member.job.pk, worker, state.step, key)
+    if released and key and member.checkpoint_key not in ("", key):
+        _deleter.submit(store.delete_prefix, member.checkpoint_key)
     return "steps-changed"

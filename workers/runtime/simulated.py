@@ -15,7 +15,7 @@ import torch
 from PIL import Image
 
 from genserver.registry import ModelSpec
-from genserver.scheduling.cost import JobShape, estimate_job_seconds
+from genserver.scheduling.cost import JobShape, estimate_job_seconds, merged_step_seconds
 
 from .base import DenoiseState, Family, GenerationRequest
 
@@ -52,16 +52,32 @@ class SimulatedFamily(Family):
         latents = torch.randn(request.num_outputs, 4, LATENT_SIDE, LATENT_SIDE, generator=generator)
         return DenoiseState(request=request, step=0, latents=latents, embeddings=embeddings, generator=generator)
 
+    def merged_step_seconds(self, states: list[DenoiseState]) -> float:
+        """One step over every state's rows as one batch (cost.merged_step_seconds)."""
+        r = states[0].request
+        shape = JobShape(self.spec.family, r.width, r.height, r.num_frames, r.steps, r.guidance_scale, 1)
+        return merged_step_seconds(shape, sum(self.rows(states)), self.spec.cost_points, self.effective_tflops)
+
     def step(self, state: DenoiseState) -> None:
-        if self.spec.fault_at_step and state.step + 1 == self.spec.fault_at_step:
-            raise SimulatedFault(f"simulated out-of-memory at step {state.step + 1} of {self.spec.name}")
-        time.sleep(self.step_seconds(state.request) * self.time_scale)
-        # A deterministic pull towards a prompt-dependent target: outputs depend on prompt and seed.
-        target = self._target(state)
-        state.latents = state.latents * PULL + target * (1 - PULL)
-        state.step += 1
-        # The x0 estimate: where the remaining pulls take the latents (exact for this linear model).
-        state.extra["denoised"] = target + (state.latents - target) * PULL ** max(0, state.request.steps - state.step)
+        self.step_many([state])
+
+    def step_many(self, states: list[DenoiseState]) -> None:
+        """Sleep for the merged batch's modelled step time, then move each state on by itself."""
+        self.check_mergeable(states)
+        for state in states:
+            if self.spec.fault_at_step and state.step + 1 == self.spec.fault_at_step:
+                raise SimulatedFault(f"simulated out-of-memory at step {state.step + 1} of {self.spec.name}")
+        seconds = (self.step_seconds(states[0].request) if len(states) == 1
+                   else self.merged_step_seconds(states))
+        time.sleep(seconds * self.time_scale)
+        for state in states:
+            # A deterministic pull towards a prompt-dependent target: outputs depend on prompt and seed.
+            target = self._target(state)
+            state.latents = state.latents * PULL + target * (1 - PULL)
+            state.step += 1
+            # The x0 estimate: where the remaining pulls take the latents (exact for this linear model).
+            remaining = max(0, state.request.steps - state.step)
+            state.extra["denoised"] = target + (state.latents - target) * PULL ** remaining
 
     @staticmethod
     def _target(state: DenoiseState) -> torch.Tensor:
