@@ -74,3 +74,18 @@ def test_simulated_job_stopped_early_and_another_extended(stack, api):
     for job in (first, second):
         outputs = api.get(f"/api/v1/jobs/{job.pk}/").json()["outputs"]
         assert outputs and download(api, outputs[0]["url"]).startswith(b"\x89PNG")
+
+
+def test_a_member_of_a_merged_batch_stops_early_and_its_partner_goes_on(stack, api):
+    from tests.test_stack_merging import card_paused, waiting
+
+    shape = {"model": "tiny-sd", "width": 128, "height": 128, "steps": 40}
+    with card_paused(stack):
+        ids = [submit(api, prompt=p, seed=s, **shape).json()["id"] for p, s in (("a red fox", 1), ("a boat", 2))]
+        wait_for(lambda: waiting(ids), 60, what="both jobs encoded and waiting")
+    seen = wait_for(lambda: (j := job_row(ids[0])).steps_done >= 2 and j, 90, what="the batch to start")
+    assert change(api, ids[0], seen.steps_done).status_code == 202
+    stopped, partner = finished(ids[0]), finished(ids[1])
+    assert stopped.status == partner.status == "succeeded", (stopped.error, partner.error)
+    assert stopped.steps == stopped.steps_done < 40 and stopped.steps_requested == 40
+    assert partner.steps == partner.steps_done == 40 and partner.steps_requested is None
