@@ -43,7 +43,7 @@ def test_tiny_sd_stopped_early_decodes_what_it_has(stack, api):
 
 
 def test_tiny_sd_extended_runs_the_new_total(stack, api):
-    job_id = submit(api, model="tiny-sd", prompt="keep going", steps=40, width=128, height=128).json()["id"]
+    job_id = submit(api, model="tiny-sd", prompt="keep going", steps=40, width=256, height=256).json()["id"]
     wait_for(lambda: job_row(job_id).steps_done >= 2, 90, what="two steps")
     response = change(api, job_id, 50)
     assert response.status_code == 202, response.content
@@ -79,7 +79,7 @@ def test_simulated_job_stopped_early_and_another_extended(stack, api):
 def test_a_member_of_a_merged_batch_stops_early_and_its_partner_goes_on(stack, api):
     from tests.test_stack_merging import card_paused, waiting
 
-    shape = {"model": "tiny-sd", "width": 128, "height": 128, "steps": 40}
+    shape = {"model": "tiny-sd", "width": 256, "height": 256, "steps": 40}
     with card_paused(stack):
         ids = [submit(api, prompt=p, seed=s, **shape).json()["id"] for p, s in (("a red fox", 1), ("a boat", 2))]
         wait_for(lambda: waiting(ids), 60, what="both jobs encoded and waiting")
