@@ -26,7 +26,8 @@ from genserver.scheduling.classes import CLASSES, priority_for
 from genserver.scheduling.pools import class_of
 from workers.runtime import stages
 
-from .common import family_of, preload, request_of, storage, worker_id
+from .common import family_of, preload, storage, worker_id
+from .segments import SegmentCursor
 
 HEARTBEAT_EVERY_SECONDS = 1.0  # lease renewal + progress write; per step would hammer the DB on fast models
 _deleter = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-gc")
@@ -63,34 +64,38 @@ def run_chunk(self, job_id: str, from_step: int) -> str:
 
     def keep_card(step: int) -> bool:
         """Run the next chunk here: nothing waits that this card would take first, and time is left."""
-        if step >= job.steps or time.monotonic() - task_started > settings.CELERY_VISIBILITY_TIMEOUT / 2:
+        if step >= job.total_steps or time.monotonic() - task_started > settings.CELERY_VISIBILITY_TIMEOUT / 2:
             return False
-        remaining = job.estimated_seconds * (job.steps - step) / job.steps
+        remaining = job.estimated_seconds * (job.total_steps - step) / job.total_steps
         continuation = priority_for(job.duration_class, remaining, True, policy.thresholds())
         return not selectors.waiting_at_or_before(_consumed_queues(job.queue), continuation)
 
     family, store = family_of(job), storage()
-    previous_key = job.checkpoint_key
+    # Steps are global over a long video's segments (an ordinary job is one segment at offset 0).
+    cursor = SegmentCursor(job)
+    previous_key = cursor.deletable(job.checkpoint_step, job.checkpoint_key)
     try:
-        state = stages.load_state(family, store, request_of(job), job.embeddings_key, job.checkpoint_key)
+        state = cursor.load_state(family, store, job.checkpoint_step, job.checkpoint_key)
         while True:
             result = stages.run_chunk(
                 family, store, state, until_step=min(job.steps, state.step + job.chunk_steps),
-                preview_every=job.preview_every, should_stop=should_stop,
-                on_preview=lambda key, step: services.record_preview(job_id, worker, key, step))
+                preview_every=job.preview_every, should_stop=lambda step: should_stop(cursor.offset + step),
+                on_preview=lambda key, step: services.record_preview(job_id, worker, key, cursor.offset + step))
             if result.stopped:
                 break
-            stay = keep_card(result.step)
-            if not services.finish_chunk(job_id, worker, result.step, result.checkpoint_key, result.step_seconds,
+            step = cursor.offset + result.step
+            stay = keep_card(step)
+            if not services.finish_chunk(job_id, worker, step, result.checkpoint_key, result.step_seconds,
                                          keep_lease=stay):
                 return "superseded"
             if previous_key and previous_key != result.checkpoint_key:
                 # The older checkpoint is no longer needed; an unlink right after an fsync can take
                 # milliseconds, so it happens off the chunk boundary.
                 _deleter.submit(store.delete_prefix, previous_key)
-            previous_key = result.checkpoint_key
+            previous_key = cursor.deletable(step, result.checkpoint_key)
             if not stay:
-                return f"step {result.step}"
+                return f"step {step}"
+            state = cursor.next_state(family, state)  # a segment's end: the next one, from its own seed
     except Exception:  # noqa: BLE001 - recorded on the job, retried from its checkpoint
         return services.fail_attempt(job_id, worker, traceback.format_exc())
     if result.stopped == "cancelled":
