@@ -71,9 +71,6 @@ def test_long_video_publishes_segments_while_denoising_then_the_whole_video(stac
     # Every decode overlapped: segment 0 and 1 were decoded before the card finished denoising.
     decoded = {s.index: s.decoded_at for s in JobSegment.objects.filter(job_id=job_id)}
     assert decoded[0] < decoded[2] and job.finished_at >= decoded[2]
-    # Another user cannot download them.
-    from tests.conftest import make_user  # noqa: F401 - the fixture is used below through the request
-
     assert api.get(f"/api/v1/jobs/{job_id}/segments/7/").status_code == 404
 
 

@@ -185,6 +185,20 @@ def start_assembly(job_id, worker: str) -> tuple[Job, list[JobSegment]] | None:
     return job, list(JobSegment.objects.filter(job=job, status=SegmentStatus.PUBLISHED).order_by("index"))
 
 
+def retry_fields(job: Job) -> dict:
+    """An admin retry of a failed long video: published segments stay; denoising starts again at the
+    first segment not published, from its seed (the failed job's checkpoints are gone); the rows of
+    unpublished segments are dropped (they are recorded again when their denoising ends)."""
+    published = set(JobSegment.objects.filter(job=job, status=SegmentStatus.PUBLISHED)
+                    .values_list("index", flat=True))
+    JobSegment.objects.filter(job=job).exclude(status=SegmentStatus.PUBLISHED).delete()
+    first = next((i for i in range(job.segment_count) if i not in published), None)
+    if first is None:
+        return {"status": JobStatus.DECODING, "checkpoint_step": job.total_steps, "steps_done": job.total_steps}
+    return {"status": JobStatus.DENOISING, "checkpoint_step": first * job.steps, "steps_done": first * job.steps,
+            "checkpoint_key": ""}
+
+
 def republish_decodes(job: Job) -> None:
     """The reaper found the decoding job without a message: publish what it waits for."""
     waiting = list(JobSegment.objects.filter(job=job, status=SegmentStatus.DENOISED, lease_owner="")

@@ -523,6 +523,8 @@ def retry_failed(job: Job) -> bool:
         fields.update(checkpoint_step=0, checkpoint_key="", steps_done=0)
         if status == JobStatus.DECODING:
             fields["status"] = JobStatus.DENOISING
+    if job.segment_count > 1 and job.embeddings_key:
+        fields.update(segment_service.retry_fields(job))  # from the first segment not yet published
     if not Job.objects.filter(pk=job.pk, status=JobStatus.FAILED).update(**fields):
         return False
     job.refresh_from_db()
