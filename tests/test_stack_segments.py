@@ -47,6 +47,12 @@ def test_long_video_publishes_segments_while_denoising_then_the_whole_video(stac
     created = response.json()
     assert created["segment_count"] == 3 and created["progress"] == {"step": 0, "total_steps": 300}
     assert created["duration_class"] == "long" and created["segments"] == []
+    # Costed by its expected duration: three segments of 81 generated frames, 3× a one-segment video.
+    from genserver.jobs import services
+
+    one = services.estimate({"model": "wan-sim", "width": 832, "height": 480, "num_frames": 81, "steps": 100,
+                             "guidance_scale": 5.0, "num_outputs": 1})
+    assert created["estimated_seconds"] == pytest.approx(3 * one.seconds * one.clock_scale, rel=1e-3)
     job_id = created["id"]
 
     early = first_segment_while_denoising(api, job_id)

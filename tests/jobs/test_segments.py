@@ -193,3 +193,18 @@ def test_admin_retry_of_a_failed_video_restarts_at_the_first_unpublished_segment
     assert (job.status, job.checkpoint_step, job.steps_done, job.checkpoint_key) == ("denoising", 20, 20, "")
     assert sent == [("chunk", 20)]  # segment 1 again, from its seed; segment 0 stays published
     assert list(JobSegment.objects.filter(job=video).values_list("index", "status")) == [(0, "published")]
+
+
+@pytest.mark.parametrize("fields, error", [
+    ({"num_frames": 961}, None),  # 60 s at 16 fps: 12 segments
+    ({"num_frames": 965}, "num_frames"),
+    ({"num_frames": 161, "num_outputs": 2}, "num_outputs"),  # a segmented video makes one output
+    ({"num_frames": 81, "num_outputs": 2}, None),
+])
+def test_request_limits_of_long_videos(fields, error):
+    from genserver.jobs.api.serializers import JobCreateSerializer
+
+    incoming = JobCreateSerializer(data={"model": "wan-sim", "prompt": "p"} | fields)
+    assert incoming.is_valid() == (error is None), incoming.errors
+    if error:
+        assert error in incoming.errors
