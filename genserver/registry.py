@@ -51,6 +51,11 @@ class ModelSpec:
     path: str = ""  # local directory of a diffusers checkpoint (backend = diffusers)
     description: str = ""
     max_batch: int = 1  # identically shaped outputs denoised together
+    # The most outputs one denoise batch may hold across merged jobs of the same shape
+    # (model, size, frames, steps, guidance); 1 turns merging off. A small model fills the
+    # card only with several images at once; a large one is compute-bound at one, and a
+    # merged batch would only make each member wait for the others' rows.
+    max_merge: int = 1
     limits: Limits = field(default_factory=Limits)
     defaults: Defaults = field(default_factory=Defaults)
     scheduler: str = "euler"
@@ -68,6 +73,7 @@ class ModelSpec:
             "limits": self.limits.__dict__ | {"max_outputs": 4},
             "defaults": self.defaults.__dict__,
             "segment_frames": self.segment_frames,
+            "max_merge": self.max_merge,  # same-shape jobs' outputs one denoise batch may hold
         }
 
 
@@ -94,6 +100,9 @@ def _spec_from(name: str, raw: dict[str, Any]) -> ModelSpec:
         defaults = Defaults(**raw.get("defaults", {}))
     except TypeError as exc:
         raise RegistryError(f"{where}: {exc}") from None
+    max_merge = raw.get("max_merge", 1)
+    if not isinstance(max_merge, int) or isinstance(max_merge, bool) or max_merge < 1:
+        raise RegistryError(f"{where}: max_merge must be an integer ≥ 1 (1 = no merging), got {max_merge!r}")
     if kind == "image" and limits.max_frames != 1:
         raise RegistryError(f"{where}: an image model must have max_frames = 1")
     segment_frames = int(raw.get("segment_frames", 0))
@@ -102,7 +111,7 @@ def _spec_from(name: str, raw: dict[str, Any]) -> ModelSpec:
                             f"({limits.frames_step}) on a video model, got {segment_frames}")
     return ModelSpec(name=name, family=family, kind=kind, backend=backend, cost_points=points,
                      path=str(raw.get("path", "")), description=str(raw.get("description", "")),
-                     max_batch=int(raw.get("max_batch", 1)), limits=limits, defaults=defaults,
+                     max_batch=int(raw.get("max_batch", 1)), max_merge=max_merge, limits=limits, defaults=defaults,
                      scheduler=str(raw.get("scheduler", "euler")), fault_at_step=int(raw.get("fault_at_step", 0)),
                      segment_frames=segment_frames)
 

@@ -8,6 +8,12 @@ the next chunk in-process from the state in memory, skipping the broker hop
 and the checkpoint restore. The order of work is the same as re-publishing
 every chunk; the checkpoint is still written at every boundary, so a crash
 loses at most one chunk. A task never runs past half the visibility timeout.
+
+Merged work: when the job's model allows it (the registry's `max_merge`), the
+task also takes other jobs waiting with the same shape at the same step and
+runs them as one batch, one model call per step. Each member keeps its own
+lease, progress, previews, checkpoint, cancel and outputs; a member that is
+cancelled or loses its lease leaves the batch and the others go on.
 """
 from __future__ import annotations
 
@@ -15,19 +21,23 @@ import os
 import time
 import traceback
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 
 from celery import shared_task
 from django.conf import settings
 
 from genserver import policy
 from genserver.jobs import selectors, services
+from genserver.jobs.models import Job
+from genserver.metrics import count_merged_batch
 from genserver.redis_client import CANCEL_KEY, client as redis_client
 from genserver.scheduling.classes import CLASSES, priority_for
 from genserver.scheduling.pools import class_of
 from workers.runtime import stages
+from workers.runtime.base import DenoiseState
 
 from .common import family_of, preload, storage, worker_id
-from .segments import SegmentCursor
+from .segments import SegmentCursor, job_id_of
 
 HEARTBEAT_EVERY_SECONDS = 1.0  # lease renewal + progress write; per step would hammer the DB on fast models
 _deleter = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-gc")
@@ -39,6 +49,23 @@ def _consumed_queues(job_queue: str) -> list[str]:
     return [q for q in queues.split(",") if class_of(q) in CLASSES] or [job_queue]
 
 
+@dataclass
+class _Member:
+    """One job of the batch this task runs, and what the task keeps about it between steps."""
+
+    job: Job
+    cancel_key: str
+    last_beat: float
+    checkpoint_key: str  # the last checkpoint recorded, deleted once the next one is
+    state: DenoiseState | None = None
+    outcome: str = ""  # set once the job has left this task
+    cursor: SegmentCursor | None = None  # global steps over a long video's segments (one segment otherwise)
+
+    def __post_init__(self) -> None:
+        self.cursor = SegmentCursor(self.job)
+        self.checkpoint_key = self.cursor.deletable(self.job.checkpoint_step, self.checkpoint_key)
+
+
 @shared_task(name="tasks.denoise.run_chunk", bind=True)
 def run_chunk(self, job_id: str, from_step: int) -> str:
     worker = worker_id(self)
@@ -47,57 +74,83 @@ def run_chunk(self, job_id: str, from_step: int) -> str:
     job = services.claim_chunk(job_id, worker, from_step)
     if job is None:
         return "skipped"  # already past this step, held elsewhere, cancelled or finished
-    cancel_key = CANCEL_KEY.format(job_id=job_id)
-    last_beat = [time.monotonic()]
+    partners = services.claim_merge_partners(job, worker, policy.registry().get(job.model).max_merge)
+    if partners:
+        count_merged_batch(1 + len(partners))
+    members = [_Member(j, CANCEL_KEY.format(job_id=j.pk), time.monotonic(), j.checkpoint_key)
+               for j in [job, *partners]]
+    return _denoise(members, worker)
+
+
+def _denoise(members: list[_Member], worker: str) -> str:
+    """Run the jobs' chunks as one batch until each has left: finished its steps, yielded the card,
+    stopped, or failed. Returns the outcome of the first (the job whose message this is)."""
+    lead = members[0].job
+    by_id = {str(m.job.pk): m for m in members}
     task_started = time.monotonic()
 
-    def should_stop(step: int) -> str:
-        if redis_client().exists(cancel_key):
+    def should_stop(state: DenoiseState, step: int) -> str:
+        member = by_id[job_id_of(state.request)]
+        job_id = member.job.pk
+        step += member.cursor.offset  # global over the segments
+        if redis_client().exists(member.cancel_key):
             return "cancelled"
         if step == 0:
             services.heartbeat(job_id, worker, steps_done=0)  # started_at: the first step begins now
-        if time.monotonic() - last_beat[0] > HEARTBEAT_EVERY_SECONDS:
-            last_beat[0] = time.monotonic()
+        if time.monotonic() - member.last_beat > HEARTBEAT_EVERY_SECONDS:
+            member.last_beat = time.monotonic()
             if not services.heartbeat(job_id, worker, steps_done=step):
                 return "lease-lost"
         return ""
 
     def keep_card(step: int) -> bool:
         """Run the next chunk here: nothing waits that this card would take first, and time is left."""
-        if step >= job.total_steps or time.monotonic() - task_started > settings.CELERY_VISIBILITY_TIMEOUT / 2:
+        if step >= lead.total_steps or time.monotonic() - task_started > settings.CELERY_VISIBILITY_TIMEOUT / 2:
             return False
-        remaining = job.estimated_seconds * (job.total_steps - step) / job.total_steps
-        continuation = priority_for(job.duration_class, remaining, True, policy.thresholds())
-        return not selectors.waiting_at_or_before(_consumed_queues(job.queue), continuation)
+        remaining = lead.estimated_seconds * (lead.total_steps - step) / lead.total_steps
+        continuation = priority_for(lead.duration_class, remaining, True, policy.thresholds())
+        return not selectors.waiting_at_or_before(_consumed_queues(lead.queue), continuation)
 
-    family, store = family_of(job), storage()
-    # Steps are global over a long video's segments (an ordinary job is one segment at offset 0).
-    cursor = SegmentCursor(job)
-    previous_key = cursor.deletable(job.checkpoint_step, job.checkpoint_key)
+    def on_preview(state: DenoiseState, key: str, step: int) -> None:
+        member = by_id[job_id_of(state.request)]
+        services.record_preview(member.job.pk, worker, key, member.cursor.offset + step)
+
+    family, store = family_of(lead), storage()
     try:
-        state = cursor.load_state(family, store, job.checkpoint_step, job.checkpoint_key)
-        while True:
-            result = stages.run_chunk(
-                family, store, state, until_step=min(job.steps, state.step + job.chunk_steps),
-                preview_every=job.preview_every, should_stop=lambda step: should_stop(cursor.offset + step),
-                on_preview=lambda key, step: services.record_preview(job_id, worker, key, cursor.offset + step))
-            if result.stopped:
-                break
-            step = cursor.offset + result.step
-            stay = keep_card(step)
-            if not services.finish_chunk(job_id, worker, step, result.checkpoint_key, result.step_seconds,
-                                         keep_lease=stay):
-                return "superseded"
-            if previous_key and previous_key != result.checkpoint_key:
-                # The older checkpoint is no longer needed; an unlink right after an fsync can take
-                # milliseconds, so it happens off the chunk boundary.
-                _deleter.submit(store.delete_prefix, previous_key)
-            previous_key = cursor.deletable(step, result.checkpoint_key)
-            if not stay:
-                return f"step {step}"
-            state = cursor.next_state(family, state)  # a segment's end: the next one, from its own seed
-    except Exception:  # noqa: BLE001 - recorded on the job, retried from its checkpoint
-        return services.fail_attempt(job_id, worker, traceback.format_exc())
-    if result.stopped == "cancelled":
-        services.finish_cancelled(job_id, worker)
-    return result.stopped
+        for m in members:
+            m.state = m.cursor.load_state(family, store, m.job.checkpoint_step, m.job.checkpoint_key)
+        while running := [m for m in members if not m.outcome]:
+            results = stages.run_merged_chunk(
+                family, store, [m.state for m in running],
+                until_step=min(lead.steps, running[0].state.step + lead.chunk_steps),
+                preview_every=lead.preview_every, should_stop=should_stop, on_preview=on_preview)
+            stay = keep_card(max(m.cursor.offset + r.step for m, r in zip(running, results)))
+            for m, result in zip(running, results):
+                m.outcome = _record_chunk(m, result, worker, stay, store)
+                if not m.outcome:
+                    m.state = m.cursor.next_state(family, m.state)  # a segment's end: the next, from its seed
+    except Exception:  # noqa: BLE001 - recorded on each job, retried from its checkpoint
+        error = traceback.format_exc()
+        for m in members:
+            if not m.outcome:  # still held here; the others were recorded and let go
+                m.outcome = services.fail_attempt(m.job.pk, worker, error)
+    return members[0].outcome
+
+
+def _record_chunk(member: _Member, result: stages.ChunkResult, worker: str, stay: bool, store) -> str:
+    """Record one job's chunk; "" while it stays in this task, else how it left."""
+    job_id = member.job.pk
+    if result.stopped:
+        if result.stopped == "cancelled":
+            services.finish_cancelled(job_id, worker)
+        return result.stopped
+    step = member.cursor.offset + result.step  # global over a long video's segments
+    if not services.finish_chunk(job_id, worker, step, result.checkpoint_key, result.step_seconds,
+                                 keep_lease=stay):
+        return "superseded"
+    if member.checkpoint_key and member.checkpoint_key != result.checkpoint_key:
+        # The older checkpoint is no longer needed; an unlink right after an fsync can take
+        # milliseconds, so it happens off the chunk boundary.
+        _deleter.submit(store.delete_prefix, member.checkpoint_key)
+    member.checkpoint_key = member.cursor.deletable(step, result.checkpoint_key)  # a segment's end is kept
+    return "" if stay else f"step {step}"

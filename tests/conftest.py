@@ -47,7 +47,11 @@ class Stack:
         start_workers(self.supervisor, self.layout, loglevel="WARNING")
         self.supervisor.add("beat", [python(), "-m", "celery", "-A", "genserver", "beat", "--loglevel", "WARNING",
                                      "--schedule", settings.CELERY_BEAT_SCHEDULE_FILENAME])
-        self.wait_ready()
+        try:
+            self.wait_ready()
+        except BaseException:  # no fixture teardown runs for a failed setup: don't leave processes behind
+            self.supervisor.stop()
+            raise
 
     def wait_ready(self, timeout: float = STACK_BOOT_SECONDS) -> None:
         """Every worker of the layout has sent its liveness heartbeat."""

@@ -27,17 +27,34 @@ def worker_argv(spec: WorkerSpec, loglevel: str = "INFO") -> list[str]:
             "--without-gossip", "--without-mingle", "--task-events", "--loglevel", loglevel]
 
 
-def worker_env(spec: WorkerSpec) -> dict[str, str]:
+def cpu_threads_per_worker(layout: PoolLayout) -> int:
+    """CPU threads for each worker's torch (GENSERVER_TORCH_THREADS, else the cores shared out).
+
+    Workers on one host share its cores; torch's default (every core in every
+    worker) makes OpenMP threads spin against each other, which on a busy
+    2-core machine made steps 10-300× slower. On a GPU worker the CPU side
+    only feeds the card, and one or two threads are enough.
+    """
+    configured = os.environ.get("GENSERVER_TORCH_THREADS", "")
+    if configured:
+        return max(1, int(configured))
+    return max(1, (os.cpu_count() or 1) // max(1, len(layout.workers)))
+
+
+def worker_env(spec: WorkerSpec, torch_threads: int | None = None) -> dict[str, str]:
     env = {"CUDA_VISIBLE_DEVICES": ",".join(str(d) for d in spec.devices),
            "GENSERVER_WORKER_NAME": spec.name, "GENSERVER_WORKER_QUEUES": ",".join(spec.consumed_queues())}
     if spec.models:
         env["GENSERVER_WORKER_MODELS"] = ",".join(spec.models)
+    if torch_threads:  # read by torch's OpenMP/MKL runtimes when the worker imports torch
+        env["OMP_NUM_THREADS"] = env["MKL_NUM_THREADS"] = str(torch_threads)
     return env
 
 
 def start_workers(supervisor: Supervisor, layout: PoolLayout, loglevel: str = "INFO") -> None:
+    threads = cpu_threads_per_worker(layout)
     for spec in layout.workers:
-        supervisor.add(f"worker {spec.name}", worker_argv(spec, loglevel), worker_env(spec))
+        supervisor.add(f"worker {spec.name}", worker_argv(spec, loglevel), worker_env(spec, threads))
 
 
 def current_layout() -> PoolLayout:

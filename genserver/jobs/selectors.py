@@ -113,7 +113,7 @@ def live_workers() -> list[dict[str, Any]]:
 _UUID = re.compile(rb"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")
 
 
-def _queue_keys(queue: str) -> list[str]:
+def queue_keys(queue: str) -> list[str]:
     """kombu's Redis layout: priority 0 in the list named like the queue, priority p in "queue:p"."""
     return [queue] + [f"{queue}:{p}" for p in range(1, 10)]
 
@@ -124,7 +124,7 @@ def broker_job_ids(queues: Iterable[str]) -> set[str]:
     found: set[str] = set()
     for queue in queues:
         with r.pipeline() as pipe:
-            for key in _queue_keys(queue):
+            for key in queue_keys(queue):
                 pipe.lrange(key, 0, -1)
             for messages in pipe.execute():
                 for raw in messages:
@@ -137,7 +137,7 @@ def waiting_at_or_before(queues: Iterable[str], priority: int) -> bool:
     r = redis_client()
     with r.pipeline() as pipe:
         for queue in queues:
-            for key in _queue_keys(queue)[: priority + 1]:
+            for key in queue_keys(queue)[: priority + 1]:
                 pipe.llen(key)
         return any(int(n) for n in pipe.execute())
 
@@ -146,7 +146,7 @@ def broker_depth(queue: str) -> int:
     """Messages waiting in the broker for `queue`, over all priority lists (kombu's key layout)."""
     r = redis_client()
     with r.pipeline() as pipe:
-        for key in _queue_keys(queue):
+        for key in queue_keys(queue):
             pipe.llen(key)
         return sum(int(n) for n in pipe.execute())
 

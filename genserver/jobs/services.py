@@ -274,6 +274,51 @@ def claim_chunk(job_id, worker: str, from_step: int) -> Job | None:
     return Job.objects.get(pk=job_id) if taken else None
 
 
+def claim_merge_partners(job: Job, worker: str, max_rows: int) -> list[Job]:
+    """Other jobs waiting to denoise with `job`'s shape at its step, to run as one batch with it.
+
+    The shape is the merge key (model, size, frames, steps, guidance) and the
+    step must match, so every member takes the same timestep. Candidates wait
+    on the same queue (this worker consumes it) in priority order; their rows
+    (outputs) together with `job`'s stay within `max_rows`. Each is taken with
+    `claim_chunk`'s compare-and-set, so its own chunk message later finds it
+    held and does nothing (their waiting messages are withdrawn from the
+    broker, so the batch's yield test doesn't see them as work ahead of it;
+    any that was missed does nothing). A job that failed once (attempts > 0) is never
+    merged, neither way, so a poison job retries alone and cannot use up its
+    batch mates' attempts.
+    """
+    rows = max_rows - job.num_outputs
+    if rows <= 0 or job.attempts:
+        return []
+    now = timezone.now()
+    candidates = (Job.objects.filter(_lease_free(now), status=JobStatus.DENOISING, cancel_requested=False,
+                                     attempts=0, queue=job.queue, model=job.model, width=job.width,
+                                     height=job.height, num_frames=job.num_frames, steps=job.steps,
+                                     guidance_scale=job.guidance_scale, checkpoint_step=job.checkpoint_step,
+                                     num_outputs__lte=rows)
+                  .exclude(pk=job.pk).order_by("priority", "created_at")
+                  .values_list("pk", "num_outputs")[:rows])
+    partners = []
+    for pk, outputs in list(candidates):
+        if outputs > rows:
+            continue
+        taken = claim_chunk(pk, worker, job.checkpoint_step)
+        if taken is not None:
+            partners.append(taken)
+            rows -= taken.num_outputs
+    if partners:
+        from tasks import dispatch
+
+        try:
+            # The lead's own duplicates too (a redelivery, a reaper re-publish): no-ops that the
+            # yield test would count as work waiting ahead of the batch.
+            dispatch.withdraw_chunks(job.queue, [job.pk, *(p.pk for p in partners)])
+        except Exception:  # noqa: BLE001 - a message left behind only wakes a card for nothing
+            log.warning("could not withdraw the merged jobs' messages", exc_info=True)
+    return partners
+
+
 def heartbeat(job_id, worker: str, steps_done: int | None = None) -> bool:
     """Renew the lease and record progress (steps_done=0: the first step begins, `started_at`).
 

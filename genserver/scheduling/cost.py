@@ -122,6 +122,27 @@ def estimate_job_seconds(shape: JobShape, cost_points: Mapping[int, float],
     return base * shape.num_outputs * correction
 
 
+def merged_step_seconds(shape: JobShape, rows: int, cost_points: Mapping[int, float],
+                        effective_tflops: float = DEFAULT_EFFECTIVE_TFLOPS) -> float:
+    """Seconds of one denoising step over `rows` same-shape outputs merged into one batch.
+
+    A model's factor at a small sequence holds the card's under-use (kernels too
+    small to fill it); a merged batch presents rows × tokens of work at once, so
+    it runs at the factor of that larger sequence, while attention stays within
+    each image: the factor is never above the single image's. A large model,
+    whose factor only grows with the sequence, gains nothing (the seed: one
+    step is compute-bound and a batch saves nothing); a small one fills the card.
+    """
+    tokens = shape.tokens()
+    factor = min(interpolate_factor(cost_points, tokens), interpolate_factor(cost_points, tokens * rows))
+    return rows * est_seconds(tokens, 1, shape.cfg_passes(), factor, effective_tflops)
+
+
+def merge_speedup(shape: JobShape, rows: int, cost_points: Mapping[int, float]) -> float:
+    """Throughput of a merged batch of `rows` against running the rows one by one (≥ 1)."""
+    return rows * merged_step_seconds(shape, 1, cost_points) / merged_step_seconds(shape, rows, cost_points)
+
+
 @dataclass
 class StepTimeCorrection:
     """Online correction of the cost model from measured step times.

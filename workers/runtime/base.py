@@ -5,7 +5,8 @@ stop after any step and continue in another process:
 
     1. encode    prompts → embeddings (cached by the encode stage)
     2. prepare   initial latents from the seed, scheduler set for `steps`
-    3. step      one denoising step (the scheduler's `step` contract)
+    3. step      one denoising step (the scheduler's `step` contract); `step_many`
+                 steps several same-shape jobs with one batched model call
     4. checkpoint / restore   everything needed to continue exactly
     5. preview   a cheap latent → RGB picture
     6. decode    VAE decode → PIL images (one per output; video: frames)
@@ -80,6 +81,17 @@ class Family(ABC):
     def step(self, state: DenoiseState) -> None:
         """Run one denoising step in place; increments state.step."""
 
+    def step_many(self, states: list[DenoiseState]) -> None:
+        """One step of several jobs of the same shape (merged work), each its own state.
+
+        A family whose model call can take the jobs as one batch overrides this:
+        one forward pass over every job's rows, then each job's own scheduler
+        step with its own generator, so a job's result does not depend on its
+        batch mates. This default runs them one after another.
+        """
+        for state in states:
+            self.step(state)
+
     @abstractmethod
     def checkpoint(self, state: DenoiseState) -> dict[str, Any]:
         """A dict of CPU tensors and plain values from which `restore` continues exactly."""
@@ -126,6 +138,37 @@ class Family(ABC):
             raise ValueError(f"not a {formats[-1]} checkpoint (format={data.get('format')!r})")
         if data["steps"] != request.steps:
             raise ValueError(f"checkpoint was made for {data['steps']} steps, the request has {request.steps}")
+
+    @staticmethod
+    def check_mergeable(states: list[DenoiseState]) -> None:
+        """Refuse to batch jobs whose model inputs differ in shape or schedule (the merge key)."""
+        first = states[0].request
+        for state in states:
+            r = state.request
+            if state.done:
+                raise ValueError(f"job {r.job_id}: all {r.steps} steps are done")
+            if (r.model, r.width, r.height, r.num_frames, r.steps, r.guidance_scale) != (
+                    first.model, first.width, first.height, first.num_frames, first.steps, first.guidance_scale):
+                raise ValueError(f"job {r.job_id} cannot share a batch with job {first.job_id}: the model, size, "
+                                 f"frames, steps and guidance must all be equal")
+            if state.step != states[0].step:
+                raise ValueError(f"job {r.job_id} is at step {state.step}, its batch at {states[0].step}")
+
+    @staticmethod
+    def rows(states: list[DenoiseState]) -> list[int]:
+        """How many batch rows (outputs) each state brings to a merged model call."""
+        return [int(state.latents.shape[0]) for state in states]
+
+    @staticmethod
+    def guidance_batch(parts: list[Any], cfg: bool) -> Any:
+        """Concatenate per-job model inputs laid out [uncond rows, cond rows] into one batch in the
+        same layout ([uncond of every job, cond of every job]), so one `.chunk(2)` splits it again."""
+        import torch
+
+        if not cfg:
+            return torch.cat(parts)
+        halves = [part.chunk(2) for part in parts]
+        return torch.cat([h[0] for h in halves] + [h[1] for h in halves])
 
     @staticmethod
     def set_vae_tiling(vae: Any, width: int, height: int) -> bool:

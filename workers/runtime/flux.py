@@ -252,22 +252,33 @@ class FluxFamily(Family):
         state.extra["conditioning"] = conditioning
         return conditioning
 
-    @torch.no_grad()  # not inference_mode: state.latents outlives the call and may be touched later
     def step(self, state: DenoiseState) -> None:
-        if state.done:
-            raise ValueError(f"job {state.request.job_id}: all {state.request.steps} steps are done")
-        scheduler, latents = state.scheduler, state.latents
-        t = scheduler.timesteps[state.step]
+        self.step_many([state])
+
+    @torch.no_grad()  # not inference_mode: state.latents outlives the call and may be touched later
+    def step_many(self, states: list[DenoiseState]) -> None:
+        """One transformer call for every job's rows, then each job's own scheduler step."""
+        self.check_mergeable(states)
+        conditioning = [self._conditioning(state) for state in states]
+        batch = dict(conditioning[0])  # txt_ids / img_ids depend on the shape only: shared
+        for name in ("encoder_hidden_states", "pooled_projections", "guidance"):
+            if batch[name] is not None:
+                batch[name] = torch.cat([c[name] for c in conditioning])
+        latents = torch.cat([state.latents for state in states])
         # The transformer takes t in [0, 1] (FluxPipeline: timestep / 1000).
-        timestep = t.expand(latents.shape[0]).to(latents.dtype) / 1000
-        velocity = self.transformer(hidden_states=latents, timestep=timestep, return_dict=False,
-                                    **self._conditioning(state))[0]
-        sigma = scheduler.sigmas[state.step].to(latents.device, latents.dtype)
-        state.latents = scheduler.step(velocity, t, latents, generator=state.generator).prev_sample
-        # x_t = (1 − σ)·x0 + σ·noise and v = noise − x0, so x0 = x_t − σ·v. For the
-        # preview only; not part of the checkpoint.
-        state.extra["denoised"] = latents - sigma * velocity
-        state.step += 1
+        timestep = torch.cat([state.scheduler.timesteps[state.step].expand(state.latents.shape[0])
+                              for state in states]).to(latents.dtype) / 1000
+        velocities = self.transformer(hidden_states=latents, timestep=timestep, return_dict=False,
+                                      **batch)[0].split(self.rows(states))
+        for state, velocity in zip(states, velocities):
+            scheduler, latents = state.scheduler, state.latents
+            t = scheduler.timesteps[state.step]
+            sigma = scheduler.sigmas[state.step].to(latents.device, latents.dtype)
+            state.latents = scheduler.step(velocity, t, latents, generator=state.generator).prev_sample
+            # x_t = (1 − σ)·x0 + σ·noise and v = noise − x0, so x0 = x_t − σ·v. For the
+            # preview only; not part of the checkpoint.
+            state.extra["denoised"] = latents - sigma * velocity
+            state.step += 1
 
     # 4. checkpoint / restore -------------------------------------------------
 

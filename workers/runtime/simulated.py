@@ -15,7 +15,7 @@ import torch
 from PIL import Image
 
 from genserver.registry import ModelSpec
-from genserver.scheduling.cost import JobShape, estimate_job_seconds
+from genserver.scheduling.cost import JobShape, estimate_job_seconds, merged_step_seconds
 
 from .base import DenoiseState, Family, GenerationRequest
 
@@ -51,14 +51,29 @@ class SimulatedFamily(Family):
         latents = torch.randn(request.num_outputs, 4, LATENT_SIDE, LATENT_SIDE, generator=generator)
         return DenoiseState(request=request, step=0, latents=latents, embeddings=embeddings, generator=generator)
 
+    def merged_step_seconds(self, states: list[DenoiseState]) -> float:
+        """One step over every state's rows as one batch (cost.merged_step_seconds)."""
+        r = states[0].request
+        shape = JobShape(self.spec.family, r.width, r.height, r.num_frames, r.steps, r.guidance_scale, 1)
+        return merged_step_seconds(shape, sum(self.rows(states)), self.spec.cost_points, self.effective_tflops)
+
     def step(self, state: DenoiseState) -> None:
-        if self.spec.fault_at_step and state.step + 1 == self.spec.fault_at_step:
-            raise SimulatedFault(f"simulated out-of-memory at step {state.step + 1} of {self.spec.name}")
-        time.sleep(self.step_seconds(state.request) * self.time_scale)
-        # A deterministic pull towards a prompt-dependent target: outputs depend on prompt and seed.
-        target = state.embeddings["prompt_embeds"][:4].view(1, 4, 1, 1)
-        state.latents = state.latents * 0.85 + target * 0.15
-        state.step += 1
+        self.step_many([state])
+
+    def step_many(self, states: list[DenoiseState]) -> None:
+        """Sleep for the merged batch's modelled step time, then move each state on by itself."""
+        self.check_mergeable(states)
+        for state in states:
+            if self.spec.fault_at_step and state.step + 1 == self.spec.fault_at_step:
+                raise SimulatedFault(f"simulated out-of-memory at step {state.step + 1} of {self.spec.name}")
+        seconds = (self.step_seconds(states[0].request) if len(states) == 1
+                   else self.merged_step_seconds(states))
+        time.sleep(seconds * self.time_scale)
+        for state in states:
+            # A deterministic pull towards a prompt-dependent target: outputs depend on prompt and seed.
+            target = state.embeddings["prompt_embeds"][:4].view(1, 4, 1, 1)
+            state.latents = state.latents * 0.85 + target * 0.15
+            state.step += 1
 
     def checkpoint(self, state: DenoiseState) -> dict[str, Any]:
         return {"step": state.step, "latents": state.latents.clone()}

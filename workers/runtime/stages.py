@@ -91,21 +91,49 @@ def run_chunk(family: Family, storage: LocalStorage, state: DenoiseState, *, unt
     `should_stop(step)` is asked before every step and returns "" to go on or
     the reason to stop (it also renews the lease and records progress).
     """
-    request = state.request
-    start_step, started = state.step, time.perf_counter()
-    while state.step < until_step:
-        reason = should_stop(state.step)
-        if reason:
-            return ChunkResult(state.step, "", reason, None)
-        family.step(state)
-        if preview_every and state.step % preview_every == 0 and state.step < request.steps:
-            key = f"previews/{request.job_id}/preview.png"
-            storage.put(key, _png(family.preview(state)))
-            on_preview(key, state.step)
+    return run_merged_chunk(family, storage, [state], until_step=until_step, preview_every=preview_every,
+                            should_stop=lambda _, step: should_stop(step),
+                            on_preview=lambda _, key, step: on_preview(key, step))[0]
+
+
+def run_merged_chunk(family: Family, storage: LocalStorage, states: list[DenoiseState], *, until_step: int,
+                     preview_every: int, should_stop: Callable[[DenoiseState, int], str],
+                     on_preview: Callable[[DenoiseState, str, int], None]) -> list[ChunkResult]:
+    """Advance several jobs of one shape together (one batched model call per step), each in place.
+
+    Before every step each job is asked `should_stop(state, step)`; a job that
+    stops (cancelled, lease lost) leaves the batch there and the others go on.
+    At the end every job still in the batch saves its own checkpoint. Returns
+    one result per state, in order. A merged batch reports no step time: its
+    steps are not one job's, and must not teach the cost model.
+    """
+    results: dict[int, ChunkResult] = {}
+    active = list(states)
+    start_step, started = states[0].step, time.perf_counter()
+    while active and active[0].step < until_step:
+        for state in list(active):
+            reason = should_stop(state, state.step)
+            if reason:
+                results[id(state)] = ChunkResult(state.step, "", reason, None)
+                active.remove(state)
+        if not active:
+            break
+        if len(active) == 1:
+            family.step(active[0])
+        else:
+            family.step_many(active)
+        for state in active:
+            if preview_every and state.step % preview_every == 0 and state.step < state.request.steps:
+                key = f"previews/{state.request.job_id}/preview.png"
+                storage.put(key, _png(family.preview(state)))
+                on_preview(state, key, state.step)
     elapsed = time.perf_counter() - started
-    key = storage.put(checkpoint_key(request.job_id, state.step), _to_bytes(family.checkpoint(state)))
-    steps_run = state.step - start_step
-    return ChunkResult(state.step, key, "", elapsed / steps_run if steps_run else None)
+    for state in active:
+        key = storage.put(checkpoint_key(state.request.job_id, state.step), _to_bytes(family.checkpoint(state)))
+        steps_run = state.step - start_step
+        solo = len(states) == 1
+        results[id(state)] = ChunkResult(state.step, key, "", elapsed / steps_run if steps_run and solo else None)
+    return [results[id(state)] for state in states]
 
 
 def decode(family: Family, storage: LocalStorage, request: GenerationRequest, *, embeddings_ref: str,

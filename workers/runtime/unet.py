@@ -351,31 +351,47 @@ class UNetFamily(Family):
         state.extra["conditioning"] = (hidden, added)
         return hidden, added
 
-    @torch.no_grad()  # not inference_mode: state.latents outlives the call and may be touched later
     def step(self, state: DenoiseState) -> None:
-        if state.done:
-            raise ValueError(f"job {state.request.job_id}: all {state.request.steps} steps are done")
-        scheduler, request = state.scheduler, state.request
-        t = scheduler.timesteps[state.step]
-        cfg = self._cfg(request)
-        hidden, added = self._conditioning(state)
-        # Classifier-free guidance: [uncond, cond] in one UNet call.
-        model_input = torch.cat([state.latents] * 2) if cfg else state.latents
-        model_input = scheduler.scale_model_input(model_input, t)
-        noise_pred = self.unet(model_input, t, encoder_hidden_states=hidden, added_cond_kwargs=added).sample
-        if cfg:
-            uncond, cond = noise_pred.chunk(2)
-            noise_pred = uncond + request.guidance_scale * (cond - uncond)
-        out = scheduler.step(noise_pred, t, state.latents, generator=state.generator)
-        state.latents = out.prev_sample
-        # Kept for the preview only (a far better picture than the noisy latents);
-        # not part of the checkpoint. Euler's pred_original_sample; DPM++'s newest
-        # history entry is the same thing (its data prediction).
-        denoised = getattr(out, "pred_original_sample", None)
-        if denoised is None and getattr(scheduler, "model_outputs", None):
-            denoised = scheduler.model_outputs[-1]
-        state.extra["denoised"] = denoised
-        state.step += 1
+        self.step_many([state])
+
+    @torch.no_grad()  # not inference_mode: state.latents outlives the call and may be touched later
+    def step_many(self, states: list[DenoiseState]) -> None:
+        """One UNet call for every job's rows ([uncond of all, cond of all] with CFG), then each job's
+        own guidance and scheduler step with its own generator."""
+        self.check_mergeable(states)
+        cfg = self._cfg(states[0].request)
+        rows = self.rows(states)
+        inputs, timesteps, hidden, text_embeds, time_ids = [], [], [], [], []
+        for state in states:
+            t = state.scheduler.timesteps[state.step]
+            inputs.append(state.scheduler.scale_model_input(state.latents, t))
+            timesteps.append(t.expand(state.latents.shape[0]))
+            state_hidden, added = self._conditioning(state)
+            hidden.append(state_hidden)
+            if added is not None:
+                text_embeds.append(added["text_embeds"])
+                time_ids.append(added["time_ids"])
+        model_input, timestep = torch.cat(inputs), torch.cat(timesteps)
+        if cfg:  # Classifier-free guidance: [uncond, cond] in one UNet call.
+            model_input, timestep = torch.cat([model_input] * 2), torch.cat([timestep] * 2)
+        added = ({"text_embeds": self.guidance_batch(text_embeds, cfg), "time_ids": self.guidance_batch(time_ids, cfg)}
+                 if text_embeds else None)
+        noise_pred = self.unet(model_input, timestep, encoder_hidden_states=self.guidance_batch(hidden, cfg),
+                               added_cond_kwargs=added).sample
+        halves = [part.split(rows) for part in noise_pred.chunk(2)] if cfg else [noise_pred.split(rows)]
+        for i, state in enumerate(states):
+            pred = halves[0][i] + state.request.guidance_scale * (halves[1][i] - halves[0][i]) if cfg else halves[0][i]
+            t = state.scheduler.timesteps[state.step]
+            out = state.scheduler.step(pred, t, state.latents, generator=state.generator)
+            state.latents = out.prev_sample
+            # Kept for the preview only (a far better picture than the noisy latents);
+            # not part of the checkpoint. Euler's pred_original_sample; DPM++'s newest
+            # history entry is the same thing (its data prediction).
+            denoised = getattr(out, "pred_original_sample", None)
+            if denoised is None and getattr(state.scheduler, "model_outputs", None):
+                denoised = state.scheduler.model_outputs[-1]
+            state.extra["denoised"] = denoised
+            state.step += 1
 
     # 4. checkpoint / restore -------------------------------------------------
 

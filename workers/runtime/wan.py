@@ -271,28 +271,37 @@ class WanFamily(Family):
             self._step_takes_generator[cls] = "generator" in inspect.signature(scheduler.step).parameters
         return {"generator": generator} if self._step_takes_generator[cls] else {}
 
-    @torch.no_grad()  # not inference_mode: state.latents outlives the call and may be touched later
     def step(self, state: DenoiseState) -> None:
-        if state.done:
-            raise ValueError(f"job {state.request.job_id}: all {state.request.steps} steps are done")
-        scheduler, request = state.scheduler, state.request
-        t = scheduler.timesteps[state.step]
-        cfg = self._cfg(request)
-        # Classifier-free guidance: [uncond, cond] in one transformer call.
-        model_input = torch.cat([state.latents] * 2) if cfg else state.latents
-        timestep = t.expand(model_input.shape[0])
+        self.step_many([state])
+
+    @torch.no_grad()  # not inference_mode: state.latents outlives the call and may be touched later
+    def step_many(self, states: list[DenoiseState]) -> None:
+        """One transformer call for every job's rows ([uncond of all, cond of all] with CFG), then each
+        job's own guidance and scheduler step."""
+        self.check_mergeable(states)
+        cfg = self._cfg(states[0].request)
+        rows = self.rows(states)
+        model_input = torch.cat([state.latents for state in states])
+        timestep = torch.cat([state.scheduler.timesteps[state.step].expand(state.latents.shape[0])
+                              for state in states])
+        if cfg:  # Classifier-free guidance: [uncond, cond] in one transformer call.
+            model_input, timestep = torch.cat([model_input] * 2), torch.cat([timestep] * 2)
         velocity = self.transformer(hidden_states=model_input.to(self.dtype), timestep=timestep,
-                                    encoder_hidden_states=self._conditioning(state), return_dict=False)[0]
-        if cfg:
-            uncond, cond = velocity.chunk(2)
-            velocity = uncond + request.guidance_scale * (cond - uncond)
-        # For the preview only (not part of the checkpoint): the clean-video estimate
-        # x0 = x_t - sigma·v of flow matching, a far better picture than x_t.
-        sigma = float(scheduler.sigmas[state.step])
-        state.extra["denoised"] = state.latents - sigma * velocity
-        state.latents = scheduler.step(velocity, t, state.latents, return_dict=False,
-                                       **self._step_kwargs(scheduler, state.generator))[0]
-        state.step += 1
+                                    encoder_hidden_states=self.guidance_batch(
+                                        [self._conditioning(state) for state in states], cfg),
+                                    return_dict=False)[0]
+        halves = [part.split(rows) for part in velocity.chunk(2)] if cfg else [velocity.split(rows)]
+        for i, state in enumerate(states):
+            scheduler, request = state.scheduler, state.request
+            v = halves[0][i] + request.guidance_scale * (halves[1][i] - halves[0][i]) if cfg else halves[0][i]
+            t = scheduler.timesteps[state.step]
+            # For the preview only (not part of the checkpoint): the clean-video estimate
+            # x0 = x_t - sigma·v of flow matching, a far better picture than x_t.
+            sigma = float(scheduler.sigmas[state.step])
+            state.extra["denoised"] = state.latents - sigma * v
+            state.latents = scheduler.step(v, t, state.latents, return_dict=False,
+                                           **self._step_kwargs(scheduler, state.generator))[0]
+            state.step += 1
 
     # 4. checkpoint / restore -------------------------------------------------
 

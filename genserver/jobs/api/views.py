@@ -157,10 +157,12 @@ class ModelListView(APIView):
 class WorkerListView(APIView):
     @extend_schema(responses=OpenApiTypes.OBJECT)
     def get(self, request: Request) -> Response:
-        """Live workers: their queues, cards and the models each one holds; and the embedding cache."""
-        from genserver.metrics import embedding_cache_counts
+        """Live workers: their queues, cards and the models each one holds; the embedding cache; merged
+        denoise batches."""
+        from genserver.metrics import embedding_cache_counts, merged_counts
 
-        return Response({"workers": selectors.live_workers(), "embedding_cache": embedding_cache_counts()})
+        return Response({"workers": selectors.live_workers(), "embedding_cache": embedding_cache_counts(),
+                         "merged_denoise": merged_counts()})
 
 
 class QueueListView(APIView):

@@ -1,0 +1,109 @@
+"""Merged work through the whole stack: same-shape jobs waiting together run as one denoise batch.
+
+To make jobs wait together deterministically, the test tells card0 to stop
+consuming its queues (Celery's remote control, as an operator would), submits,
+waits until every job is encoded and waiting, then gives the queues back.
+"""
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+from typing import Iterator
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from genserver.celery import app
+from genserver.metrics import merged_counts
+from tests.conftest import job_row, submit, wait_for
+
+pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.stack]
+
+
+def finished(job_id, timeout: float = 120.0):
+    return wait_for(lambda: (j := job_row(job_id)).is_terminal and j, timeout, what=f"job {job_id} to finish")
+
+
+def pixels(api, job_id) -> list[np.ndarray]:
+    outputs = api.get(f"/api/v1/jobs/{job_id}/").json()["outputs"]
+    return [np.asarray(Image.open(io.BytesIO(b"".join(api.get(o["url"]).streaming_content))), dtype=np.int16)
+            for o in outputs]
+
+
+@contextlib.contextmanager
+def card_paused(stack, card: str = "card0") -> Iterator[None]:
+    """card0 takes no new message inside the block (cancel_consumer / add_consumer)."""
+    def card_hostname() -> str | None:
+        replies = app.control.ping(timeout=1.0)
+        return next((name for reply in replies for name in reply if name.startswith(f"{card}@")), None)
+
+    hostname = wait_for(card_hostname, 30, what=f"{card} to answer a ping")
+    queues = [q["name"] for q in app.control.inspect([hostname], timeout=2.0).active_queues()[hostname]]
+    for queue in queues:
+        app.control.cancel_consumer(queue, destination=[hostname], reply=True, timeout=2.0)
+    try:
+        yield
+    finally:
+        for queue in queues:
+            app.control.add_consumer(queue, destination=[hostname], reply=True, timeout=2.0)
+
+
+def waiting(job_ids) -> bool:
+    return all((j := job_row(pk)).status == "denoising" and j.stage == "waiting" for pk in job_ids)
+
+
+def test_merged_jobs_give_the_images_each_gives_alone(stack, api):
+    shape = {"model": "tiny-sd", "width": 64, "height": 64, "steps": 8}
+    asks = [{"prompt": "a red fox", "seed": 11}, {"prompt": "a blue boat", "seed": 22, "num_outputs": 2}]
+    before = merged_counts()
+    with card_paused(stack):
+        merged = [submit(api, **shape, **ask).json()["id"] for ask in asks]
+        wait_for(lambda: waiting(merged), 60, what="both jobs encoded and waiting")
+    jobs = [finished(pk) for pk in merged]
+    assert [j.status for j in jobs] == ["succeeded", "succeeded"], [j.error for j in jobs]
+    after = merged_counts()
+    batches = after["batches"] - before["batches"]  # a batch that yields the card merges again when back
+    assert batches >= 1 and after["jobs"] - before["jobs"] == 2 * batches
+    assert all(j.steps_done == 8 for j in jobs)
+
+    for pk, ask in zip(merged, asks):  # each again, alone: nothing else of its shape waits
+        lone = submit(api, **shape, **ask).json()["id"]
+        assert finished(lone).status == "succeeded"
+        for merged_image, lone_image in zip(pixels(api, pk), pixels(api, lone), strict=True):
+            assert np.abs(merged_image - lone_image).max() <= 1  # rounding of float32 sums at most
+    assert merged_counts()["batches"] == after["batches"]
+
+
+def test_cancelling_one_merged_job_leaves_the_others_running(stack, api):
+    shape = {"model": "tiny-sd", "width": 128, "height": 128, "steps": 50, "prompt": "a long one"}
+    with card_paused(stack):
+        ids = [submit(api, **shape, seed=seed).json()["id"] for seed in (1, 2, 3)]
+        wait_for(lambda: waiting(ids), 60, what="three jobs encoded and waiting")
+    wait_for(lambda: job_row(ids[1]).steps_done >= 2, 60, what="the batch to take a few steps")
+    assert all(job_row(pk).lease_owner == job_row(ids[0]).lease_owner for pk in ids)  # one batch, one worker
+    api.post(f"/api/v1/jobs/{ids[1]}/cancel/")
+    cancelled = finished(ids[1], timeout=30)
+    assert cancelled.status == "cancelled" and not cancelled.outputs
+    others = [finished(pk) for pk in (ids[0], ids[2])]
+    assert [j.status for j in others] == ["succeeded", "succeeded"], [j.error for j in others]
+    assert all(j.steps_done == 50 and len(j.outputs) == 1 for j in others)
+
+
+def test_simulated_few_step_jobs_merge_and_a_large_model_does_not(stack, api):
+    before = merged_counts()
+    with card_paused(stack):
+        turbo = [submit(api, model="sdxl-turbo-sim", prompt=f"draft {i}", seed=i).json()["id"] for i in range(4)]
+        large = [submit(api, model="sdxl-sim", prompt=f"large {i}", seed=i, steps=4).json()["id"] for i in range(2)]
+        wait_for(lambda: waiting(turbo + large), 60, what="six jobs encoded and waiting")
+    jobs = [finished(pk) for pk in turbo + large]
+    assert all(j.status == "succeeded" for j in jobs), [j.error for j in jobs]
+    after = merged_counts()
+    # The four drafts share one batch (max_merge 8); sdxl-sim has max_merge 1: its two run alone.
+    # (A batch that yields the card at a chunk boundary merges again when it comes back.)
+    batches = after["batches"] - before["batches"]
+    assert batches >= 1 and after["jobs"] - before["jobs"] == 4 * batches
+    detail = api.get("/api/v1/workers/").json()
+    assert detail["merged_denoise"] == after
+    assert json.dumps(detail)  # the endpoint stays plain JSON
