@@ -31,6 +31,11 @@ from .common import family_of, preload, request_of, storage, worker_id
 RENEW_EVERY_SECONDS = 1.0
 
 
+def job_id_of(request: GenerationRequest) -> str:
+    """The job a (segment's) request belongs to: a segment's `job_id` is `<job>/segments/<index>`."""
+    return request.job_id.split("/", 1)[0]
+
+
 def segment_request(job: Job, index: int) -> GenerationRequest:
     """Segment `index` of a segmented job as the runtime sees it (an ordinary job: its own request)."""
     request = request_of(job)

@@ -136,13 +136,13 @@ def stack_idle() -> bool:
 
 
 def test_lost_segment_decode_messages_are_republished_by_the_reaper(stack, api, redis_conn):
-    from genserver.jobs.selectors import _queue_keys
+    from genserver.jobs.selectors import queue_keys
 
     stack.kill("decode")  # nothing consumes decode messages for now
     try:
         job_id = submit(api, prompt="lost and found", **(LONG | {"num_frames": 161, "steps": 20})).json()["id"]
         wait_for(lambda: JobSegment.objects.filter(job_id=job_id).count() == 2, 60, what="both segments denoised")
-        redis_conn.delete(*_queue_keys("decode"))  # Redis lost them
+        redis_conn.delete(*queue_keys("decode"))  # Redis lost them
     finally:
         stack.wait_ready()  # the launcher restarts the decode worker
     job = finished(job_id, timeout=60)
@@ -180,3 +180,18 @@ def test_tiny_wan_long_video_in_segments_on_the_real_runtime(stack, api):
     assert short.status == "succeeded"
     assert download(api, api.get(f"/api/v1/jobs/{short.pk}/").json()["outputs"][0]["url"]) == clips[0]
     assert clips[1] != clips[0]  # its own seed
+
+
+def test_two_long_videos_of_one_shape_may_share_a_batch_and_keep_their_own_segments(stack, api):
+    """tiny-wan merges same-shape jobs at the same step (max_merge): each keeps its own segment cursor."""
+    body = {"model": "tiny-wan", "prompt": "merged in segments", "steps": 4, "num_frames": 17}  # 9 + 8 (of 9)
+    ids = [submit(api, seed=seed, **body).json()["id"] for seed in (11, 12)]
+    jobs = [finished(job_id) for job_id in ids]
+    assert [j.status for j in jobs] == ["succeeded", "succeeded"], [j.error for j in jobs]
+    clips = []
+    for job_id in ids:
+        data = api.get(f"/api/v1/jobs/{job_id}/").json()
+        assert [s["frames"] for s in data["segments"]] == [9, 8] and data["progress"]["step"] == 8
+        clips.append([download(api, s["url"]) for s in data["segments"]])
+        assert frame_count(download(api, data["outputs"][0]["url"])) == 17
+    assert clips[0][0] != clips[1][0] and clips[0][1] != clips[1][1]  # each job's own seeds
