@@ -60,6 +60,7 @@ class ModelSpec:
     defaults: Defaults = field(default_factory=Defaults)
     scheduler: str = "euler"
     fault_at_step: int = 0  # simulated backend only: raise at this step every time (poison-job drills)
+    segment_frames: int = 0  # video: longer requests run as segments of this many frames (0: never)
 
     def resolved_path(self, data_dir: Path) -> Path:
         return Path(self.path.replace("{data_dir}", str(data_dir))).expanduser()
@@ -71,6 +72,7 @@ class ModelSpec:
             "description": self.description,
             "limits": self.limits.__dict__ | {"max_outputs": 4},
             "defaults": self.defaults.__dict__,
+            "segment_frames": self.segment_frames,
             "max_merge": self.max_merge,  # same-shape jobs' outputs one denoise batch may hold
         }
 
@@ -103,10 +105,15 @@ def _spec_from(name: str, raw: dict[str, Any]) -> ModelSpec:
         raise RegistryError(f"{where}: max_merge must be an integer ≥ 1 (1 = no merging), got {max_merge!r}")
     if kind == "image" and limits.max_frames != 1:
         raise RegistryError(f"{where}: an image model must have max_frames = 1")
+    segment_frames = int(raw.get("segment_frames", 0))
+    if segment_frames and (kind != "video" or segment_frames < 1 or (segment_frames - 1) % limits.frames_step):
+        raise RegistryError(f"{where}: segment_frames must be 1 + a multiple of frames_step "
+                            f"({limits.frames_step}) on a video model, got {segment_frames}")
     return ModelSpec(name=name, family=family, kind=kind, backend=backend, cost_points=points,
                      path=str(raw.get("path", "")), description=str(raw.get("description", "")),
                      max_batch=int(raw.get("max_batch", 1)), max_merge=max_merge, limits=limits, defaults=defaults,
-                     scheduler=str(raw.get("scheduler", "euler")), fault_at_step=int(raw.get("fault_at_step", 0)))
+                     scheduler=str(raw.get("scheduler", "euler")), fault_at_step=int(raw.get("fault_at_step", 0)),
+                     segment_frames=segment_frames)
 
 
 @dataclass(frozen=True)

@@ -27,7 +27,7 @@ from django.utils import timezone
 
 log = logging.getLogger(__name__)
 
-EVENTS = ("started", "preview", "succeeded", "failed", "cancelled")
+EVENTS = ("started", "preview", "segment", "succeeded", "failed", "cancelled")  # segment: a long video's clip
 SIGNATURE_HEADER = "X-Genserver-Signature"
 
 
@@ -83,11 +83,15 @@ def job_payload(job) -> dict[str, Any]:
 
     return {
         "id": str(job.pk), "model": job.model, "kind": job.kind, "status": job.status, "stage": job.stage,
-        "progress": {"step": job.steps_done, "total_steps": job.steps},
+        "progress": {"step": job.steps_done, "total_steps": job.total_steps},
         "preview_url": _absolute(reverse("job-preview", args=[job.pk])) if job.preview_key else None,
         "preview_step": job.preview_step,
         "outputs": [{"url": _absolute(reverse("job-output", args=[job.pk, i])), "content_type": o["content_type"]}
                     for i, o in enumerate(job.outputs)],
+        "segments": [{"index": s.index, "frames": s.frames, "content_type": "video/mp4",
+                      "url": _absolute(reverse("job-segment", args=[job.pk, s.index]))}
+                     for s in job.segments.filter(status="published").exclude(key="").order_by("index")]
+        if job.segment_count > 1 else [],
         "error": job.error, "attempts": job.attempts, "url": _absolute(reverse("job-detail", args=[job.pk])),
         "created_at": stamp(job.created_at), "started_at": stamp(job.started_at),
         "finished_at": stamp(job.finished_at),

@@ -36,7 +36,8 @@ from genserver.scheduling.pools import class_of
 from workers.runtime import stages
 from workers.runtime.base import DenoiseState
 
-from .common import family_of, preload, request_of, storage, worker_id
+from .common import family_of, preload, storage, worker_id
+from .segments import SegmentCursor, job_id_of
 
 HEARTBEAT_EVERY_SECONDS = 1.0  # lease renewal + progress write; per step would hammer the DB on fast models
 _deleter = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-gc")
@@ -58,6 +59,11 @@ class _Member:
     checkpoint_key: str  # the last checkpoint recorded, deleted once the next one is
     state: DenoiseState | None = None
     outcome: str = ""  # set once the job has left this task
+    cursor: SegmentCursor | None = None  # global steps over a long video's segments (one segment otherwise)
+
+    def __post_init__(self) -> None:
+        self.cursor = SegmentCursor(self.job)
+        self.checkpoint_key = self.cursor.deletable(self.job.checkpoint_step, self.checkpoint_key)
 
 
 @shared_task(name="tasks.denoise.run_chunk", bind=True)
@@ -84,8 +90,9 @@ def _denoise(members: list[_Member], worker: str) -> str:
     task_started = time.monotonic()
 
     def should_stop(state: DenoiseState, step: int) -> str:
-        member = by_id[state.request.job_id]
+        member = by_id[job_id_of(state.request)]
         job_id = member.job.pk
+        step += member.cursor.offset  # global over the segments
         if redis_client().exists(member.cancel_key):
             return "cancelled"
         if _steps_changed(job_id, member.job.steps):
@@ -100,28 +107,33 @@ def _denoise(members: list[_Member], worker: str) -> str:
 
     def keep_card(step: int) -> bool:
         """Run the next chunk here: nothing waits that this card would take first, and time is left."""
-        if step >= lead.steps or time.monotonic() - task_started > settings.CELERY_VISIBILITY_TIMEOUT / 2:
+        if step >= lead.total_steps or time.monotonic() - task_started > settings.CELERY_VISIBILITY_TIMEOUT / 2:
             return False
-        remaining = lead.estimated_seconds * (lead.steps - step) / lead.steps
+        remaining = lead.estimated_seconds * (lead.total_steps - step) / lead.total_steps
         continuation = priority_for(lead.duration_class, remaining, True, policy.thresholds())
         return not selectors.waiting_at_or_before(_consumed_queues(lead.queue), continuation)
 
     def on_preview(state: DenoiseState, key: str, step: int) -> None:
-        services.record_preview(state.request.job_id, worker, key, step)
+        member = by_id[job_id_of(state.request)]
+        services.record_preview(member.job.pk, worker, key, member.cursor.offset + step)
 
     family, store = family_of(lead), storage()
     try:
         for m in members:
-            m.state = stages.load_state(family, store, request_of(m.job), m.job.embeddings_key, m.checkpoint_key)
+            m.state = m.cursor.load_state(family, store, m.job.checkpoint_step, m.job.checkpoint_key)
         while running := [m for m in members if not m.outcome]:
             results = stages.run_merged_chunk(
                 family, store, [m.state for m in running],
                 until_step=min(lead.steps, running[0].state.step + lead.chunk_steps),
                 preview_every=lead.preview_every, should_stop=should_stop, on_preview=on_preview)
-            stay = keep_card(max(r.step for r in results))
+            stay = keep_card(max(m.cursor.offset + r.step for m, r in zip(running, results)))
             for m, result in zip(running, results):
-                m.outcome = (_hand_back_for_new_total(m, worker, family, store) if result.stopped == "steps-changed"
-                             else _record_chunk(m, result, worker, stay, store))
+                if result.stopped == "steps-changed":
+                    m.outcome = _hand_back_for_new_total(m, worker, family, store)
+                    continue
+                m.outcome = _record_chunk(m, result, worker, stay, store)
+                if not m.outcome:
+                    m.state = m.cursor.next_state(family, m.state)  # a segment's end: the next, from its seed
     except Exception:  # noqa: BLE001 - recorded on each job, retried from its checkpoint
         error = traceback.format_exc()
         for m in members:
@@ -137,15 +149,16 @@ def _record_chunk(member: _Member, result: stages.ChunkResult, worker: str, stay
         if result.stopped == "cancelled":
             services.finish_cancelled(job_id, worker)
         return result.stopped
-    if not services.finish_chunk(job_id, worker, result.step, result.checkpoint_key, result.step_seconds,
+    step = member.cursor.offset + result.step  # global over a long video's segments
+    if not services.finish_chunk(job_id, worker, step, result.checkpoint_key, result.step_seconds,
                                  keep_lease=stay):
         return "superseded"
     if member.checkpoint_key and member.checkpoint_key != result.checkpoint_key:
         # The older checkpoint is no longer needed; an unlink right after an fsync can take
         # milliseconds, so it happens off the chunk boundary.
         _deleter.submit(store.delete_prefix, member.checkpoint_key)
-    member.checkpoint_key = result.checkpoint_key
-    return "" if stay else f"step {result.step}"
+    member.checkpoint_key = member.cursor.deletable(step, result.checkpoint_key)  # a segment's end is kept
+    return "" if stay else f"step {step}"
 
 
 def _steps_changed(job_id, total: int) -> bool:

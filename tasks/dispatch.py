@@ -53,3 +53,13 @@ def send_decode(job_id: UUID, priority: int) -> None:
 def send_webhook(job_id: UUID, event: str, payload: dict) -> None:
     """A webhook event goes to its own queue, consumed by a worker that holds no card."""
     app.send_task("tasks.webhooks.deliver", args=[str(job_id), event, payload], queue=WEBHOOKS)
+
+
+def send_segment_decode(job_id: UUID, index: int, priority: int) -> None:
+    """A long video's segment is decoded on the decode worker while its card denoises the next one."""
+    app.send_task("tasks.segments.decode_segment", args=[str(job_id), index], queue=DECODE, priority=priority)
+
+
+def send_assemble(job_id: UUID, priority: int) -> None:
+    """Every segment is published: the whole video is assembled on the decode worker."""
+    app.send_task("tasks.segments.assemble", args=[str(job_id)], queue=DECODE, priority=priority)

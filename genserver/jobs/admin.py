@@ -2,7 +2,20 @@
 from django.contrib import admin, messages
 
 from genserver.jobs import services
-from genserver.jobs.models import Job
+from genserver.jobs.models import Job, JobSegment
+
+
+class JobSegmentInline(admin.TabularInline):
+    """A long video's segments (read-only, like the job)."""
+
+    model = JobSegment
+    extra = 0
+    can_delete = False
+    fields = ("index", "frames", "seed", "status", "attempts", "key", "decoded_at", "error")
+    readonly_fields = fields
+
+    def has_add_permission(self, request, obj=None) -> bool:
+        return False
 
 
 @admin.register(Job)
@@ -15,6 +28,7 @@ class JobAdmin(admin.ModelAdmin):
     actions = ("cancel_jobs", "retry_from_checkpoint", "move_to_front")
     # The job service alone changes state: everything is read-only here, actions do the writing.
     readonly_fields = [f.name for f in Job._meta.fields]
+    inlines = [JobSegmentInline]
 
     def has_add_permission(self, request) -> bool:
         return False

@@ -57,6 +57,8 @@ class Job(models.Model):
     queue = models.CharField(max_length=120, default="", help_text="broker queue of its denoise chunks")
     priority = models.PositiveSmallIntegerField(help_text="Redis priority of the job's next message, 0 first")
     chunk_steps = models.PositiveIntegerField(help_text="denoising steps per chunk task")
+    segment_frames = models.PositiveIntegerField(default=0, help_text="frames per segment (0: not segmented)")
+    segment_count = models.PositiveIntegerField(default=1, help_text="segments denoised one after the other")
 
     # Where it is.
     status = models.CharField(max_length=20, choices=JobStatus.choices, default=JobStatus.QUEUED, db_index=True)
@@ -103,8 +105,53 @@ class Job(models.Model):
         return self.status in TERMINAL
 
     @property
+    def total_steps(self) -> int:
+        """Steps over all segments (`steps` per segment); `steps_done` and `checkpoint_step` count these."""
+        return self.steps * max(1, self.segment_count)
+
+    @property
     def remaining_seconds(self) -> float:
         """Expected seconds of denoising work left."""
         if self.steps <= 0:
             return 0.0
-        return self.estimated_seconds * max(0, self.steps - self.steps_done) / self.steps
+        return self.estimated_seconds * max(0, self.total_steps - self.steps_done) / self.total_steps
+
+
+class SegmentStatus(models.TextChoices):
+    DENOISED = "denoised"  # its last step is checkpointed; its decode is published
+    DECODING = "decoding"  # a decode worker holds it
+    PUBLISHED = "published"  # its clip is stored and listed on the job
+    FAILED = "failed"  # its decode failed MAX_ATTEMPTS times (the job failed with it)
+
+
+class JobSegment(models.Model):
+    """One segment of a long video, from the end of its denoising to its published clip.
+
+    Written only by the job service (genserver/jobs/segment_service.py) with
+    compare-and-set updates; the row exists from the moment the card finished
+    denoising the segment.
+    """
+
+    job = models.ForeignKey(Job, on_delete=models.CASCADE, related_name="segments")
+    index = models.PositiveIntegerField()
+    frames = models.PositiveIntegerField(help_text="frames it adds to the video")
+    seed = models.BigIntegerField()
+    status = models.CharField(max_length=20, choices=SegmentStatus.choices, default=SegmentStatus.DENOISED)
+    checkpoint_key = models.CharField(max_length=300, blank=True, default="", help_text="its final latents")
+    key = models.CharField(max_length=300, blank=True, default="", help_text="its MP4 clip")
+    poster_key = models.CharField(max_length=300, blank=True, default="")
+    lease_owner = models.CharField(max_length=200, blank=True, default="")
+    lease_expires_at = models.DateTimeField(null=True, blank=True)
+    published_at = models.DateTimeField(null=True, blank=True, help_text="when its decode was last published")
+    attempts = models.PositiveIntegerField(default=0)
+    error = models.TextField(blank=True, default="")
+    created_at = models.DateTimeField(auto_now_add=True)
+    decoded_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        ordering = ["job", "index"]
+        constraints = [models.UniqueConstraint(fields=["job", "index"], name="unique_segment_per_job")]
+        indexes = [models.Index(fields=["status", "published_at"])]
+
+    def __str__(self) -> str:
+        return f"segment {self.index} of {self.job_id} [{self.status}]"

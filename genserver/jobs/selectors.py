@@ -33,7 +33,7 @@ def _is_running(job: Job) -> bool:
 
 
 def _chunk_remaining(job: Job) -> float:
-    step_seconds = job.estimated_seconds / job.steps if job.steps else 0.0
+    step_seconds = job.estimated_seconds / job.total_steps if job.steps else 0.0
     done_in_chunk = max(0, job.steps_done - job.checkpoint_step)
     return max(0, job.chunk_steps - done_in_chunk) * step_seconds
 
@@ -48,7 +48,8 @@ def _work_item(job: Job, wall: bool) -> WorkItem:
 def _active_jobs() -> list[Job]:
     return list(Job.objects.filter(status__in=ACTIVE).only(
         "id", "status", "duration_class", "queue", "priority", "estimated_seconds", "clock_scale", "steps",
-        "steps_done", "checkpoint_step", "chunk_steps", "lease_owner", "published_at", "created_at"))
+        "steps_done", "checkpoint_step", "chunk_steps", "lease_owner", "published_at", "created_at",
+        "segment_count"))
 
 
 def backlog_items() -> list[WorkItem]:

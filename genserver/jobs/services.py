@@ -20,18 +20,19 @@ from typing import Any
 
 from django.conf import settings
 from django.db import IntegrityError, transaction
-from django.db.models import F, Q
+from django.db.models import Exists, F, OuterRef, Q
 from django.utils import timezone
 
 from genserver import policy
-from genserver.jobs import selectors
-from genserver.jobs.models import ACTIVE, TERMINAL, Job, JobStatus
+from genserver.jobs import segment_service, selectors
+from genserver.jobs.models import ACTIVE, TERMINAL, Job, JobSegment, JobStatus
 from genserver.redis_client import CANCEL_KEY, CORRECTION_KEY, STEPS_KEY, client as redis_client
 from genserver.scheduling.admission import Decision, decide
 from genserver.scheduling.chunking import steps_per_chunk
 from genserver.scheduling.classes import priority_for
 from genserver.scheduling.cost import JobShape, StepTimeCorrection, estimate_job_seconds
 from genserver.scheduling.pools import ALL_QUEUES, WEBHOOKS
+from genserver.scheduling.segments import estimate_segmented_seconds, segment_plan, segment_shape
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +62,8 @@ class Estimate:
     priority: int
     chunk_steps: int
     clock_scale: float
+    segment_frames: int = 0  # a long video runs as segments of this many frames (0: one piece)
+    segment_count: int = 1
 
 
 # --- estimates -----------------------------------------------------------------
@@ -79,14 +82,19 @@ def estimate(data: dict[str, Any]) -> Estimate:
     shape = JobShape(family=spec.family, width=data["width"], height=data["height"],
                      num_frames=data["num_frames"], steps=data["steps"],
                      guidance_scale=data["guidance_scale"], num_outputs=data["num_outputs"])
+    # A long video costs all its segments (each at the frames it generates).
+    plan = segment_plan(data["num_frames"], spec.segment_frames, spec.limits.frames_step)
     # Simulated models *are* the cost model; only real ones learn from measured steps.
-    correction = 1.0 if spec.backend == "simulated" else _correction(spec.name, shape.bucket())
-    seconds = estimate_job_seconds(shape, spec.cost_points, settings.EFFECTIVE_TFLOPS, correction)
+    correction = 1.0 if spec.backend == "simulated" else _correction(
+        spec.name, segment_shape(shape, spec.segment_frames).bucket())
+    seconds = estimate_segmented_seconds(shape, plan, spec.cost_points, settings.EFFECTIVE_TFLOPS, correction)
     duration_class = policy.thresholds().classify(seconds)
-    chunk_steps = min(data["steps"], steps_per_chunk(settings.CHUNK_SECONDS, seconds / data["steps"]))
+    total_steps = data["steps"] * len(plan)
+    chunk_steps = min(data["steps"], steps_per_chunk(settings.CHUNK_SECONDS, seconds / total_steps))
     return Estimate(seconds=seconds, duration_class=duration_class,
                     priority=priority_for(duration_class, seconds, False, policy.thresholds()),
-                    chunk_steps=chunk_steps, clock_scale=policy.clock_scale(spec.backend))
+                    chunk_steps=chunk_steps, clock_scale=policy.clock_scale(spec.backend),
+                    segment_frames=spec.segment_frames if len(plan) > 1 else 0, segment_count=len(plan))
 
 
 # --- submit and cancel (API side) ------------------------------------------------
@@ -165,6 +173,7 @@ def _record_job(owner: Any, spec: Any, data: dict[str, Any], est: "Estimate", qu
         webhook_url=data.get("webhook_url", ""),
         estimated_seconds=est.seconds, clock_scale=est.clock_scale,
         duration_class=est.duration_class, queue=queue, priority=est.priority, chunk_steps=est.chunk_steps,
+        segment_frames=est.segment_frames, segment_count=est.segment_count,
         published_at=timezone.now(), idempotency_key=idempotency_key, request_fingerprint=request_fingerprint,
     )
 
@@ -256,6 +265,9 @@ def change_steps(job: Job, new_steps: int) -> Job:
 
 
 def _check_steps_changeable(job: Job) -> None:
+    if job.segment_count > 1:
+        raise StepsChangeRefused("The job is a long video made in segments; its steps cannot change midway.",
+                                 "segmented", job.status)
     if job.cancel_requested and not job.is_terminal:
         raise StepsChangeRefused("The job is being cancelled; its steps can no longer change.", "cancelling",
                                  job.status)
@@ -497,20 +509,23 @@ def finish_chunk(job_id, worker: str, step: int, checkpoint_key: str, step_secon
         job.chunks_run += 1 if keep_lease else 0  # an in-process chunk counts like a claimed one
         if _end_if_cancelled(job):
             return True
-        if step > job.steps:  # the total was lowered below what this chunk did: the job stops here
-            _retotal(job, step)
-        if step < job.steps:
+        if job.segment_count <= 1 and step > job.steps:  # the total was lowered below what this chunk did
+            _retotal(job, step)  # the job stops here
+        if job.segment_count > 1 and step % job.steps == 0:
+            segment_service.record_denoised(job, step // job.steps - 1, checkpoint_key)  # its decode overlaps
+        if step < job.total_steps:
             job.priority = priority_for(job.duration_class, job.remaining_seconds, True, policy.thresholds())
-        if keep_lease and step < job.steps:
+        if keep_lease and step < job.total_steps:
             job.lease_expires_at = _lease_until()
             job.save()
         else:
             job.lease_owner, job.lease_expires_at = "", None
             job.published_at = timezone.now()
-            if step >= job.steps:
+            if step >= job.total_steps:
                 job.status, job.stage = JobStatus.DECODING, "waiting"
                 job.save()
-                transaction.on_commit(lambda: dispatch.send_decode(job.id, job.priority))
+                if job.segment_count <= 1:  # a segmented job is assembled once its last segment is decoded
+                    transaction.on_commit(lambda: dispatch.send_decode(job.id, job.priority))
             else:
                 job.stage = "waiting"
                 job.save()
@@ -523,8 +538,8 @@ def finish_chunk(job_id, worker: str, step: int, checkpoint_key: str, step_secon
 def _learn_step_time(job: Job, measured_step_seconds: float) -> None:
     if job.backend == "simulated":
         return
-    shape = JobShape(job.family, job.width, job.height, job.num_frames, job.steps, job.guidance_scale,
-                     job.num_outputs)
+    shape = segment_shape(JobShape(job.family, job.width, job.height, job.num_frames, job.steps,
+                                   job.guidance_scale, job.num_outputs), job.segment_frames)
     key = StepTimeCorrection.key(job.model, shape.bucket())
     try:
         r = redis_client()
@@ -611,6 +626,8 @@ def _republish(job: Job) -> None:
         dispatch.send_encode(job.id, job.priority)
     elif job.status == JobStatus.DENOISING:
         dispatch.send_chunk(job.id, job.checkpoint_step, job.queue, job.priority)
+    elif job.status == JobStatus.DECODING and job.segment_count > 1:
+        segment_service.republish_decodes(job)  # the missing segment decodes, or the assembly
     elif job.status == JobStatus.DECODING:
         dispatch.send_decode(job.id, job.priority)
 
@@ -647,6 +664,8 @@ def reap_stale() -> dict[str, int]:
                 log.warning("reaper: job %s had no message in the broker; re-published", job.pk)
                 _republish(job)
                 outcomes["republished"] = outcomes.get("republished", 0) + 1
+    for outcome, n in segment_service.reap_segments(now).items():
+        outcomes[f"segments {outcome}"] = n
     return outcomes
 
 
@@ -686,13 +705,15 @@ def retry_failed(job: Job) -> bool:
         return False
     has_checkpoint = bool(job.checkpoint_key) and default_storage().exists(job.checkpoint_key)
     status = JobStatus.QUEUED if not job.embeddings_key else (
-        JobStatus.DECODING if has_checkpoint and job.checkpoint_step >= job.steps else JobStatus.DENOISING)
+        JobStatus.DECODING if has_checkpoint and job.checkpoint_step >= job.total_steps else JobStatus.DENOISING)
     fields = dict(status=status, stage="retrying", attempts=0, error="", finished_at=None,
                   published_at=timezone.now())
     if not has_checkpoint:
         fields.update(checkpoint_step=0, checkpoint_key="", steps_done=0)
         if status == JobStatus.DECODING:
             fields["status"] = JobStatus.DENOISING
+    if job.segment_count > 1 and job.embeddings_key:
+        fields.update(segment_service.retry_fields(job))  # from the first segment not yet published
     if not Job.objects.filter(pk=job.pk, status=JobStatus.FAILED).update(**fields):
         return False
     job.refresh_from_db()
@@ -714,12 +735,12 @@ def check_in_flight(owner: Any) -> None:
         return
     list(type(owner).objects.select_for_update().filter(pk=owner.pk).values_list("pk", flat=True))
     active = list(Job.objects.filter(owner=owner, status__in=ACTIVE)
-                  .values_list("estimated_seconds", "steps", "steps_done", "clock_scale"))
+                  .values_list("estimated_seconds", "steps", "steps_done", "clock_scale", "segment_count"))
     if len(active) < limit:
         return
-    # The soonest any of them can finish: its remaining work, in wall seconds.
-    soonest = min(est * max(0, steps - done) / steps * scale if steps else 0.0
-                  for est, steps, done, scale in active)
+    # The soonest any of them can finish: its remaining work (all its segments), in wall seconds.
+    soonest = min(est * max(0, steps * n - done) / (steps * n) * scale if steps else 0.0
+                  for est, steps, done, scale, n in active)
     raise InFlightLimitReached(limit, len(active), max(1, math.ceil(soonest)))
 
 
@@ -779,7 +800,8 @@ def expire_outputs(now=None, batch: int = 500) -> int:
     cutoff = now - timedelta(seconds=ttl)
     storage = default_storage()
     expired = 0
-    candidates = (Job.objects.filter(~Q(outputs=[]) | ~Q(preview_key=""), status__in=TERMINAL,
+    has_segments = Exists(JobSegment.objects.filter(job=OuterRef("pk")))  # a long video's published clips
+    candidates = (Job.objects.filter(~Q(outputs=[]) | ~Q(preview_key="") | has_segments, status__in=TERMINAL,
                                      finished_at__lt=cutoff)
                   .order_by("finished_at").values_list("pk", "status")[:batch])
     for pk, status in candidates:
@@ -789,6 +811,7 @@ def expire_outputs(now=None, batch: int = 500) -> int:
         if status == JobStatus.SUCCEEDED:
             fields["stage"] = "expired"
         expired += Job.objects.filter(pk=pk, status__in=TERMINAL).update(**fields)
+        JobSegment.objects.filter(job_id=pk).delete()
     return expired
 
 

@@ -107,6 +107,9 @@ class JobCreateSerializer(serializers.Serializer):
                 errors["num_frames"] = [f"At most {lim.max_frames} frames for {spec.name}."]
             elif (frames - 1) % lim.frames_step:
                 errors["num_frames"] = [f"Must be 1 + a multiple of {lim.frames_step} for {spec.name} (e.g. 81)."]
+            elif attrs["num_outputs"] > 1 and frames > spec.segment_frames > 0:
+                errors["num_outputs"] = [f"A video longer than {spec.segment_frames} frames runs in segments "
+                                         f"and makes one output; set num_outputs to 1."]
         if attrs["steps"] > lim.max_steps:
             errors["steps"] = [f"At most {lim.max_steps} steps for {spec.name}."]
         if attrs["guidance_scale"] > lim.max_guidance:
@@ -153,6 +156,15 @@ class OutputSerializer(serializers.Serializer):
     content_type = serializers.CharField()
 
 
+class SegmentSerializer(serializers.Serializer):
+    index = serializers.IntegerField()
+    frames = serializers.IntegerField(help_text="frames this segment adds to the video")
+    seed = serializers.IntegerField()
+    content_type = serializers.CharField()
+    url = serializers.URLField()
+    poster_url = serializers.URLField()
+
+
 class JobSerializer(serializers.ModelSerializer):
     """A job as its owner sees it. Needs `snapshot` (a QueueSnapshot) and `request` in the context."""
 
@@ -163,14 +175,17 @@ class JobSerializer(serializers.ModelSerializer):
     preview_url = serializers.SerializerMethodField()
     outputs = serializers.SerializerMethodField()
     steps_requested = serializers.SerializerMethodField()
+    segments = serializers.SerializerMethodField()
     owner = serializers.CharField(source="owner.username", read_only=True)
 
     class Meta:
         model = Job
         fields = [
             "id", "owner", "model", "kind", "status", "stage", "progress", "queue_position", "eta_seconds",
-            "estimated_seconds", "duration_class", "preview_url", "preview_step", "outputs", "error",
-            "prompt", "negative_prompt", "width", "height", "num_frames", "steps", "steps_requested", "guidance_scale", "seed",
+            "estimated_seconds", "duration_class", "preview_url", "preview_step", "outputs", "segment_count",
+            "segments", "error",
+            "prompt", "negative_prompt", "width", "height", "num_frames", "steps", "steps_requested", "guidance_scale",
+            "seed",
             "num_outputs", "preview_every", "webhook_url", "attempts", "cancel_requested",
             "created_at", "started_at", "finished_at",
         ]
@@ -183,7 +198,7 @@ class JobSerializer(serializers.ModelSerializer):
 
     @extend_schema_field(ProgressSerializer)
     def get_progress(self, job: Job) -> dict[str, int]:
-        return {"step": job.steps_done, "total_steps": job.steps}
+        return {"step": job.steps_done, "total_steps": job.total_steps}  # over all segments of a long video
 
     @extend_schema_field(OpenApiTypes.INT)
     def get_queue_position(self, job: Job) -> int | None:
@@ -209,3 +224,17 @@ class JobSerializer(serializers.ModelSerializer):
         return [{"url": reverse("job-output", args=[job.pk, i], request=request),
                  "content_type": out["content_type"]} for i, out in enumerate(job.outputs)]
 
+    @extend_schema_field(SegmentSerializer(many=True))
+    def get_segments(self, job: Job) -> list[dict]:
+        """A long video's segments published so far, in order (empty for a video of one segment)."""
+        if job.segment_count <= 1:
+            return []
+        from genserver.jobs.models import SegmentStatus
+
+        request = self.context.get("request")
+        published = sorted((s for s in job.segments.all() if s.status == SegmentStatus.PUBLISHED and s.key),
+                           key=lambda s: s.index)
+        return [{"index": s.index, "frames": s.frames, "seed": s.seed, "content_type": "video/mp4",
+                 "url": reverse("job-segment", args=[job.pk, s.index], request=request),
+                 "poster_url": reverse("job-segment-poster", args=[job.pk, s.index], request=request)}
+                for s in published]

@@ -29,7 +29,7 @@ class JobListCreateView(GenericAPIView):
     throttle_classes = [throttling.SubmitRateThrottle]  # counts POSTs only
 
     def get_queryset(self):
-        qs = selectors.jobs_visible_to(self.request.user).select_related("owner")
+        qs = selectors.jobs_visible_to(self.request.user).select_related("owner").prefetch_related("segments")
         wanted = self.request.query_params.get("status")
         if wanted:
             if wanted not in JobStatus.values:
@@ -159,6 +159,24 @@ class JobPreviewView(APIView):
         if not job.preview_key:
             raise Http404("no preview yet")
         return _serve(job.preview_key, "image/png")
+
+
+class JobSegmentView(APIView):
+    """A published segment of a long video: its MP4 clip, or (`poster`) its first frame."""
+
+    poster = False
+
+    @extend_schema(responses={(200, "video/mp4"): OpenApiTypes.BINARY})
+    def get(self, request: Request, job_id, index: int):
+        from genserver.jobs.models import JobSegment, SegmentStatus
+
+        job = get_object_or_404(selectors.jobs_visible_to(request.user), pk=job_id)
+        segment = JobSegment.objects.filter(job=job, index=index, status=SegmentStatus.PUBLISHED).first()
+        if segment is None or not segment.key:
+            raise Http404("no such segment published")
+        if self.poster:
+            return _serve(segment.poster_key, "image/png")
+        return _serve(segment.key, "video/mp4")
 
 
 class ModelListView(APIView):

@@ -6,7 +6,7 @@ from django.db import migrations, models
 class Migration(migrations.Migration):
 
     dependencies = [
-        ('jobs', '0004_job_webhook_url'),
+        ('jobs', '0005_segments'),
     ]
 
     operations = [

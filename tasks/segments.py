@@ -1,0 +1,141 @@
+"""Long videos in segments: the denoise loop's segment cursor, and the decode worker's two tasks.
+
+* `SegmentCursor` maps the job's global steps (over all segments) onto the
+  segment being denoised: its request (frames, seed, storage namespace) and
+  its local step. The denoise task uses it for every job; an ordinary job is
+  one segment at offset 0, so nothing changes for it.
+* `decode_segment(job_id, index)` (queue `decode`): the segment's clip, while
+  the card denoises the next segment.
+* `assemble(job_id)` (queue `decode`): once every segment is published, the
+  whole video; the job succeeds.
+"""
+from __future__ import annotations
+
+import dataclasses
+import threading
+import traceback
+from contextlib import contextmanager
+from typing import Callable, Iterator
+
+from celery import shared_task
+
+from genserver.jobs import segment_service, services
+from genserver.jobs.models import Job
+from genserver.scheduling.segments import segment_of_step
+from workers.runtime import segments as runtime_segments
+from workers.runtime import stages
+from workers.runtime.base import DenoiseState, Family, GenerationRequest
+
+from .common import family_of, preload, request_of, storage, worker_id
+
+RENEW_EVERY_SECONDS = 1.0
+
+
+def job_id_of(request: GenerationRequest) -> str:
+    """The job a (segment's) request belongs to: a segment's `job_id` is `<job>/segments/<index>`."""
+    return request.job_id.split("/", 1)[0]
+
+
+def segment_request(job: Job, index: int) -> GenerationRequest:
+    """Segment `index` of a segmented job as the runtime sees it (an ordinary job: its own request)."""
+    request = request_of(job)
+    if job.segment_count <= 1:
+        return request
+    segment = segment_service.plan_of(job)[index]
+    return dataclasses.replace(request, job_id=runtime_segments.segment_job_id(str(job.pk), index),
+                               num_frames=segment.generate_frames, seed=segment.seed)
+
+
+class SegmentCursor:
+    """Where the denoise loop is: `offset` global steps before the current segment's step 0."""
+
+    def __init__(self, job: Job) -> None:
+        self.job = job
+        self.index = 0
+        self.offset = 0
+
+    def load_state(self, family: Family, store, global_step: int, checkpoint_key: str) -> DenoiseState:
+        """The state to continue from `global_step`. A segment's start (global step i × steps) begins
+        from the segment's seed: the checkpoint there is the previous segment's end, kept for its decode."""
+        job = self.job
+        index, local = segment_of_step(global_step, job.steps) if job.segment_count > 1 else (0, global_step)
+        if index >= job.segment_count:  # every step done (only a decoding job is here)
+            index, local = job.segment_count - 1, job.steps
+        self.index, self.offset = index, index * job.steps
+        resume_from = checkpoint_key if local else ""
+        return stages.load_state(family, store, segment_request(job, index), job.embeddings_key, resume_from)
+
+    def next_state(self, family: Family, state: DenoiseState) -> DenoiseState:
+        """At a segment's end, the next segment's fresh state (same embeddings); else `state` itself."""
+        job = self.job
+        if not state.done or self.index + 1 >= job.segment_count:
+            return state
+        self.index += 1
+        self.offset = self.index * job.steps
+        return family.prepare(segment_request(job, self.index), state.embeddings)
+
+    def deletable(self, global_step: int, checkpoint_key: str) -> str:
+        """The checkpoint the loop may delete once the next is recorded: not a segment's final one
+        (its decode reads it; the job's end deletes it)."""
+        if self.job.segment_count > 1 and global_step and global_step % self.job.steps == 0:
+            return ""
+        return checkpoint_key
+
+
+@contextmanager
+def renewing(renew: Callable[[], bool]) -> Iterator[None]:
+    """Renew a lease every second while a decode runs (a long clip must not look like a dead worker)."""
+    stop = threading.Event()
+
+    def loop() -> None:
+        from django.db import connection
+
+        try:
+            while not stop.wait(RENEW_EVERY_SECONDS):
+                if not renew():
+                    return
+        finally:
+            connection.close()
+
+    thread = threading.Thread(target=loop, name="lease-renewal", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join()
+
+
+@shared_task(name="tasks.segments.decode_segment", bind=True)
+def decode_segment(self, job_id: str, index: int) -> str:
+    worker = worker_id(self)
+    if not preload(job_id):
+        return "skipped"
+    taken = segment_service.start_segment_decode(job_id, index, worker)
+    if taken is None:
+        return "skipped"  # published already, held elsewhere, or the job was cancelled / ended
+    job, segment = taken
+    try:
+        with renewing(lambda: segment_service.renew_segment_lease(job_id, index, worker)):
+            key, poster_key = runtime_segments.decode_segment(
+                family_of(job), storage(), segment_request(job, index), job_id=str(job.pk), index=index,
+                frames=segment.frames, embeddings_ref=job.embeddings_key, checkpoint_ref=segment.checkpoint_key)
+    except Exception:  # noqa: BLE001 - recorded on the segment, retried
+        return segment_service.fail_segment_decode(job_id, index, worker, traceback.format_exc())
+    return "published" if segment_service.finish_segment_decode(job_id, index, worker, key, poster_key) else "lost"
+
+
+@shared_task(name="tasks.segments.assemble", bind=True)
+def assemble(self, job_id: str) -> str:
+    worker = worker_id(self)
+    taken = segment_service.start_assembly(job_id, worker)
+    if taken is None:
+        return "skipped"  # done, held, cancelled, or a segment is not published yet
+    job, segments = taken
+    try:
+        with renewing(lambda: services.heartbeat(job_id, worker)):
+            outputs = runtime_segments.assemble(storage(), str(job.pk), [s.key for s in segments])
+    except Exception:  # noqa: BLE001
+        return services.fail_attempt(job_id, worker, traceback.format_exc())
+    services.finish_decoding(job_id, worker, outputs)
+    return "succeeded"
