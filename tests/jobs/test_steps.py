@@ -229,3 +229,12 @@ def test_the_endpoint_is_in_the_schema():
     operation = schema["paths"]["/api/v1/jobs/{job_id}/steps/"]["post"]
     assert {"202", "400", "404", "409", "429"} <= set(operation["responses"])
     assert "steps_requested" in schema["components"]["schemas"]["Job"]["properties"]
+
+
+def test_a_long_video_made_in_segments_cannot_change_its_steps(api):
+    job_id = submit(api, model="wan-sim", steps=20).json()["id"]
+    Job.objects.filter(pk=job_id).update(segment_count=3)
+    before = snapshot(job_id)
+    response = change(api, job_id, {"steps": 10})
+    assert response.status_code == 409 and response.json()["reason"] == "segmented"
+    assert snapshot(job_id) == before
