@@ -106,7 +106,7 @@ class PoolLayout:
             raise ValueError(f"worker names must be unique, got {names}")
         # A job without a lane (or of a lane no worker serves) goes to its class queue, so every
         # class needs a worker outside the lanes.
-        served = {class_of(q) for w in self.workers if not w.lane for q in w.consumed_queues()}
+        served = {class_of(q) for w in self.workers for q in w.consumed_queues() if LANE_SEP not in q}
         missing = [q for q in (ENCODE, *CLASSES, DECODE) if q not in served]
         if missing:
             raise ValueError(f"pool layout leaves queues without a worker: {missing}")
