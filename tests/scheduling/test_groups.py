@@ -101,6 +101,10 @@ def test_group_layout_on_cpu_and_refusals() -> None:
         load_layout('{"workers": [{"name": "g", "queues": ["short", "medium", "long"], "devices": [0, 1],'
                     ' "lane": "interactive"}, {"name": "s", "queues": ["short", "medium", "encode", "decode"]}]}',
                     num_gpus=2)
+    # ... while its stage queues count like any worker's.
+    both = load_layout('{"workers": [{"name": "g", "queues": ["long", "encode", "decode"], "devices": [0, 1],'
+                       ' "lane": "interactive"}, {"name": "s", "queues": ["short", "medium", "long"]}]}', num_gpus=2)
+    assert both.workers[0].consumed_queues() == ("long@interactive", "encode", "decode")
 
 
 def test_admission_counts_a_group_as_its_speedup_in_cards() -> None:
