@@ -107,16 +107,21 @@ def mark(ok: bool) -> str:
 # --------------------------------------------------------------------------- sections
 
 
-def section_groups(cards: int = 8, load: float = 0.7) -> str:
+def section_groups(cards: int = 8, load: float = 0.7, interactive_share: float = 0.4) -> str:
     """The seed's card-group table (closed form), then the layouts simulated on a video workload."""
     closed = table([f"cards per group ({cards} cards)", "groups", "latency (min)", "videos/hour", "the chapter prints"],
                    [[r.group, r.groups, f"{r.latency_minutes:.1f}", f"{r.videos_per_hour:.1f}",
                      " / ".join(map(str, SEED_GROUP_FIGURES.get(r.group, ())))] for r in group_table(cards=cards)])
-    sims = table(["layout", "capacity videos/h", "load", "latency P50 (min)", "latency P99 (min)", "videos/h"],
-                 [[r.layout, f"{r.capacity_per_hour:.1f}", f"{r.load:.0%}", f"{r.p50_minutes:.1f}",
-                   f"{r.p99_minutes:.1f}", f"{r.videos_per_hour:.1f}"] for r in simulate_groups(cards, load)])
+    sims = table(["layout", "capacity videos/h", "load", "latency P50 / P99 (min)",
+                  "interactive P50 / P99", "others P50 / P99", "videos/h"],
+                 [[r.layout, f"{r.capacity_per_hour:.1f}", f"{r.load:.0%}",
+                   f"{r.p50_minutes:.1f} / {r.p99_minutes:.1f}",
+                   f"{r.interactive_p50_minutes:.1f} / {r.interactive_p99_minutes:.1f}",
+                   f"{r.other_p50_minutes:.1f} / {r.other_p99_minutes:.1f}", f"{r.videos_per_hour:.1f}"]
+                  for r in simulate_groups(cards, load, interactive_share=interactive_share)])
     return (f"{closed}\n\nSimulated: 400 Poisson arrivals (seed 0) of {SEED_VIDEO_SECONDS / 60:.0f}-min videos "
-            f"offering {load:.0%} of {cards} single cards, everything admitted, latency = arrival → completion:\n\n"
+            f"offering {load:.0%} of {cards} single cards, {interactive_share:.0%} of them submitted on the "
+            "interactive lane, everything admitted, latency = arrival → completion (minutes):\n\n"
             f"{sims}")
 
 

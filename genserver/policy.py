@@ -34,7 +34,7 @@ def num_gpus() -> int:
 @lru_cache(maxsize=1)
 def layout() -> PoolLayout:
     return load_layout(settings.POOLS, num_gpus(), settings.CPU_WORKERS, settings.IMAGE_CARDS,
-                       settings.MAX_LONG_CARDS)
+                       settings.MAX_LONG_CARDS, settings.GROUP_CARDS)
 
 
 def clock_scale(backend: str) -> float:

@@ -231,6 +231,10 @@ IMAGE_CARDS = int(os.environ["GENSERVER_IMAGE_CARDS"]) if os.environ.get("GENSER
 # The most cards that run long (video) work at once (unset: every non-image card).
 # A lower cap shortens images' waits and lengthens videos' (the seed's exercise).
 MAX_LONG_CARDS = int(os.environ["GENSERVER_MAX_LONG_CARDS"]) if os.environ.get("GENSERVER_MAX_LONG_CARDS") else None
+# Generated layout only. Cards 0..k-1 as one card group (2, 4 or 8) on the "interactive"
+# lane: jobs submitted with "lane": "interactive" run there group_speedup(k) times faster
+# than on one card; everything else runs on the other cards (0: no group).
+GROUP_CARDS = env_int("GENSERVER_GROUP_CARDS", 0)
 
 # --- Recovery ------------------------------------------------------------------------
 # A running task renews its lease every step; a lease this old means the worker died.

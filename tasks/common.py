@@ -2,6 +2,9 @@
 from __future__ import annotations
 
 import os
+import threading
+from contextlib import contextmanager
+from typing import Callable, Iterator
 
 from genserver import policy
 from genserver.jobs.models import Job
@@ -41,3 +44,30 @@ def preload(job_id: str) -> bool:
 
 
 storage = default_storage
+
+RENEW_EVERY_SECONDS = 1.0
+
+
+@contextmanager
+def renewing(renew: Callable[[], bool]) -> Iterator[None]:
+    """Renew a lease every second while a stage runs outside the step loop (a decode, an assembly):
+    a long VAE decode must not look like a dead worker. Stops when `renew` says the lease is lost."""
+    stop = threading.Event()
+
+    def loop() -> None:
+        from django.db import connection
+
+        try:
+            while not stop.wait(RENEW_EVERY_SECONDS):
+                if not renew():
+                    return
+        finally:
+            connection.close()
+
+    thread = threading.Thread(target=loop, name="lease-renewal", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join()

@@ -8,7 +8,7 @@ from celery import shared_task
 from genserver.jobs import services
 from workers.runtime import stages
 
-from .common import family_of, preload, request_of, storage, worker_id
+from .common import family_of, preload, renewing, request_of, storage, worker_id
 
 
 @shared_task(name="tasks.decode.decode", bind=True)
@@ -20,8 +20,9 @@ def decode(self, job_id: str) -> str:
     if job is None:
         return "skipped"
     try:
-        outputs = stages.decode(family_of(job), storage(), request_of(job), embeddings_ref=job.embeddings_key,
-                                checkpoint_ref=job.checkpoint_key)
+        with renewing(lambda: services.heartbeat(job_id, worker)):
+            outputs = stages.decode(family_of(job), storage(), request_of(job), embeddings_ref=job.embeddings_key,
+                                    checkpoint_ref=job.checkpoint_key)
     except Exception:  # noqa: BLE001
         return services.fail_attempt(job_id, worker, traceback.format_exc())
     services.finish_decoding(job_id, worker, outputs)

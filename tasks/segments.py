@@ -12,10 +12,7 @@
 from __future__ import annotations
 
 import dataclasses
-import threading
 import traceback
-from contextlib import contextmanager
-from typing import Callable, Iterator
 
 from celery import shared_task
 
@@ -26,9 +23,8 @@ from workers.runtime import segments as runtime_segments
 from workers.runtime import stages
 from workers.runtime.base import DenoiseState, Family, GenerationRequest
 
-from .common import family_of, preload, request_of, storage, worker_id
+from .common import family_of, preload, renewing, request_of, storage, worker_id
 
-RENEW_EVERY_SECONDS = 1.0
 
 
 def job_id_of(request: GenerationRequest) -> str:
@@ -80,30 +76,6 @@ class SegmentCursor:
         if self.job.segment_count > 1 and global_step and global_step % self.job.steps == 0:
             return ""
         return checkpoint_key
-
-
-@contextmanager
-def renewing(renew: Callable[[], bool]) -> Iterator[None]:
-    """Renew a lease every second while a decode runs (a long clip must not look like a dead worker)."""
-    stop = threading.Event()
-
-    def loop() -> None:
-        from django.db import connection
-
-        try:
-            while not stop.wait(RENEW_EVERY_SECONDS):
-                if not renew():
-                    return
-        finally:
-            connection.close()
-
-    thread = threading.Thread(target=loop, name="lease-renewal", daemon=True)
-    thread.start()
-    try:
-        yield
-    finally:
-        stop.set()
-        thread.join()
 
 
 @shared_task(name="tasks.segments.decode_segment", bind=True)

@@ -5,7 +5,9 @@
 
 Each worker runs with concurrency 1 (a denoise step is compute-bound: one job
 per card), no prefetch, CUDA_VISIBLE_DEVICES set to its cards (empty on CPU),
-and loads its models lazily in the process that runs the tasks.
+and loads its models lazily in the process that runs the tasks. A card group
+(an entry with k > 1 devices) is one worker that sees all k cards
+(GENSERVER_GROUP_SIZE=k) and runs one job at a time over them.
 """
 from __future__ import annotations
 
@@ -48,6 +50,10 @@ def worker_env(spec: WorkerSpec, torch_threads: int | None = None) -> dict[str, 
         env["GENSERVER_WORKER_MODELS"] = ",".join(spec.models)
     if torch_threads:  # read by torch's OpenMP/MKL runtimes when the worker imports torch
         env["OMP_NUM_THREADS"] = env["MKL_NUM_THREADS"] = str(torch_threads)
+    if spec.group_size > 1:
+        # A card group: one process sees all k cards and runs one job at a time over them
+        # (workers/runtime/group.py: diffusers' context parallelism where the family has it).
+        env["GENSERVER_GROUP_SIZE"] = str(spec.group_size)
     return env
 
 

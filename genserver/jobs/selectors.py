@@ -91,7 +91,8 @@ class QueueSnapshot:
         """Expected wall seconds until the job finishes denoising. None once terminal."""
         if job.is_terminal:
             return None
-        own = job.remaining_seconds * job.clock_scale
+        # A job on a queue only card groups read runs group_speedup(k) times faster than one card.
+        own = job.remaining_seconds * job.clock_scale / self.layout.job_speedup(job.queue or job.duration_class)
         if _is_running(job) or job.status == JobStatus.DECODING:
             return round(own, 3)
         items = [_work_item(o, wall=True) for o in self._ahead(job)]

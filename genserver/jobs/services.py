@@ -13,7 +13,7 @@ import json
 import logging
 import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -97,6 +97,16 @@ def estimate(data: dict[str, Any]) -> Estimate:
                     segment_frames=spec.segment_frames if len(plan) > 1 else 0, segment_count=len(plan))
 
 
+def _on_queue(est: Estimate, queue: str, steps: int) -> Estimate:
+    """Chunks of CHUNK_SECONDS of wall time where the job runs: a card group of k runs a step
+    group_speedup(k) times faster, so its chunks hold that many more steps."""
+    speedup = policy.layout().job_speedup(queue)
+    if speedup == 1.0:
+        return est
+    chunk_steps = min(steps, steps_per_chunk(settings.CHUNK_SECONDS, est.seconds / steps / speedup))
+    return replace(est, chunk_steps=chunk_steps)
+
+
 # --- submit and cancel (API side) ------------------------------------------------
 
 class IdempotencyConflict(Exception):
@@ -136,7 +146,8 @@ def submit_job(owner: Any, data: dict[str, Any], idempotency_key: str = "") -> J
 
     spec = policy.registry().get(data["model"])
     est = estimate(data)
-    queue = policy.layout().queue_for(est.duration_class, spec.name)
+    queue = policy.layout().queue_for(est.duration_class, spec.name, data.get("lane", ""))
+    est = _on_queue(est, queue, data["steps"])
     decision = decide(queue, est.priority, selectors.backlog_items(), policy.layout(), policy.limits())
     if not decision.accepted:
         raise AdmissionRefused(decision, est.duration_class)
@@ -531,7 +542,9 @@ def finish_chunk(job_id, worker: str, step: int, checkpoint_key: str, step_secon
                 job.save()
                 transaction.on_commit(lambda: dispatch.send_chunk(job.id, step, job.queue, job.priority))
     if step_seconds:
-        _learn_step_time(job, step_seconds)
+        # The correction learns single-card step times: a step on a group of k cards counts k × eff.
+        spec = policy.layout().worker(worker.split("@", 1)[0])
+        _learn_step_time(job, step_seconds * (spec.speedup if spec is not None else 1.0))
     return True
 
 

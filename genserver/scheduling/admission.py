@@ -2,7 +2,8 @@
 
 The expected wait of a job is the work that will run before it (everything
 queued or running at its priority or better, on the cards that can serve it)
-divided by the number of those cards. Because short work has the best
+divided by the number of those cards, a group of k cards counting as
+`group_speedup(k)` cards (it runs one job that many times faster). Because short work has the best
 priorities, a short job only waits for short work while a long job waits for
 everything: under overload the long class crosses its limit first, so video
 is refused while images are still accepted.
@@ -54,23 +55,25 @@ class Decision:
     reason: str = ""
 
 
-def _serving(layout: PoolLayout, queue: str) -> set[str]:
-    return {w.name for w in layout.workers if queue in w.consumed_queues()}
+def _serving(layout: PoolLayout, queue: str) -> dict[str, float]:
+    """The workers reading `queue`, each with its card-equivalents (a group of k: group_speedup(k))."""
+    return {w.name: w.speedup for w in layout.workers if queue in w.consumed_queues()}
 
 
-def work_ahead(queue: str, priority: int, items: Iterable[WorkItem], layout: PoolLayout) -> tuple[float, int]:
-    """(seconds of work that runs before a job at `priority` on `queue`, cards serving it)."""
+def work_ahead(queue: str, priority: int, items: Iterable[WorkItem], layout: PoolLayout) -> tuple[float, float]:
+    """(single-card seconds of work that runs before a job at `priority` on `queue`, the card-equivalents
+    serving it: one per single card, `group_speedup(k)` per group of k)."""
     mine = _serving(layout, queue)
     if not mine:
-        return math.inf, 0
-    serving_cache: dict[str, set[str]] = {}
+        return math.inf, 0.0
+    serving_cache: dict[str, dict[str, float]] = {}
     total = 0.0
     for item in items:
         theirs = serving_cache.setdefault(item.queue, _serving(layout, item.queue))
         if not theirs:
             continue
-        # The share of that item's work that lands on the cards serving us.
-        share = len(mine & theirs) / len(theirs)
+        # The share of that item's work that lands on the cards serving us (by capacity).
+        share = sum(theirs[name] for name in mine.keys() & theirs.keys()) / sum(theirs.values())
         if share == 0:
             continue
         if item.priority <= priority:
@@ -78,10 +81,12 @@ def work_ahead(queue: str, priority: int, items: Iterable[WorkItem], layout: Poo
         elif item.running:
             # Worse priority, but it holds a card until its chunk boundary.
             total += min(item.chunk_remaining_seconds, item.remaining_seconds) * share
-    return total, len(mine)
+    return total, sum(mine.values())
 
 
 def expected_wait(queue: str, priority: int, items: Iterable[WorkItem], layout: PoolLayout) -> float:
+    """Wall seconds before a new job at `priority` on `queue` starts: the single-card seconds ahead
+    of it divided by the card-equivalents serving it (a group of k counts group_speedup(k))."""
     ahead, cards = work_ahead(queue, priority, items, layout)
     return math.inf if cards == 0 else ahead / cards
 

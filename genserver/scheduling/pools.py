@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,6 +22,15 @@ ALL_QUEUES: tuple[str, ...] = (ENCODE, SHORT, MEDIUM, LONG, DECODE, CONTROL, WEB
 # Sequence parallelism's efficiency for a group of k cards serving one job (the seed's
 # table: communication and imbalance cost 5 % at 2 cards, 12 % at 4, 20 % at 8).
 GROUP_EFFICIENCY: dict[int, float] = {1: 1.0, 2: 0.95, 4: 0.88, 8: 0.80}
+
+
+# A lane is a named route to the workers that declare it: a job submitted with `lane`
+# goes to its class's lane queue ("long@interactive") when some worker of the layout
+# serves it, else to the plain class queue. The seed's pooled layout: a group of cards
+# on the "interactive" lane (users waiting for a video), single cards for the rest.
+INTERACTIVE = "interactive"
+LANE_SEP = "@"
+_LANE_NAME = re.compile(r"^[a-z0-9][a-z0-9_-]{0,31}$")
 
 
 def group_speedup(k: int) -> float:
@@ -43,6 +53,7 @@ class WorkerSpec:
     queues: tuple[str, ...]
     devices: tuple[int, ...] = ()  # CUDA device ids; empty → CPU
     models: tuple[str, ...] = ()  # if set, the only models this worker loads
+    lane: str = ""  # if set, it consumes only its classes' lane queues ("long@interactive")
 
     def __post_init__(self) -> None:
         unknown = [q for q in self.queues if q not in ALL_QUEUES]
@@ -50,6 +61,14 @@ class WorkerSpec:
             raise ValueError(f"worker {self.name!r}: unknown queues {unknown}; known: {list(ALL_QUEUES)}")
         if not self.queues:
             raise ValueError(f"worker {self.name!r} consumes no queue")
+        if self.lane:
+            if not _LANE_NAME.match(self.lane) or self.lane in ALL_QUEUES:
+                raise ValueError(f"worker {self.name!r}: lane {self.lane!r} must be a short lower-case name "
+                                 "(letters, digits, - and _) other than a queue's")
+            if self.models:
+                raise ValueError(f"worker {self.name!r}: a worker has either a lane or models, not both")
+        if self.denoises:
+            group_speedup(self.group_size)  # refuse a card group with no known efficiency (3, 5, ... cards)
 
     @property
     def group_size(self) -> int:
@@ -57,12 +76,20 @@ class WorkerSpec:
         return max(1, len(self.devices))
 
     @property
+    def speedup(self) -> float:
+        """Card-equivalents of this worker: one job runs `group_speedup(group_size)` times faster."""
+        return group_speedup(self.group_size)
+
+    @property
     def denoises(self) -> bool:
         return any(q in CLASSES for q in self.queues)
 
     def consumed_queues(self) -> tuple[str, ...]:
         """The broker queues it reads. A worker dedicated to models reads their own class queues
-        ("short.sdxl", ...), so one process serves one model and never loads another."""
+        ("short.sdxl", ...), so one process serves one model and never loads another; a worker on a
+        lane reads its classes' lane queues ("long@interactive") and no plain class queue."""
+        if self.lane:
+            return tuple(f"{q}{LANE_SEP}{self.lane}" if q in CLASSES else q for q in self.queues)
         if not self.models:
             return self.queues
         return tuple(name for q in self.queues
@@ -77,7 +104,9 @@ class PoolLayout:
         names = [w.name for w in self.workers]
         if len(set(names)) != len(names):
             raise ValueError(f"worker names must be unique, got {names}")
-        served = {class_of(q) for w in self.workers for q in w.consumed_queues()}
+        # A job without a lane (or of a lane no worker serves) goes to its class queue, so every
+        # class needs a worker outside the lanes.
+        served = {class_of(q) for w in self.workers for q in w.consumed_queues() if LANE_SEP not in q}
         missing = [q for q in (ENCODE, *CLASSES, DECODE) if q not in served]
         if missing:
             raise ValueError(f"pool layout leaves queues without a worker: {missing}")
@@ -86,11 +115,33 @@ class PoolLayout:
         """How many workers take work from `queue`."""
         return sum(1 for w in self.workers if queue in w.consumed_queues())
 
+    def card_equivalents(self, queue: str) -> float:
+        """The single-card seconds per second the workers reading `queue` process: a group of k
+        cards counts `group_speedup(k)`, a single card 1."""
+        return sum(w.speedup for w in self.workers if queue in w.consumed_queues())
+
+    def job_speedup(self, queue: str) -> float:
+        """How many times faster than one card a job of `queue` runs: the slowest worker reading it
+        (a group's k-fold speedup where only groups read it; 1 where a single card may take it)."""
+        speeds = [w.speedup for w in self.workers if queue in w.consumed_queues()]
+        return min(speeds) if speeds else 1.0
+
+    def worker(self, name: str) -> WorkerSpec | None:
+        return next((w for w in self.workers if w.name == name), None)
+
+    def lanes(self) -> set[str]:
+        return {w.lane for w in self.workers if w.lane and w.denoises}
+
     def dedicated_models(self) -> set[str]:
         return {m for w in self.workers if w.denoises for m in w.models}
 
-    def queue_for(self, duration_class: str, model: str) -> str:
-        """Where a job's denoise chunks go: its model's own class queue if workers are dedicated to it."""
+    def queue_for(self, duration_class: str, model: str, lane: str = "") -> str:
+        """Where a job's denoise chunks go: its lane's queue for its class if some worker serves it,
+        else its model's own class queue if workers are dedicated to it, else the class queue."""
+        if lane:
+            lane_queue = f"{duration_class}{LANE_SEP}{lane}"
+            if any(lane_queue in w.consumed_queues() for w in self.workers):
+                return lane_queue
         return f"{duration_class}.{model}" if model in self.dedicated_models() else duration_class
 
     def all_queues(self) -> set[str]:
@@ -104,18 +155,19 @@ class PoolLayout:
 
     def to_dict(self) -> dict:
         return {"workers": [
-            {"name": w.name, "queues": list(w.queues), "devices": list(w.devices), "models": list(w.models)}
+            {"name": w.name, "queues": list(w.queues), "devices": list(w.devices), "models": list(w.models),
+             **({"lane": w.lane} if w.lane else {})}
             for w in self.workers
         ]}
 
 
 def class_of(queue: str) -> str:
-    """The duration class (or stage) a broker queue belongs to: "short.sdxl" → "short"."""
-    return queue.split(".", 1)[0]
+    """The duration class (or stage) a broker queue belongs to: "short.sdxl", "short@interactive" → "short"."""
+    return re.split(r"[.@]", queue, maxsplit=1)[0]
 
 
 def default_layout(num_gpus: int, cpu_workers: int = 2, image_cards: int | None = None,
-                   max_long_cards: int | None = None) -> PoolLayout:
+                   max_long_cards: int | None = None, group_cards: int = 0) -> PoolLayout:
     """The generated layout for a machine.
 
     With N cards: `image_cards` of them (default about a quarter, at least one)
@@ -126,8 +178,28 @@ def default_layout(num_gpus: int, cpu_workers: int = 2, image_cards: int | None 
     encode and VAE decode get their own processes, sharing the last card (CPU
     when there is none); the encode process also delivers webhooks. With no GPU, `cpu_workers` CPU processes play the
     cards with the same logic.
+
+    `group_cards` = k > 0 (the seed's pooled layout): cards 0..k-1 form one group
+    ("group0", a worker seeing all k cards, one job at a time `group_speedup(k)`
+    times faster) on the `interactive` lane: it serves only jobs submitted with
+    lane "interactive", of every class; the other N - k cards are laid out as
+    above for everything else. On CPU the group is one more process, running its
+    jobs on the CPU like the others (no speedup).
     """
     cards = num_gpus if num_gpus > 0 else max(1, cpu_workers)
+    workers: list[WorkerSpec] = []
+    first = 0
+    if group_cards:
+        if group_cards < 2 or group_cards not in GROUP_EFFICIENCY:
+            raise ValueError(f"group_cards must be one of {sorted(k for k in GROUP_EFFICIENCY if k > 1)}, "
+                             f"got {group_cards}")
+        if num_gpus > 0:
+            if group_cards >= num_gpus:
+                raise ValueError(f"group_cards ({group_cards}) must leave at least one of the {num_gpus} "
+                                 "cards single: work without a lane runs there")
+            first, cards = group_cards, num_gpus - group_cards
+        workers.append(WorkerSpec(name="group0", queues=(SHORT, MEDIUM, LONG), lane=INTERACTIVE,
+                                  devices=tuple(range(group_cards)) if num_gpus > 0 else ()))
     if image_cards is None:
         image_cards = max(1, round(cards / 4)) if cards > 1 else 0
     if max_long_cards is not None:
@@ -136,12 +208,11 @@ def default_layout(num_gpus: int, cpu_workers: int = 2, image_cards: int | None 
         image_cards = max(image_cards, cards - max_long_cards)
     if not 0 <= image_cards < cards:
         raise ValueError(f"image_cards must be within 0..{cards - 1} for {cards} cards, got {image_cards}")
-    workers: list[WorkerSpec] = []
     for i in range(cards):
-        devices = (i,) if num_gpus > 0 else ()
+        devices = (first + i,) if num_gpus > 0 else ()
         prefix = "gpu" if num_gpus > 0 else "cpu"
         queues = (SHORT, MEDIUM) if i < image_cards else (SHORT, MEDIUM, LONG)
-        workers.append(WorkerSpec(name=f"{prefix}{i}", queues=queues, devices=devices))
+        workers.append(WorkerSpec(name=f"{prefix}{first + i}", queues=queues, devices=devices))
     side = (num_gpus - 1,) if num_gpus > 0 else ()
     workers.append(WorkerSpec(name="encode", queues=(ENCODE, CONTROL, WEBHOOKS), devices=side))
     workers.append(WorkerSpec(name="decode", queues=(DECODE,), devices=side))
@@ -154,7 +225,7 @@ def parse_layout(data: dict) -> PoolLayout:
         return PoolLayout(tuple(
             WorkerSpec(name=str(e["name"]), queues=tuple(e["queues"]),
                        devices=tuple(int(d) for d in e.get("devices", ())),
-                       models=tuple(e.get("models", ())))
+                       models=tuple(e.get("models", ())), lane=str(e.get("lane", "")))
             for e in entries
         ))
     except (KeyError, TypeError) as exc:
@@ -164,10 +235,10 @@ def parse_layout(data: dict) -> PoolLayout:
 
 
 def load_layout(spec: str | None, num_gpus: int, cpu_workers: int = 2, image_cards: int | None = None,
-                max_long_cards: int | None = None) -> PoolLayout:
+                max_long_cards: int | None = None, group_cards: int = 0) -> PoolLayout:
     """A layout from `spec` (inline JSON, or a .json/.toml file path), else the default."""
     if not spec:
-        return default_layout(num_gpus, cpu_workers, image_cards, max_long_cards)
+        return default_layout(num_gpus, cpu_workers, image_cards, max_long_cards, group_cards)
     text = spec.strip()
     if text.startswith("{"):
         return parse_layout(json.loads(text))

@@ -48,7 +48,10 @@ from typing import Any, Iterable, Literal, Mapping, Sequence
 from .admission import AdmissionLimits, WorkItem, decide, expected_wait
 from .chunking import DEFAULT_CHUNK_SECONDS, steps_per_chunk
 from .classes import CLASSES, LONG, MEDIUM, SHORT, ClassThresholds, priority_for
-from .pools import CONTROL, DECODE, ENCODE, GROUP_EFFICIENCY, PoolLayout, WorkerSpec, default_layout, group_speedup
+from .pools import (
+    CONTROL, DECODE, ENCODE, GROUP_EFFICIENCY, INTERACTIVE, PoolLayout, WorkerSpec, class_of, default_layout,
+    group_speedup,
+)
 
 IMAGE, VIDEO = "image", "video"
 KINDS: tuple[str, ...] = (IMAGE, VIDEO)
@@ -88,6 +91,7 @@ class Request:
     arrival: float
     kind: str  # IMAGE | VIDEO
     seconds: float  # expected (in the simulation also actual) denoising seconds
+    lane: str = ""  # the lane it was submitted with ("interactive"), routed like the service does
 
 
 def seed_workload(arrivals: int = 400, rate: float = 0.06, seed: int = 0) -> list[Request]:
@@ -278,6 +282,7 @@ class _Job:
     id: int
     request: Request
     duration_class: str
+    queue: str  # the broker queue, `PoolLayout.queue_for` (class, lane or dedicated model)
     model: str
     steps: int
     step_seconds: float
@@ -294,7 +299,7 @@ class _Job:
 class _Card:
     index: int
     name: str
-    queues: tuple[str, ...]  # its duration-class queues, in the worker's order
+    queues: tuple[str, ...]  # the denoise queues it consumes (class, lane or model queues), in order
     idle_since: float = 0.0
     busy_until: float = 0.0
     job: _Job | None = None  # None: idle, blocked on the broker
@@ -330,6 +335,7 @@ class SimResult:
     in_process: int  # boundaries run on in-process (yield_on_demand)
     max_long_cards: int  # most cards running long work at once
     cap_engaged_share: float  # share of events at which the overload cap was engaged
+    lanes: dict[str, ClassResult] = field(default_factory=dict)  # per request lane ("" = none)
 
     def summary(self, metric: Metric = "wait") -> dict[str, tuple[float, float]]:
         """{kind: (P50, P99)} of `metric`, like the seed's table."""
@@ -343,7 +349,7 @@ class _Broker:
         self.lists: dict[tuple[str, int], deque[_Job]] = {}
 
     def publish(self, job: _Job) -> None:
-        self.lists.setdefault((job.duration_class, job.priority), deque()).append(job)
+        self.lists.setdefault((job.queue, job.priority), deque()).append(job)
 
     def _first(self, queues: Sequence[str], long_blocked: bool,
                before: tuple[int, int] | None = None) -> tuple[str, int] | None:
@@ -352,7 +358,7 @@ class _Broker:
         only a list it would pop ahead of a message published there now."""
         for priority in range(10):
             for index, queue in enumerate(queues):
-                if queue == LONG and long_blocked:
+                if long_blocked and class_of(queue) == LONG:
                     continue
                 if before is not None and (priority, index) > before:
                     return None
@@ -367,7 +373,7 @@ class _Broker:
     def ahead_of(self, queues: Sequence[str], job: _Job, long_blocked: bool) -> bool:
         """Whether the worker would take a waiting message before `job` re-published now
         (FIFO: a message already waiting in the same list is ahead of it)."""
-        before = (job.priority, queues.index(job.duration_class))
+        before = (job.priority, queues.index(job.queue))
         return self._first(queues, long_blocked, before) is not None
 
 
@@ -380,12 +386,13 @@ class _Simulation:
         denoisers = [w for w in cfg.layout.workers if w.denoises]
         if not denoisers:
             raise ValueError("the layout has no denoise worker")
-        self.cards = [_Card(i, w.name, tuple(q for q in w.queues if q in CLASSES),
+        self.cards = [_Card(i, w.name, tuple(q for q in w.consumed_queues() if class_of(q) in CLASSES),
                             speedup=group_speedup(w.group_size))
                       for i, w in enumerate(denoisers)]
         self.broker = _Broker()
         self.jobs: dict[int, _Job] = {}  # accepted and unfinished, by id
         self.result = {k: ClassResult() for k in KINDS}
+        self.lane_result: dict[str, ClassResult] = {}
         self.switches = self.republished = self.in_process = self.max_long = 0
         self.events: list[tuple[float, int, int, int]] = []  # (time, order, seq, payload)
         self.seq = 0
@@ -430,7 +437,7 @@ class _Simulation:
         if cfg.long_cap is None or not self._cap_engaged(now):
             return cfg.layout
         if self._capped_layout is None:
-            excess = sum(1 for c in self.cards if LONG in c.queues) - cfg.long_cap
+            excess = sum(1 for c in self.cards if any(class_of(q) == LONG for q in c.queues)) - cfg.long_cap
             workers = []
             for w in cfg.layout.workers:
                 if excess > 0 and w.denoises and LONG in w.queues:
@@ -479,11 +486,11 @@ class _Simulation:
         for job in self.jobs.values():
             card = running.get(job.id)
             if card is None:
-                items.append(WorkItem(job.duration_class, job.priority, job.remaining_seconds))
+                items.append(WorkItem(job.queue, job.priority, job.remaining_seconds))
                 continue
             in_chunk = max(0.0, card.busy_until - now)
             after = (job.steps - job.steps_done - card.chunk_steps) * job.step_seconds
-            items.append(WorkItem(job.duration_class, job.priority, after + in_chunk,
+            items.append(WorkItem(job.queue, job.priority, after + in_chunk,
                                   running=True, chunk_remaining_seconds=in_chunk))
         return items
 
@@ -501,6 +508,10 @@ class _Simulation:
             res.waits.append(job.first_step - job.request.arrival)
             res.delays.append(now - job.request.arrival - job.request.seconds)
             res.latencies.append(now - job.request.arrival)
+            lane = self.lane_result.setdefault(job.request.lane, ClassResult())
+            lane.waits.append(res.waits[-1])
+            lane.delays.append(res.delays[-1])
+            lane.latencies.append(res.latencies[-1])
             return
         job.priority = priority_for(job.duration_class, job.remaining_seconds, True, self.cfg.thresholds)
         if self.cfg.yield_on_demand:
@@ -518,14 +529,15 @@ class _Simulation:
         r = self.requests[index]
         cls = cfg.thresholds.classify(r.seconds)
         priority = priority_for(cls, r.seconds, False, cfg.thresholds)
+        queue = cfg.layout.queue_for(cls, cfg.models[r.kind], r.lane)
         if cfg.limits is not None:
-            decision = decide(cls, priority, self.work_items(now), self._admission_layout(now), cfg.limits)
+            decision = decide(queue, priority, self.work_items(now), self._admission_layout(now), cfg.limits)
             if not decision.accepted:
                 self.result[r.kind].refused += 1
                 return
         self.result[r.kind].accepted += 1
         steps = cfg.steps_for(r.seconds)
-        job = _Job(id=index, request=r, duration_class=cls, model=cfg.models[r.kind], steps=steps,
+        job = _Job(id=index, request=r, duration_class=cls, queue=queue, model=cfg.models[r.kind], steps=steps,
                    step_seconds=r.seconds / steps, priority=priority)
         self.jobs[job.id] = job
         self.broker.publish(job)
@@ -554,6 +566,7 @@ class _Simulation:
             switches=self.switches, republished=self.republished, in_process=self.in_process,
             max_long_cards=self.max_long,
             cap_engaged_share=self._engaged_hits / self._engaged_checks if self._engaged_checks else 0.0,
+            lanes=self.lane_result,
         )
 
 
@@ -600,14 +613,16 @@ def group_table(single_seconds: float = SEED_VIDEO_SECONDS, cards: int = 8) -> l
     return rows
 
 
-def group_layout(groups: Sequence[int]) -> PoolLayout:
+def group_layout(groups: Sequence[int], group_lane: str = "") -> PoolLayout:
     """A layout of denoise workers, one per entry of `groups` (its card count), on consecutive
-    devices, every one consuming short, medium and long; plus encode/decode on the CPU."""
+    devices, every one consuming short, medium and long; plus encode/decode on the CPU.
+    With `group_lane`, the groups (k > 1) serve only that lane (as `default_layout(group_cards=k)`
+    does), the single cards everything else."""
     workers, first = [], 0
     for i, k in enumerate(groups):
         group_speedup(k)  # refuse an unknown group size here, not mid-simulation
         workers.append(WorkerSpec(name=f"g{i}x{k}", queues=(SHORT, MEDIUM, LONG),
-                                  devices=tuple(range(first, first + k))))
+                                  devices=tuple(range(first, first + k)), lane=group_lane if k > 1 else ""))
         first += k
     workers.append(WorkerSpec(name="encode", queues=(ENCODE, CONTROL)))
     workers.append(WorkerSpec(name="decode", queues=(DECODE,)))
@@ -623,18 +638,23 @@ def group_layouts(cards: int = 8) -> dict[str, PoolLayout]:
     half = cards // 2
     if half in GROUP_EFFICIENCY and half > 1:
         layouts[f"pooled: 1×{half} + {cards - half}×1"] = group_layout([half] + [1] * (cards - half))
+        layouts[f"pooled, routed: 1×{half} {INTERACTIVE} + {cards - half}×1"] = group_layout(
+            [half] + [1] * (cards - half), group_lane=INTERACTIVE)
     return layouts
 
 
 def video_workload(arrivals: int = 400, rate: float = 0.7 * 8 / SEED_VIDEO_SECONDS, seed: int = 0,
-                   seconds: float = SEED_VIDEO_SECONDS) -> list[Request]:
+                   seconds: float = SEED_VIDEO_SECONDS, interactive_share: float = 0.0) -> list[Request]:
     """Poisson arrivals at `rate` per second of videos of `seconds` single-card seconds each
-    (the default rate offers 70 % of 8 single cards)."""
-    rng = random.Random(seed)
+    (the default rate offers 70 % of 8 single cards). A share `interactive_share` of them is
+    submitted on the interactive lane (drawn from a second generator, so the arrivals are the
+    same whatever the share)."""
+    rng, lanes = random.Random(seed), random.Random(seed + 1)
     t, requests = 0.0, []
     for _ in range(arrivals):
         t += rng.expovariate(rate)
-        requests.append(Request(t, VIDEO, seconds))
+        lane = INTERACTIVE if lanes.random() < interactive_share else ""
+        requests.append(Request(t, VIDEO, seconds, lane))
     return requests
 
 
@@ -648,21 +668,29 @@ class GroupResult:
     p50_minutes: float  # completion − arrival
     p99_minutes: float
     videos_per_hour: float  # finished / (last completion − first arrival)
+    interactive_p50_minutes: float = 0.0  # the requests submitted on the interactive lane
+    interactive_p99_minutes: float = 0.0
+    other_p50_minutes: float = 0.0  # the others (offline)
+    other_p99_minutes: float = 0.0
 
 
 def simulate_groups(cards: int = 8, load: float = 0.7, arrivals: int = 400, seed: int = 0,
-                    single_seconds: float = SEED_VIDEO_SECONDS) -> list[GroupResult]:
+                    single_seconds: float = SEED_VIDEO_SECONDS,
+                    interactive_share: float = 0.4) -> list[GroupResult]:
     """Every layout of `group_layouts(cards)` on one video workload offering `load` of `cards`
-    single cards: latency P50/P99 (minutes, arrival → completion) and throughput.
+    single cards: latency P50/P99 (minutes, arrival → completion) and throughput, overall and
+    for the `interactive_share` of requests submitted on the interactive lane and the others.
 
     Everything is admitted (no admission limits, no long cap), so the layouts are
-    compared on the same requests; checkpoint costs are the defaults. Every worker
-    consumes the same queue, idle workers popping the way Redis serves them (the
-    one blocked longest first), so the pooled layout's group takes whichever video
-    comes when it is the longest idle: it is not routed interactive requests.
+    compared on the same requests; checkpoint costs are the defaults. In every layout but
+    the routed one all workers consume the same queue (the lane has no worker, so its
+    requests go to the class queue, as in the service), idle workers popping the way
+    Redis serves them (the one blocked longest first): the unrouted pooled layout's group
+    takes whichever video comes when it is the longest idle. In the routed one the group
+    serves only the interactive lane and the single cards the rest.
     """
     rate = load * cards / single_seconds
-    requests = video_workload(arrivals, rate, seed, single_seconds)
+    requests = video_workload(arrivals, rate, seed, single_seconds, interactive_share)
     results = []
     for name, layout in group_layouts(cards).items():
         cfg = SimConfig(layout=layout, limits=None, steps={single_seconds: 50})
@@ -670,8 +698,12 @@ def simulate_groups(cards: int = 8, load: float = 0.7, arrivals: int = 400, seed
         res = run.classes[VIDEO]
         capacity = sum(group_speedup(w.group_size) for w in layout.workers if w.denoises) * 3600 / single_seconds
         span = run.makespan - requests[0].arrival  # the last event is the last completion
+        lanes = {lane: r.latencies for lane, r in run.lanes.items()}
+        fast, rest = lanes.get(INTERACTIVE, []), lanes.get("", [])
         results.append(GroupResult(name, capacity, rate * 3600 / capacity, pct(res.latencies, 0.5) / 60,
-                                   pct(res.latencies, 0.99) / 60, len(res.latencies) / span * 3600))
+                                   pct(res.latencies, 0.99) / 60, len(res.latencies) / span * 3600,
+                                   pct(fast, 0.5) / 60, pct(fast, 0.99) / 60, pct(rest, 0.5) / 60,
+                                   pct(rest, 0.99) / 60))
     return results
 
 

@@ -137,3 +137,31 @@ def test_schema_and_docs_answer_without_auth():
     assert schema.status_code == 200
     assert "/api/v1/jobs/" in json.loads(schema.content)["paths"]
     assert client.get("/api/docs/").status_code == 200
+
+
+def test_a_lane_routes_to_the_card_group_and_is_ignored_where_none_serves_it(api, monkeypatch):
+    from genserver import policy
+    from genserver.scheduling.pools import default_layout
+
+    pooled = default_layout(num_gpus=8, group_cards=4)  # group0 = cards 0-3 on the interactive lane
+    monkeypatch.setattr(policy, "layout", lambda: pooled)
+    lane = submit(api, model="wan-sim", lane="interactive").json()
+    plain = submit(api, model="wan-sim").json()
+    assert (lane["queue"], plain["queue"]) == ("long@interactive", "long")
+    assert Job.objects.get(pk=lane["id"]).queue == "long@interactive"
+    # Alone on its workers, each waits for nothing; the group runs the job 4 × 0.88 = 3.52× faster.
+    assert lane["eta_seconds"] == pytest.approx(plain["eta_seconds"] / 3.52, rel=1e-2)
+    # ... and its chunks are CHUNK_SECONDS of the group's time: 3.52× the steps of a card's.
+    from django.conf import settings
+
+    from genserver.scheduling.chunking import steps_per_chunk
+
+    image = Job.objects.get(pk=submit(api, width=1024, height=1024, steps=100, lane="interactive").json()["id"])
+    step = image.estimated_seconds / image.steps
+    assert image.chunk_steps == steps_per_chunk(settings.CHUNK_SECONDS, step / 3.52)
+    assert image.chunk_steps > steps_per_chunk(settings.CHUNK_SECONDS, step)
+    # A layout without the lane: the job goes to its class queue, as without a lane.
+    monkeypatch.setattr(policy, "layout", lambda: default_layout(num_gpus=4))
+    assert submit(api, lane="interactive").json()["queue"] == "short"
+    bad = submit(api, lane="Not a lane!")
+    assert bad.status_code == 400 and "lane" in bad.json()

@@ -99,3 +99,24 @@ def test_long_work_cap_and_image_cards_shape_the_generated_layout():
         default_layout(num_gpus=4, max_long_cards=0)
     with pytest.raises(ValueError, match="image_cards"):
         default_layout(num_gpus=4, image_cards=4)
+
+
+def test_a_card_group_is_one_worker_that_sees_all_its_cards():
+    layout = default_layout(num_gpus=8, group_cards=4)
+    group = layout.workers[0]
+    argv, env = worker_argv(group), worker_env(group)
+    assert env["CUDA_VISIBLE_DEVICES"] == "0,1,2,3"  # one process, all k cards: the runtime splits a job over them
+    assert env["GENSERVER_GROUP_SIZE"] == "4"
+    assert argv[argv.index("--concurrency") + 1] == "1"  # one job at a time on the whole group
+    assert argv[argv.index("--queues") + 1] == "short@interactive,medium@interactive,long@interactive"
+    assert env["GENSERVER_WORKER_QUEUES"] == argv[argv.index("--queues") + 1]
+    singles = [w for w in layout.workers if w.denoises and not w.lane]
+    assert [worker_env(w)["CUDA_VISIBLE_DEVICES"] for w in singles] == ["4", "5", "6", "7"]
+    assert all("GENSERVER_GROUP_SIZE" not in worker_env(w) for w in singles)
+    # Declared by hand: a lane on any pool entry.
+    custom = load_layout('{"workers": ['
+                         '{"name": "g", "queues": ["long"], "devices": [0, 1], "lane": "interactive"},'
+                         '{"name": "s", "queues": ["short", "medium", "long", "encode", "decode"], "devices": [2]}]}',
+                         num_gpus=3)
+    assert worker_argv(custom.workers[0])[worker_argv(custom.workers[0]).index("--queues") + 1] == "long@interactive"
+    assert worker_env(custom.workers[0])["CUDA_VISIBLE_DEVICES"] == "0,1"

@@ -9,6 +9,7 @@ from pathlib import Path
 
 from genserver.registry import ModelSpec
 
+from . import group
 from .base import Family
 
 log = logging.getLogger(__name__)
@@ -55,13 +56,18 @@ class ModelCache:
         module_name, class_name = FAMILY_ADAPTERS[spec.family].split(":")
         log.info("loading %s (%s) from %s", spec.name, spec.family, spec.resolved_path(self.data_dir))
         adapter = getattr(importlib.import_module(module_name), class_name)
-        return adapter(spec, default_device(), self.data_dir)
+        family = adapter(spec, default_device(), self.data_dir)
+        # A card group's worker (GENSERVER_GROUP_SIZE=k): the transformer over its k cards where
+        # diffusers has context parallelism for the family and CUDA is there; else one device.
+        group.maybe_parallelize(family)
+        return family
 
     def _evict(self, keep: str) -> None:
         while self.used_bytes() > self.budget_bytes and len(self._loaded) > 1:
             name = next(n for n in self._loaded if n != keep)
             log.info("model cache over budget: unloading %s", name)
             del self._loaded[name]
+            group.release(name)
 
     def used_bytes(self) -> int:
         return sum(f.memory_bytes() for f in self._loaded.values())

@@ -52,6 +52,11 @@ class JobCreateSerializer(serializers.Serializer):
     preview_every = StrictIntegerField(required=False, default=0, min_value=0, max_value=10000)
     webhook_url = serializers.URLField(max_length=500, required=False, allow_blank=True, default="",
                                        help_text="http(s) URL that receives signed JSON events of the job")
+    lane = serializers.RegexField(r"^[a-z0-9][a-z0-9_-]{0,31}$", max_length=32, required=False, allow_blank=True,
+                                  default="",
+                                  help_text='route the job to the workers on this lane of the pool layout '
+                                            '("interactive": a card group, for a user waiting on a video); '
+                                            'where no worker serves it, the job runs as without a lane')
 
     def to_internal_value(self, data: Any) -> dict[str, Any]:
         if not isinstance(data, dict):
@@ -182,7 +187,7 @@ class JobSerializer(serializers.ModelSerializer):
         model = Job
         fields = [
             "id", "owner", "model", "kind", "status", "stage", "progress", "queue_position", "eta_seconds",
-            "estimated_seconds", "duration_class", "preview_url", "preview_step", "outputs", "segment_count",
+            "estimated_seconds", "duration_class", "queue", "preview_url", "preview_step", "outputs", "segment_count",
             "segments", "error",
             "prompt", "negative_prompt", "width", "height", "num_frames", "steps", "steps_requested", "guidance_scale",
             "seed",
