@@ -75,12 +75,7 @@ class JobListCreateView(GenericAPIView):
                             status=status.HTTP_429_TOO_MANY_REQUESTS,
                             headers={"Retry-After": str(full.retry_after_seconds)})
         except services.AdmissionRefused as refused:
-            d = refused.decision
-            return Response({"detail": d.reason, "reason": "overloaded", "duration_class": refused.duration_class,
-                             "expected_wait_seconds": round(d.expected_wait_seconds, 1),
-                             "limit_seconds": d.limit_seconds, "retry_after": d.retry_after_seconds},
-                            status=status.HTTP_429_TOO_MANY_REQUESTS,
-                            headers={"Retry-After": str(d.retry_after_seconds)})
+            return _overloaded(refused)
         body = JobSerializer(job, context=_job_context(request)).data
         if replayed:
             return Response(body, status=status.HTTP_200_OK, headers={"Idempotent-Replayed": "true"})
@@ -125,13 +120,17 @@ class JobStepsView(APIView):
             return Response({"detail": str(refused), "reason": refused.reason, "status": refused.status},
                             status=status.HTTP_409_CONFLICT)
         except services.AdmissionRefused as refused:
-            d = refused.decision
-            return Response({"detail": d.reason, "reason": "overloaded", "duration_class": refused.duration_class,
-                             "expected_wait_seconds": round(d.expected_wait_seconds, 1),
-                             "limit_seconds": d.limit_seconds, "retry_after": d.retry_after_seconds},
-                            status=status.HTTP_429_TOO_MANY_REQUESTS,
-                            headers={"Retry-After": str(d.retry_after_seconds)})
+            return _overloaded(refused)
         return Response(JobSerializer(job, context=_job_context(request)).data, status=status.HTTP_202_ACCEPTED)
+
+
+def _overloaded(refused: services.AdmissionRefused) -> Response:
+    """429 with Retry-After for work admission refused (a submit, or steps added to a job)."""
+    d = refused.decision
+    return Response({"detail": d.reason, "reason": "overloaded", "duration_class": refused.duration_class,
+                     "expected_wait_seconds": round(d.expected_wait_seconds, 1),
+                     "limit_seconds": d.limit_seconds, "retry_after": d.retry_after_seconds},
+                    status=status.HTTP_429_TOO_MANY_REQUESTS, headers={"Retry-After": str(d.retry_after_seconds)})
 
 
 def _serve(key: str, content_type: str) -> FileResponse:
