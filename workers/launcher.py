@@ -83,7 +83,7 @@ def main() -> None:
     if args.print:
         print(json.dumps(layout.to_dict(), indent=2))
         for spec in layout.workers:
-            env = " ".join(f"{k}={v}" for k, v in worker_env(spec).items())
+            env = " ".join(f"{k}={v}" for k, v in worker_env(spec, cpu_threads_per_worker(layout)).items())
             print(env, " ".join(worker_argv(spec, args.loglevel)))
         return
     supervisor = Supervisor()

@@ -7,7 +7,7 @@ import time
 import pytest
 
 from genserver.scheduling.pools import default_layout, load_layout
-from workers.launcher import worker_argv, worker_env
+from workers.launcher import cpu_threads_per_worker, worker_argv, worker_env
 from workers.supervise import Supervisor
 
 
@@ -31,6 +31,20 @@ def test_cpu_layout_uses_the_same_logic_without_devices():
     layout = default_layout(num_gpus=0, cpu_workers=2)
     assert [w.name for w in layout.workers] == ["cpu0", "cpu1", "encode", "decode"]
     assert all(worker_env(w)["CUDA_VISIBLE_DEVICES"] == "" for w in layout.workers)
+
+
+def test_workers_share_the_cores_out_for_torch(monkeypatch):
+    layout = default_layout(num_gpus=0, cpu_workers=2)  # 4 processes
+    monkeypatch.delenv("GENSERVER_TORCH_THREADS", raising=False)
+    monkeypatch.setattr("workers.launcher.os.cpu_count", lambda: 16)
+    assert cpu_threads_per_worker(layout) == 4
+    monkeypatch.setattr("workers.launcher.os.cpu_count", lambda: 2)
+    assert cpu_threads_per_worker(layout) == 1  # never 0
+    monkeypatch.setenv("GENSERVER_TORCH_THREADS", "3")
+    assert cpu_threads_per_worker(layout) == 3
+    env = worker_env(layout.workers[0], 3)
+    assert env["OMP_NUM_THREADS"] == env["MKL_NUM_THREADS"] == "3"
+    assert "OMP_NUM_THREADS" not in worker_env(layout.workers[0])
 
 
 def test_layout_override_from_json_and_file(tmp_path):
