@@ -93,10 +93,9 @@ def _denoise(members: list[_Member], worker: str) -> str:
         member = by_id[job_id_of(state.request)]
         job_id = member.job.pk
         step += member.cursor.offset  # global over the segments
-        if redis_client().exists(member.cancel_key):
-            return "cancelled"
-        if _steps_changed(job_id, member.job.steps):
-            return "steps-changed"
+        stop = _flagged(member)
+        if stop:
+            return stop
         if step == 0:
             services.heartbeat(job_id, worker, steps_done=0)  # started_at: the first step begins now
         if time.monotonic() - member.last_beat > HEARTBEAT_EVERY_SECONDS:
@@ -161,10 +160,15 @@ def _record_chunk(member: _Member, result: stages.ChunkResult, worker: str, stay
     return "" if stay else f"step {step}"
 
 
-def _steps_changed(job_id, total: int) -> bool:
-    """The job's total was changed (POST /steps/) to another than the one this worker runs."""
-    value = redis_client().get(STEPS_KEY.format(job_id=job_id))
-    return value is not None and int(value) != total
+def _flagged(member: _Member) -> str:
+    """"cancelled", "steps-changed" (POST /steps/ set another total than the one this worker runs),
+    or "": both flags in one Redis round trip, since this runs before every step of every member."""
+    cancelled, total = redis_client().mget(member.cancel_key, STEPS_KEY.format(job_id=member.job.pk))
+    if cancelled is not None:
+        return "cancelled"
+    if total is not None and int(total) != member.job.steps:
+        return "steps-changed"
+    return ""
 
 
 def _hand_back_for_new_total(member: _Member, worker: str, family, store) -> str:

@@ -29,7 +29,7 @@ CASES = [("tiny-sd", "euler"), ("tiny-sd", "euler_a"), ("tiny-sd", "dpmpp_2m"), 
          ("tiny-flux", "flow_euler"), ("tiny-flux", "flow_dpmpp_2m")]
 
 
-def members(family: Family, model: str) -> list[GenerationRequest]:
+def members(model: str) -> list[GenerationRequest]:
     """Three jobs of one shape: different seeds, prompts and output counts."""
     return [make_request(model, job_id="a", seed=11, prompt="a red cat on a sofa"),
             make_request(model, job_id="b", seed=22, prompt="a lighthouse at dusk", num_outputs=2),
@@ -48,7 +48,7 @@ def alone(family: Family, request: GenerationRequest) -> torch.Tensor:
 @pytest.mark.parametrize("model,scheduler", CASES)
 def test_merged_jobs_match_each_job_alone(load_family: Callable[..., Family], model: str, scheduler: str) -> None:
     family = load_family(model, scheduler)
-    requests = members(family, model)
+    requests = members(model)
     states = [prepared(family, r) for r in requests]
     while not states[0].done:
         family.step_many(states)
@@ -76,7 +76,7 @@ def test_merged_wan_jobs_match_each_job_alone(wan_family: Family) -> None:
 
 def test_merged_images_decode_like_lone_ones(load_family: Callable[..., Family]) -> None:
     family = load_family("tiny-sd")
-    requests = members(family, "tiny-sd")[:2]
+    requests = members("tiny-sd")[:2]
     states = [prepared(family, r) for r in requests]
     while not states[0].done:
         family.step_many(states)
@@ -91,7 +91,7 @@ def test_merged_images_decode_like_lone_ones(load_family: Callable[..., Family])
 def test_a_member_leaving_midway_does_not_change_the_others(load_family: Callable[..., Family],
                                                             tmp_path: Path) -> None:
     family = load_family("tiny-sd", "dpmpp_2m")
-    requests = members(family, "tiny-sd")
+    requests = members("tiny-sd")
     states = [prepared(family, r) for r in requests]
     storage = LocalStorage(tmp_path)
     asked: list[tuple[str, int]] = []
@@ -116,7 +116,7 @@ def test_a_member_leaving_midway_does_not_change_the_others(load_family: Callabl
 def test_each_member_checkpoint_resumes_alone(load_family: Callable[..., Family], tmp_path: Path) -> None:
     """A merged chunk's checkpoints are per job: one restored alone finishes as if never merged."""
     family = load_family("tiny-sd", "dpmpp_2m")
-    requests = members(family, "tiny-sd")[:2]
+    requests = members("tiny-sd")[:2]
     states = [prepared(family, r) for r in requests]
     storage = LocalStorage(tmp_path)
     results = stages.run_merged_chunk(family, storage, states, until_step=3, preview_every=0,

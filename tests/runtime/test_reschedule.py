@@ -124,15 +124,20 @@ def test_extending_a_finished_schedule_is_deterministic(get_family, model: str, 
     assert torch.isfinite(results[0]).all() and torch.equal(results[0], results[1])
 
 
+def saved(family, state, tmp_path: Path) -> tuple[LocalStorage, str, str]:
+    """The state's embeddings and checkpoint in storage, as a worker leaves them: (storage, embeddings, checkpoint)."""
+    storage = LocalStorage(tmp_path)
+    embeddings_key = storage.put("embeddings/e.pt", stages._to_bytes(state.embeddings))
+    return storage, embeddings_key, stages.save_checkpoint(family, storage, state)
+
+
 @pytest.mark.parametrize("model,scheduler,identity", CASES, ids=IDS)
 def test_stop_early_decodes_the_saved_x0_estimate(get_family, model: str, scheduler: str, identity: bool,
                                                   tmp_path: Path) -> None:
     family = get_family(model, scheduler)
     request = request_for(model)
     state = started(family, request, 2)
-    storage = LocalStorage(tmp_path)
-    embeddings_key = storage.put("embeddings/e.pt", stages._to_bytes(state.embeddings))
-    key = stages.save_checkpoint(family, storage, state)
+    storage, embeddings_key, key = saved(family, state, tmp_path)
     data = stages._from_bytes(storage.get(key))
     assert torch.equal(data["denoised"], state.extra["denoised"].cpu())
     # The job's record now says 2 steps: decode restores the 6-step state and decodes its x0 estimate.
@@ -154,9 +159,7 @@ def test_load_state_reschedules_a_checkpoint_made_for_another_total(get_family, 
     family = get_family(model, scheduler)
     request = request_for(model)
     state = started(family, request, 3)
-    storage = LocalStorage(tmp_path)
-    embeddings_key = storage.put("embeddings/e.pt", stages._to_bytes(state.embeddings))
-    key = stages.save_checkpoint(family, storage, state)
+    storage, embeddings_key, key = saved(family, state, tmp_path)
     with pytest.raises(ValueError, match="made for 6 steps"):
         family.restore(dataclasses.replace(request, steps=9), state.embeddings, stages._from_bytes(storage.get(key)))
     loaded = stages.load_state(family, storage, dataclasses.replace(request, steps=9), embeddings_key, key)
