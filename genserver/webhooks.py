@@ -25,6 +25,8 @@ from django.conf import settings
 from django.urls import reverse
 from django.utils import timezone
 
+from genserver.jobs import broker
+
 log = logging.getLogger(__name__)
 
 EVENTS = ("started", "preview", "segment", "succeeded", "failed", "cancelled")  # segment: a long video's clip
@@ -128,9 +130,7 @@ def emit(job_id, event: str) -> None:
         job = Job.objects.filter(pk=job_id).exclude(webhook_url="").first()
         if job is None:
             return
-        from tasks import dispatch
-
-        dispatch.send_webhook(job.pk, event, job_payload(job))
+        broker.send_webhook(job.pk, event, job_payload(job))
     except Exception:  # noqa: BLE001 - a webhook must never break a transition
         log.warning("could not enqueue webhook %s of job %s", event, job_id, exc_info=True)
 

@@ -5,13 +5,13 @@ import traceback
 
 from celery import shared_task
 
-from genserver.jobs import services
+from genserver.jobs import broker, services
 from workers.runtime import stages
 
 from .common import family_of, preload, renewing, request_of, storage, worker_id
 
 
-@shared_task(name="tasks.decode.decode", bind=True)
+@shared_task(name=broker.DECODE_TASK.name, bind=True)
 def decode(self, job_id: str) -> str:
     worker = worker_id(self)
     if not preload(job_id):

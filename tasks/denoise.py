@@ -26,8 +26,8 @@ from dataclasses import dataclass
 from celery import shared_task
 from django.conf import settings
 
-from genserver import policy
-from genserver.jobs import selectors, services
+from genserver import configured
+from genserver.jobs import broker, services
 from genserver.jobs.models import Job
 from genserver.metrics import count_merged_batch
 from genserver.redis_client import CANCEL_KEY, STEPS_KEY, client as redis_client
@@ -66,7 +66,7 @@ class _Member:
         self.checkpoint_key = self.cursor.deletable(self.job.checkpoint_step, self.checkpoint_key)
 
 
-@shared_task(name="tasks.denoise.run_chunk", bind=True)
+@shared_task(name=broker.CHUNK_TASK.name, bind=True)
 def run_chunk(self, job_id: str, from_step: int) -> str:
     worker = worker_id(self)
     if not preload(job_id):
@@ -74,7 +74,7 @@ def run_chunk(self, job_id: str, from_step: int) -> str:
     job = services.claim_chunk(job_id, worker, from_step)
     if job is None:
         return "skipped"  # already past this step, held elsewhere, cancelled or finished
-    partners = services.claim_merge_partners(job, worker, policy.registry().get(job.model).max_merge)
+    partners = services.claim_merge_partners(job, worker, configured.registry().get(job.model).max_merge)
     if partners:
         count_merged_batch(1 + len(partners))
     members = [_Member(j, CANCEL_KEY.format(job_id=j.pk), time.monotonic(), j.checkpoint_key)
@@ -109,8 +109,8 @@ def _denoise(members: list[_Member], worker: str) -> str:
         if step >= lead.total_steps or time.monotonic() - task_started > settings.CELERY_VISIBILITY_TIMEOUT / 2:
             return False
         remaining = lead.estimated_seconds * (lead.total_steps - step) / lead.total_steps
-        continuation = priority_for(lead.duration_class, remaining, True, policy.thresholds())
-        return not selectors.waiting_at_or_before(_consumed_queues(lead.queue), continuation)
+        continuation = priority_for(lead.duration_class, remaining, True, configured.thresholds())
+        return not broker.waiting_at_or_before(_consumed_queues(lead.queue), continuation)
 
     def on_preview(state: DenoiseState, key: str, step: int) -> None:
         member = by_id[job_id_of(state.request)]

@@ -11,14 +11,14 @@ import traceback
 from celery import shared_task
 from django.conf import settings
 
-from genserver.jobs import services
+from genserver.jobs import broker, services
 from genserver.metrics import count_embedding_cache
 from workers.runtime import stages
 
 from .common import family_of, preload, request_of, storage, worker_id
 
 
-@shared_task(name="tasks.encode.encode", bind=True)
+@shared_task(name=broker.ENCODE_TASK.name, bind=True)
 def encode(self, job_id: str) -> str:
     worker = worker_id(self)
     if not preload(job_id):

@@ -16,7 +16,7 @@ import traceback
 
 from celery import shared_task
 
-from genserver.jobs import segment_service, services
+from genserver.jobs import broker, segment_service, services
 from genserver.jobs.models import Job
 from genserver.scheduling.segments import segment_of_step
 from workers.runtime import segments as runtime_segments
@@ -78,7 +78,7 @@ class SegmentCursor:
         return checkpoint_key
 
 
-@shared_task(name="tasks.segments.decode_segment", bind=True)
+@shared_task(name=broker.SEGMENT_DECODE_TASK.name, bind=True)
 def decode_segment(self, job_id: str, index: int) -> str:
     worker = worker_id(self)
     if not preload(job_id):
@@ -97,7 +97,7 @@ def decode_segment(self, job_id: str, index: int) -> str:
     return "published" if segment_service.finish_segment_decode(job_id, index, worker, key, poster_key) else "lost"
 
 
-@shared_task(name="tasks.segments.assemble", bind=True)
+@shared_task(name=broker.ASSEMBLE_TASK.name, bind=True)
 def assemble(self, job_id: str) -> str:
     worker = worker_id(self)
     taken = segment_service.start_assembly(job_id, worker)

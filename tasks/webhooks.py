@@ -13,12 +13,13 @@ from celery import shared_task
 from django.conf import settings
 
 from genserver import webhooks
+from genserver.jobs import broker
 from genserver.jobs.models import Job
 
 log = logging.getLogger(__name__)
 
 
-@shared_task(name="tasks.webhooks.deliver", bind=True, max_retries=None)
+@shared_task(name=broker.WEBHOOK_TASK.name, bind=True, max_retries=None)
 def deliver(self, job_id: str, event: str, payload: dict) -> str:
     url = Job.objects.filter(pk=job_id).values_list("webhook_url", flat=True).first()
     if not url:

@@ -68,9 +68,9 @@ def current_layout() -> PoolLayout:
     import django
 
     django.setup()
-    from genserver import policy
+    from genserver import configured
 
-    return policy.layout()
+    return configured.layout()
 
 
 def main() -> None:

@@ -1,4 +1,4 @@
-"""The scheduling core's objects, built once from settings (the bridge between Django and plain Python)."""
+"""The scheduling core's objects (registry, class thresholds, admission limits, card layout), built once from settings."""
 from __future__ import annotations
 
 from functools import lru_cache
