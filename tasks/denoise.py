@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from celery import shared_task
 from django.conf import settings
 
-from genserver import configured
+from genserver import deployment
 from genserver.jobs import broker, services
 from genserver.jobs.models import Job
 from genserver.metrics import count_merged_batch
@@ -74,7 +74,7 @@ def run_chunk(self, job_id: str, from_step: int) -> str:
     job = services.claim_chunk(job_id, worker, from_step)
     if job is None:
         return "skipped"  # already past this step, held elsewhere, cancelled or finished
-    partners = services.claim_merge_partners(job, worker, configured.registry().get(job.model).max_merge)
+    partners = services.claim_merge_partners(job, worker, deployment.registry().get(job.model).max_merge)
     if partners:
         count_merged_batch(1 + len(partners))
     members = [_Member(j, CANCEL_KEY.format(job_id=j.pk), time.monotonic(), j.checkpoint_key)
@@ -109,7 +109,7 @@ def _denoise(members: list[_Member], worker: str) -> str:
         if step >= lead.total_steps or time.monotonic() - task_started > settings.CELERY_VISIBILITY_TIMEOUT / 2:
             return False
         remaining = lead.estimated_seconds * (lead.total_steps - step) / lead.total_steps
-        continuation = priority_for(lead.duration_class, remaining, True, configured.thresholds())
+        continuation = priority_for(lead.duration_class, remaining, True, deployment.thresholds())
         return not broker.waiting_at_or_before(_consumed_queues(lead.queue), continuation)
 
     def on_preview(state: DenoiseState, key: str, step: int) -> None:

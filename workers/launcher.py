@@ -68,9 +68,9 @@ def current_layout() -> PoolLayout:
     import django
 
     django.setup()
-    from genserver import configured
+    from genserver import deployment
 
-    return configured.layout()
+    return deployment.layout()
 
 
 def main() -> None:

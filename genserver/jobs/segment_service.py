@@ -31,7 +31,7 @@ from django.db import transaction
 from django.db.models import Q
 from django.utils import timezone
 
-from genserver import configured
+from genserver import deployment
 from genserver.jobs import broker
 from genserver.jobs.models import ACTIVE, Job, JobSegment, JobStatus, SegmentStatus
 from genserver.jobs.services._common import (
@@ -45,7 +45,7 @@ log = logging.getLogger(__name__)
 
 def plan_of(job: Job) -> list[Segment]:
     """The job's segments (frames kept and generated, seed); one segment for an ordinary job."""
-    frames_step = configured.registry().get(job.model).limits.frames_step if job.segment_count > 1 else 1
+    frames_step = deployment.registry().get(job.model).limits.frames_step if job.segment_count > 1 else 1
     return segment_plan(job.num_frames, job.segment_frames, frames_step, job.seed)
 
 

@@ -8,7 +8,7 @@ from typing import Any, Iterable
 
 from django.db.models import QuerySet
 
-from genserver import configured
+from genserver import deployment
 from genserver.jobs.broker import broker_depth
 from genserver.jobs.models import ACTIVE, Job, JobStatus
 from genserver.redis_client import WORKER_KEY, client as redis_client
@@ -66,7 +66,7 @@ class QueueSnapshot:
 
     @classmethod
     def load(cls) -> "QueueSnapshot":
-        return cls(_active_jobs(), configured.layout())
+        return cls(_active_jobs(), deployment.layout())
 
     def _ahead(self, job: Job) -> Iterable[Job]:
         key = (job.priority, job.published_at or job.created_at)
@@ -113,7 +113,7 @@ def live_workers() -> list[dict[str, Any]]:
 
 def queue_overview() -> list[dict[str, Any]]:
     """Per duration class: depth, backlog, workers, and whether a new job would be accepted now."""
-    layout, thresholds, limits = configured.layout(), configured.thresholds(), configured.limits()
+    layout, thresholds, limits = deployment.layout(), deployment.thresholds(), deployment.limits()
     jobs = _active_jobs()
     items = [_work_item(j, wall=False) for j in jobs]
     try:

@@ -7,7 +7,7 @@ from typing import Any
 
 from django.conf import settings
 
-from genserver import configured
+from genserver import deployment
 from genserver.jobs.models import Job
 from genserver.redis_client import CORRECTION_KEY, client as redis_client
 from genserver.scheduling.chunking import steps_per_chunk
@@ -42,7 +42,7 @@ def _learned_correction(model: str, bucket: str) -> float:
 
 def estimate(data: dict[str, Any]) -> Estimate:
     """Cost, class, priority and chunking of a validated request."""
-    spec = configured.registry().get(data["model"])
+    spec = deployment.registry().get(data["model"])
     shape = JobShape(family=spec.family, width=data["width"], height=data["height"],
                      num_frames=data["num_frames"], steps=data["steps"],
                      guidance_scale=data["guidance_scale"], num_outputs=data["num_outputs"])
@@ -52,19 +52,19 @@ def estimate(data: dict[str, Any]) -> Estimate:
     correction = 1.0 if spec.backend == "simulated" else _learned_correction(
         spec.name, segment_shape(shape, spec.segment_frames).bucket())
     seconds = estimate_segmented_seconds(shape, plan, spec.cost_points, settings.EFFECTIVE_TFLOPS, correction)
-    duration_class = configured.thresholds().classify(seconds)
+    duration_class = deployment.thresholds().classify(seconds)
     total_steps = data["steps"] * len(plan)
     chunk_steps = min(data["steps"], steps_per_chunk(settings.CHUNK_SECONDS, seconds / total_steps))
     return Estimate(seconds=seconds, duration_class=duration_class,
-                    priority=priority_for(duration_class, seconds, False, configured.thresholds()),
-                    chunk_steps=chunk_steps, clock_scale=configured.clock_scale(spec.backend),
+                    priority=priority_for(duration_class, seconds, False, deployment.thresholds()),
+                    chunk_steps=chunk_steps, clock_scale=deployment.clock_scale(spec.backend),
                     segment_frames=spec.segment_frames if len(plan) > 1 else 0, segment_count=len(plan))
 
 
 def chunked_for_queue(est: Estimate, queue: str, steps: int) -> Estimate:
     """Chunks of CHUNK_SECONDS of wall time where the job runs: a card group of k runs a step
     group_speedup(k) times faster, so its chunks hold that many more steps."""
-    speedup = configured.layout().job_speedup(queue)
+    speedup = deployment.layout().job_speedup(queue)
     if speedup == 1.0:
         return est
     chunk_steps = min(steps, steps_per_chunk(settings.CHUNK_SECONDS, est.seconds / steps / speedup))
@@ -81,7 +81,7 @@ def rescale_to_total(job: Job, steps: int) -> None:
     job.steps = steps
     job.chunk_steps = max(1, min(steps, steps_per_chunk(settings.CHUNK_SECONDS, per_step))) if per_step else steps
     job.priority = priority_for(job.duration_class, job.remaining_seconds, job.checkpoint_step > 0,
-                                configured.thresholds())
+                                deployment.thresholds())
 
 
 def learn_step_time(job: Job, measured_step_seconds: float) -> None:
@@ -94,7 +94,7 @@ def learn_step_time(job: Job, measured_step_seconds: float) -> None:
     try:
         r = redis_client()
         correction = StepTimeCorrection(ratios={key: float(r.hget(CORRECTION_KEY, key) or 1.0)})
-        uncorrected_step = estimate_job_seconds(shape, configured.registry().get(job.model).cost_points,
+        uncorrected_step = estimate_job_seconds(shape, deployment.registry().get(job.model).cost_points,
                                                 settings.EFFECTIVE_TFLOPS) / job.steps
         r.hset(CORRECTION_KEY, key, correction.observe(job.model, shape.bucket(), uncorrected_step,
                                                         measured_step_seconds))

@@ -9,7 +9,7 @@ from django.db import transaction
 from django.db.models import Q
 from django.utils import timezone
 
-from genserver import configured
+from genserver import deployment
 from genserver.jobs import broker, segment_service
 from genserver.jobs.models import ACTIVE, Job, JobStatus
 from genserver.scheduling.pools import ALL_QUEUES, WEBHOOKS
@@ -94,7 +94,7 @@ def reap_stale() -> dict[str, int]:
     orphans = list(Job.objects.filter(status__in=ACTIVE, lease_owner="", published_at__lt=quiet_since))
     if orphans:
         # A waiting webhook delivery names the job too, but does not move it on.
-        waiting = broker.broker_job_ids((set(ALL_QUEUES) | configured.layout().all_queues()) - {WEBHOOKS})
+        waiting = broker.broker_job_ids((set(ALL_QUEUES) | deployment.layout().all_queues()) - {WEBHOOKS})
         for job in orphans:
             if str(job.pk) in waiting:
                 continue

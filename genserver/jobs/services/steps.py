@@ -6,7 +6,7 @@ import logging
 from django.db import transaction
 from django.utils import timezone
 
-from genserver import configured
+from genserver import deployment
 from genserver.jobs import broker, selectors
 from genserver.jobs.models import Job, JobStatus
 from genserver.redis_client import STEPS_KEY, client as redis_client
@@ -94,9 +94,9 @@ def _check_steps_changeable(job: Job) -> None:
 def _admit_added_work(job: Job, added_seconds: float) -> None:
     """Admission for the work an extension adds: decided as for a new job of that many seconds in the
     job's class and queue (work ahead of it, over the cards serving it, against the class limit)."""
-    priority = priority_for(job.duration_class, added_seconds, False, configured.thresholds())
-    decision = decide(job.queue or job.duration_class, priority, selectors.backlog_items(), configured.layout(),
-                      configured.limits())
+    priority = priority_for(job.duration_class, added_seconds, False, deployment.thresholds())
+    decision = decide(job.queue or job.duration_class, priority, selectors.backlog_items(), deployment.layout(),
+                      deployment.limits())
     if not decision.accepted:
         raise AdmissionRefused(decision, job.duration_class)
 
@@ -135,7 +135,7 @@ def release_for_new_total(job_id, worker: str, step: int, checkpoint_key: str) -
             transaction.on_commit(lambda: publish_or_leave_to_reaper(broker.send_decode, job.id, job.priority))
         else:
             job.priority = priority_for(job.duration_class, job.remaining_seconds, job.checkpoint_step > 0,
-                                        configured.thresholds())
+                                        deployment.thresholds())
             job.stage = "waiting"
             job.save()
             transaction.on_commit(lambda: publish_or_leave_to_reaper(

@@ -12,7 +12,7 @@ from django.db import IntegrityError, transaction
 from django.db.models import Q
 from django.utils import timezone
 
-from genserver import configured
+from genserver import deployment
 from genserver.jobs import broker, selectors
 from genserver.jobs.models import ACTIVE, Job, JobStatus
 from genserver.redis_client import CANCEL_KEY, client as redis_client
@@ -75,11 +75,11 @@ def submit_job(owner: Any, data: dict[str, Any], idempotency_key: str = "") -> J
     and InFlightLimitReached (→ 429) when the owner has too many unfinished jobs; an
     IntegrityError when another submit recorded the same `idempotency_key` first.
     """
-    spec = configured.registry().get(data["model"])
+    spec = deployment.registry().get(data["model"])
     est = estimate(data)
-    queue = configured.layout().queue_for(est.duration_class, spec.name, data.get("lane", ""))
+    queue = deployment.layout().queue_for(est.duration_class, spec.name, data.get("lane", ""))
     est = chunked_for_queue(est, queue, data["steps"])
-    decision = decide(queue, est.priority, selectors.backlog_items(), configured.layout(), configured.limits())
+    decision = decide(queue, est.priority, selectors.backlog_items(), deployment.layout(), deployment.limits())
     if not decision.accepted:
         raise AdmissionRefused(decision, est.duration_class)
     recorded = {k: v for k, v in data.items() if k != "seed_drawn"}

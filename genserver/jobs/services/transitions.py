@@ -12,7 +12,7 @@ from django.db import transaction
 from django.db.models import F
 from django.utils import timezone
 
-from genserver import configured
+from genserver import deployment
 from genserver.jobs import broker, segment_service
 from genserver.jobs.models import ACTIVE, Job, JobStatus
 from genserver.scheduling.classes import priority_for
@@ -159,7 +159,7 @@ def finish_chunk(job_id, worker: str, step: int, checkpoint_key: str, step_secon
         if job.segment_count > 1 and step % job.steps == 0:
             segment_service.record_denoised(job, step // job.steps - 1, checkpoint_key)  # its decode overlaps
         if step < job.total_steps:
-            job.priority = priority_for(job.duration_class, job.remaining_seconds, True, configured.thresholds())
+            job.priority = priority_for(job.duration_class, job.remaining_seconds, True, deployment.thresholds())
         if keep_lease and step < job.total_steps:
             job.lease_expires_at = lease_until()
             job.save()
@@ -177,7 +177,7 @@ def finish_chunk(job_id, worker: str, step: int, checkpoint_key: str, step_secon
                 transaction.on_commit(lambda: broker.send_chunk(job.id, step, job.queue, job.priority))
     if step_seconds:
         # The correction learns single-card step times: a step on a group of k cards counts k × eff.
-        spec = configured.layout().worker(worker.split("@", 1)[0])
+        spec = deployment.layout().worker(worker.split("@", 1)[0])
         learn_step_time(job, step_seconds * (spec.speedup if spec is not None else 1.0))
     return True
 

@@ -1,4 +1,4 @@
-"""The scheduling core's objects (registry, class thresholds, admission limits, card layout), built once from settings."""
+"""This deployment's scheduling objects, built once from settings: registry, thresholds, limits, layout."""
 from __future__ import annotations
 
 from functools import lru_cache
