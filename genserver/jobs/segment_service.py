@@ -33,9 +33,9 @@ from django.utils import timezone
 
 from genserver import deployment
 from genserver.jobs import broker
-from genserver.jobs.models import ACTIVE, Job, JobSegment, JobStatus, SegmentStatus
+from genserver.jobs.models import ACTIVE, Job, JobSegment, JobStage, JobStatus, SegmentStatus
 from genserver.jobs.services._common import (
-    after_end, disk_full, emit_on_commit, lease_free, lease_until, publish_or_leave_to_reaper,
+    Outcome, after_end, disk_full, emit_on_commit, lease_free, lease_until, publish_or_leave_to_reaper,
 )
 from genserver.scheduling.pools import DECODE
 from genserver.scheduling.segments import Segment, segment_plan
@@ -117,7 +117,7 @@ def fail_segment_decode(job_id, index: int, worker: str | None, error: str) -> s
         segment = JobSegment.objects.select_for_update().filter(held, job_id=job_id, index=index,
                                                                 status=SegmentStatus.DECODING).first()
         if segment is None:
-            return "ignored"
+            return Outcome.IGNORED
         segment.attempts += 1
         segment.error = error[-4000:]
         segment.lease_owner, segment.lease_expires_at = "", None
@@ -125,22 +125,22 @@ def fail_segment_decode(job_id, index: int, worker: str | None, error: str) -> s
         if job.status not in ACTIVE or job.cancel_requested:
             segment.status = SegmentStatus.DENOISED  # nobody will take it again
             segment.save()
-            return "ignored"
+            return Outcome.IGNORED
         full = disk_full(error)
         if full or segment.attempts >= settings.MAX_ATTEMPTS:
             segment.status = SegmentStatus.FAILED
             segment.save()
             reason = f"storage full: {full}" if full else f"gave up after {segment.attempts} attempts"
             Job.objects.filter(pk=job_id, status__in=ACTIVE).update(
-                status=JobStatus.FAILED, stage="failed", finished_at=now, lease_owner="", lease_expires_at=None,
+                status=JobStatus.FAILED, stage=JobStage.FAILED, finished_at=now, lease_owner="", lease_expires_at=None,
                 error=f"decode of segment {index} failed ({reason}); last error: {segment.error}"[:4000])
             transaction.on_commit(lambda: after_end(job_id))
-            return "failed"
+            return Outcome.FAILED
         segment.status = SegmentStatus.DENOISED
         segment.published_at = now
         segment.save()
         transaction.on_commit(lambda: _send_decode(job_id, index, job.priority))
-        return "retried"
+        return Outcome.RETRIED
 
 
 # --- the whole video -------------------------------------------------------------------------------
@@ -167,7 +167,7 @@ def start_assembly(job_id, worker: str) -> tuple[Job, list[JobSegment]] | None:
                                                      cancel_requested=False).first()
         if job is None or not _all_published(job):
             return None
-        job.stage, job.lease_owner, job.lease_expires_at = "decoding", worker, lease_until()
+        job.stage, job.lease_owner, job.lease_expires_at = JobStage.DECODING, worker, lease_until()
         job.save(update_fields=["stage", "lease_owner", "lease_expires_at", "updated_at"])
     return job, list(JobSegment.objects.filter(job=job, status=SegmentStatus.PUBLISHED).order_by("index"))
 
@@ -221,5 +221,5 @@ def reap_segments(now=None) -> dict[str, int]:
                 log.warning("reaper: segment %s of job %s had no decode message; re-published", index, job_id)
                 priority = Job.objects.filter(pk=job_id).values_list("priority", flat=True).first() or 0
                 _send_decode(job_id, index, priority)
-                outcomes["republished"] = outcomes.get("republished", 0) + 1
+                outcomes[Outcome.REPUBLISHED] = outcomes.get(Outcome.REPUBLISHED, 0) + 1
     return outcomes

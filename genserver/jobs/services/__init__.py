@@ -14,7 +14,7 @@ segment_service.py share. Callers use the names re-exported here.
 """
 from __future__ import annotations
 
-from ._common import disk_full, publish_or_leave_to_reaper
+from ._common import Outcome, disk_full, publish_or_leave_to_reaper
 from .estimates import Estimate, estimate
 from .recovery import fail_attempt, reap_stale, reprioritise, retry_failed
 from .retention import expire_outputs, retain, sweep_embeddings
@@ -29,7 +29,7 @@ from .transitions import (
 )
 
 __all__ = [
-    "AdmissionRefused", "Estimate", "IdempotencyConflict", "InFlightLimitReached", "STEPS_CHANGEABLE",
+    "AdmissionRefused", "Estimate", "IdempotencyConflict", "InFlightLimitReached", "Outcome", "STEPS_CHANGEABLE",
     "StepsChangeRefused", "cancel_job", "change_steps", "check_in_flight", "claim_chunk", "claim_encode_batch",
     "claim_merge_partners", "disk_full", "estimate", "expire_outputs", "fail_attempt", "fingerprint",
     "finish_cancelled", "finish_chunk", "finish_decoding", "finish_encoding", "heartbeat", "publish_or_leave_to_reaper",

@@ -5,6 +5,7 @@ each module of this package import it directly.
 """
 from __future__ import annotations
 
+import enum
 import errno
 import logging
 import os
@@ -18,11 +19,33 @@ from django.db.models import Q
 from django.utils import timezone
 
 from genserver import webhooks
-from genserver.jobs.models import TERMINAL, Job, JobStatus
+from genserver.jobs.models import TERMINAL, Job, JobStage, JobStatus
 from genserver.redis_client import CANCEL_KEY, client as redis_client
 from genserver.storage import default_storage
 
 log = logging.getLogger(__name__)
+
+
+
+class Outcome(enum.StrEnum):
+    """How a transition or a task ended (task results, the reaper's counts, the denoise loop's stop reasons)."""
+
+    SUCCEEDED = "succeeded"  # the job (or its assembly) finished
+    SKIPPED = "skipped"  # nothing to do: finished, cancelled, taken elsewhere, or no such job (a redelivery)
+    RETRIED = "retried"  # an attempt failed; the job continues from its checkpoint
+    FAILED = "failed"  # out of attempts, or a full disk
+    IGNORED = "ignored"  # someone else already moved the job on
+    CANCELLED = "cancelled"  # its cancel flag was seen
+    REPUBLISHED = "republished"  # the reaper published a lost message again
+    PUBLISHED = "published"  # a segment's clip is stored
+    LOST = "lost"  # the lease was lost before the result could be recorded
+    SUPERSEDED = "superseded"  # the chunk's step was already recorded, or the job is no longer held
+    LEASE_LOST = "lease-lost"  # the reaper gave the job to another worker mid-chunk
+    STEPS_CHANGED = "steps-changed"  # the job's total changed; the worker handed it back
+    DELIVERED = "delivered"  # a webhook event was accepted
+    REFUSED = "refused"  # the webhook URL is one the service refuses to call
+    GAVE_UP = "gave-up"  # a webhook event failed WEBHOOK_MAX_ATTEMPTS times
+
 
 JobId = UUID | str  # a primary key, as a model gives it or as a task message carries it
 
@@ -41,7 +64,7 @@ def end_if_cancelled(job: Job) -> bool:
     """Inside a locked transition: a cancel that arrived while the stage ran ends the job here."""
     if not job.cancel_requested:
         return False
-    job.status, job.stage, job.finished_at = JobStatus.CANCELLED, "cancelled", timezone.now()
+    job.status, job.stage, job.finished_at = JobStatus.CANCELLED, JobStage.CANCELLED, timezone.now()
     job.lease_owner, job.lease_expires_at = "", None
     job.save()
     transaction.on_commit(lambda: after_end(job.pk))

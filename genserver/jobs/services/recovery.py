@@ -11,11 +11,11 @@ from django.utils import timezone
 
 from genserver import deployment
 from genserver.jobs import broker, segment_service
-from genserver.jobs.models import ACTIVE, Job, JobStatus
+from genserver.jobs.models import ACTIVE, Job, JobStage, JobStatus
 from genserver.scheduling.pools import ALL_QUEUES, WEBHOOKS
 from genserver.storage import default_storage
 
-from ._common import after_end, disk_full, end_if_cancelled
+from ._common import Outcome, after_end, disk_full, end_if_cancelled
 
 log = logging.getLogger(__name__)
 
@@ -31,31 +31,31 @@ def fail_attempt(job_id, worker: str | None, error: str) -> str:
     with transaction.atomic():
         job = Job.objects.select_for_update().filter(held, pk=job_id, status__in=ACTIVE).first()
         if job is None:
-            return "ignored"
+            return Outcome.IGNORED
         job.attempts += 1
         job.error = error[-4000:]
         job.lease_owner, job.lease_expires_at = "", None
         if end_if_cancelled(job):
-            return "cancelled"
+            return Outcome.CANCELLED
         full = disk_full(error)
         if full:  # retrying cannot help until someone frees space: fail now, with the reason first
-            job.status, job.stage, job.finished_at = JobStatus.FAILED, "failed", now
+            job.status, job.stage, job.finished_at = JobStatus.FAILED, JobStage.FAILED, now
             job.error = (f"storage full: {full} The job failed at once (not retried); free space and retry it "
                          f"from the admin.\n\n{job.error}")[:4000]
             job.save()
             transaction.on_commit(lambda: after_end(job.pk))
-            return "failed"
+            return Outcome.FAILED
         if job.attempts >= settings.MAX_ATTEMPTS:
-            job.status, job.stage, job.finished_at = JobStatus.FAILED, "failed", now
+            job.status, job.stage, job.finished_at = JobStatus.FAILED, JobStage.FAILED, now
             job.error = f"gave up after {job.attempts} attempts; last error: {job.error}"
             job.save()
             transaction.on_commit(lambda: after_end(job.pk))
-            return "failed"
-        job.stage = "retrying"
+            return Outcome.FAILED
+        job.stage = JobStage.RETRYING
         job.published_at = now
         job.save()
         transaction.on_commit(lambda: republish(job))
-        return "retried"
+        return Outcome.RETRIED
 
 
 def republish(job: Job) -> None:
@@ -88,7 +88,7 @@ def reap_stale() -> dict[str, int]:
     for pk, owner in stale:
         outcome = fail_attempt(pk, None, f"worker {owner} stopped renewing its lease (lost or killed)")
         outcomes[outcome] = outcomes.get(outcome, 0) + 1
-        if outcome != "ignored":
+        if outcome != Outcome.IGNORED:
             log.warning("reaper: job %s held by %s → %s", pk, owner, outcome)
     quiet_since = now - timedelta(seconds=settings.LEASE_SECONDS)
     orphans = list(Job.objects.filter(status__in=ACTIVE, lease_owner="", published_at__lt=quiet_since))
@@ -101,7 +101,7 @@ def reap_stale() -> dict[str, int]:
             if Job.objects.filter(pk=job.pk, lease_owner="", published_at=job.published_at).update(published_at=now):
                 log.warning("reaper: job %s had no message in the broker; re-published", job.pk)
                 republish(job)
-                outcomes["republished"] = outcomes.get("republished", 0) + 1
+                outcomes[Outcome.REPUBLISHED] = outcomes.get(Outcome.REPUBLISHED, 0) + 1
     for outcome, n in segment_service.reap_segments(now).items():
         outcomes[f"segments {outcome}"] = n
     return outcomes
@@ -125,7 +125,7 @@ def retry_failed(job: Job) -> bool:
     has_checkpoint = bool(job.checkpoint_key) and default_storage().exists(job.checkpoint_key)
     status = JobStatus.QUEUED if not job.embeddings_key else (
         JobStatus.DECODING if has_checkpoint and job.checkpoint_step >= job.total_steps else JobStatus.DENOISING)
-    fields = dict(status=status, stage="retrying", attempts=0, error="", finished_at=None,
+    fields = dict(status=status, stage=JobStage.RETRYING, attempts=0, error="", finished_at=None,
                   published_at=timezone.now())
     if not has_checkpoint:
         fields.update(checkpoint_step=0, checkpoint_key="", steps_done=0)

@@ -11,7 +11,7 @@ from django.conf import settings
 from django.db.models import Exists, OuterRef, Q
 from django.utils import timezone
 
-from genserver.jobs.models import ACTIVE, TERMINAL, Job, JobSegment, JobStatus
+from genserver.jobs.models import ACTIVE, TERMINAL, Job, JobSegment, JobStage, JobStatus
 from genserver.storage import default_storage
 
 log = logging.getLogger(__name__)
@@ -45,7 +45,7 @@ def expire_outputs(now: datetime | None = None, batch: int = 500) -> int:
         storage.delete_prefix(f"previews/{pk}")
         fields: dict[str, Any] = {"outputs": [], "preview_key": ""}
         if status == JobStatus.SUCCEEDED:
-            fields["stage"] = "expired"
+            fields["stage"] = JobStage.EXPIRED
         expired += Job.objects.filter(pk=pk, status__in=TERMINAL).update(**fields)
         JobSegment.objects.filter(job_id=pk).delete()
     return expired

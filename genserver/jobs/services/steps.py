@@ -8,7 +8,7 @@ from django.utils import timezone
 
 from genserver import deployment
 from genserver.jobs import broker, selectors
-from genserver.jobs.models import Job, JobStatus
+from genserver.jobs.models import Job, JobStage, JobStatus
 from genserver.redis_client import STEPS_KEY, client as redis_client
 from genserver.scheduling.admission import decide
 from genserver.scheduling.classes import priority_for
@@ -63,7 +63,7 @@ def change_steps(job: Job, new_steps: int) -> Job:
         if job.status == JobStatus.DENOISING and not held and new_steps <= job.checkpoint_step:
             job.steps_done = job.checkpoint_step
             rescale_to_total(job, job.checkpoint_step)  # nothing runs it: stop now, at the steps done
-            job.status, job.stage, job.published_at = JobStatus.DECODING, "waiting", now
+            job.status, job.stage, job.published_at = JobStatus.DECODING, JobStage.WAITING, now
             job.lease_owner, job.lease_expires_at = "", None  # an expired holder, if any, finds it lost
             job.save()
             transaction.on_commit(lambda: publish_or_leave_to_reaper(broker.send_decode, job.id, job.priority))
@@ -130,13 +130,13 @@ def release_for_new_total(job_id, worker: str, step: int, checkpoint_key: str) -
             return True
         if job.checkpoint_step >= job.steps:
             rescale_to_total(job, job.checkpoint_step)
-            job.status, job.stage = JobStatus.DECODING, "waiting"
+            job.status, job.stage = JobStatus.DECODING, JobStage.WAITING
             job.save()
             transaction.on_commit(lambda: publish_or_leave_to_reaper(broker.send_decode, job.id, job.priority))
         else:
             job.priority = priority_for(job.duration_class, job.remaining_seconds, job.checkpoint_step > 0,
                                         deployment.thresholds())
-            job.stage = "waiting"
+            job.stage = JobStage.WAITING
             job.save()
             transaction.on_commit(lambda: publish_or_leave_to_reaper(
                 broker.send_chunk, job.id, job.checkpoint_step, job.queue, job.priority))

@@ -14,7 +14,7 @@ from django.utils import timezone
 
 from genserver import deployment
 from genserver.jobs import broker, selectors
-from genserver.jobs.models import ACTIVE, Job, JobStatus
+from genserver.jobs.models import ACTIVE, Job, JobStage, JobStatus
 from genserver.redis_client import CANCEL_KEY, client as redis_client
 from genserver.scheduling.admission import Decision, decide
 
@@ -158,7 +158,7 @@ def cancel_job(job: Job) -> Job:
     Job.objects.filter(pk=job.pk, status__in=ACTIVE).update(cancel_requested=True)
     unheld = Q(lease_owner="") | Q(lease_expires_at__lt=now)
     ended = Job.objects.filter(unheld, pk=job.pk, status__in=ACTIVE).update(
-        status=JobStatus.CANCELLED, stage="cancelled", finished_at=now, lease_owner="", lease_expires_at=None)
+        status=JobStatus.CANCELLED, stage=JobStage.CANCELLED, finished_at=now, lease_owner="", lease_expires_at=None)
     if ended:
         after_end(job.pk)
     job.refresh_from_db()

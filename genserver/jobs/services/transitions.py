@@ -14,7 +14,7 @@ from django.utils import timezone
 
 from genserver import deployment
 from genserver.jobs import broker, segment_service
-from genserver.jobs.models import ACTIVE, Job, JobStatus
+from genserver.jobs.models import ACTIVE, Job, JobStage, JobStatus
 from genserver.scheduling.classes import priority_for
 
 from ._common import after_end, emit_on_commit, end_if_cancelled, lease_free, lease_until
@@ -28,7 +28,7 @@ def start_encoding(job_id, worker: str) -> Job | None:
     now = timezone.now()
     taken = Job.objects.filter(lease_free(now), pk=job_id, cancel_requested=False,
                                status__in=(JobStatus.QUEUED, JobStatus.ENCODING)).update(
-        status=JobStatus.ENCODING, stage="encoding", lease_owner=worker, lease_expires_at=lease_until())
+        status=JobStatus.ENCODING, stage=JobStage.ENCODING, lease_owner=worker, lease_expires_at=lease_until())
     return Job.objects.get(pk=job_id) if taken else None
 
 
@@ -56,7 +56,7 @@ def finish_encoding(job_id, worker: str, embeddings_key: str) -> bool:
         job.lease_owner, job.lease_expires_at = "", None
         if end_if_cancelled(job):
             return True
-        job.status, job.stage, job.published_at = JobStatus.DENOISING, "waiting", timezone.now()
+        job.status, job.stage, job.published_at = JobStatus.DENOISING, JobStage.WAITING, timezone.now()
         job.save()
         transaction.on_commit(lambda: broker.send_chunk(job.id, job.checkpoint_step,
                                                           job.queue, job.priority))
@@ -68,7 +68,7 @@ def claim_chunk(job_id, worker: str, from_step: int) -> Job | None:
     now = timezone.now()
     taken = Job.objects.filter(lease_free(now), pk=job_id, status=JobStatus.DENOISING,
                                checkpoint_step=from_step, cancel_requested=False).update(
-        stage="denoising", lease_owner=worker, lease_expires_at=lease_until(), chunks_run=F("chunks_run") + 1)
+        stage=JobStage.DENOISING, lease_owner=worker, lease_expires_at=lease_until(), chunks_run=F("chunks_run") + 1)
     return Job.objects.get(pk=job_id) if taken else None
 
 
@@ -167,12 +167,12 @@ def finish_chunk(job_id, worker: str, step: int, checkpoint_key: str, step_secon
             job.lease_owner, job.lease_expires_at = "", None
             job.published_at = timezone.now()
             if step >= job.total_steps:
-                job.status, job.stage = JobStatus.DECODING, "waiting"
+                job.status, job.stage = JobStatus.DECODING, JobStage.WAITING
                 job.save()
                 if job.segment_count <= 1:  # a segmented job is assembled once its last segment is decoded
                     transaction.on_commit(lambda: broker.send_decode(job.id, job.priority))
             else:
-                job.stage = "waiting"
+                job.stage = JobStage.WAITING
                 job.save()
                 transaction.on_commit(lambda: broker.send_chunk(job.id, step, job.queue, job.priority))
     if step_seconds:
@@ -186,14 +186,14 @@ def start_decoding(job_id, worker: str) -> Job | None:
     now = timezone.now()
     taken = Job.objects.filter(lease_free(now), pk=job_id, status=JobStatus.DECODING,
                                cancel_requested=False).update(
-        stage="decoding", lease_owner=worker, lease_expires_at=lease_until())
+        stage=JobStage.DECODING, lease_owner=worker, lease_expires_at=lease_until())
     return Job.objects.get(pk=job_id) if taken else None
 
 
 def finish_decoding(job_id, worker: str, outputs: list[dict[str, str]]) -> bool:
     now = timezone.now()
     done = Job.objects.filter(pk=job_id, lease_owner=worker, status=JobStatus.DECODING).update(
-        status=JobStatus.SUCCEEDED, stage="done", outputs=outputs, finished_at=now,
+        status=JobStatus.SUCCEEDED, stage=JobStage.DONE, outputs=outputs, finished_at=now,
         lease_owner="", lease_expires_at=None)
     if done:
         after_end(job_id)
@@ -203,7 +203,7 @@ def finish_decoding(job_id, worker: str, outputs: list[dict[str, str]]) -> bool:
 def finish_cancelled(job_id, worker: str) -> bool:
     """The worker holding a job saw its cancel flag and stopped."""
     done = Job.objects.filter(pk=job_id, lease_owner=worker, status__in=ACTIVE).update(
-        status=JobStatus.CANCELLED, stage="cancelled", finished_at=timezone.now(),
+        status=JobStatus.CANCELLED, stage=JobStage.CANCELLED, finished_at=timezone.now(),
         lease_owner="", lease_expires_at=None)
     if done:
         after_end(job_id)
