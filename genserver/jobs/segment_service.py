@@ -36,7 +36,14 @@ from genserver import deployment
 from genserver.jobs import broker
 from genserver.jobs.models import ACTIVE, Job, JobSegment, JobStage, JobStatus, SegmentStatus
 from genserver.jobs.services._common import (
-    JobId, Outcome, after_end, disk_full, emit_on_commit, lease_free, lease_until, publish_or_leave_to_reaper,
+    JobId,
+    Outcome,
+    after_end,
+    disk_full,
+    emit_on_commit,
+    lease_free,
+    lease_until,
+    publish_or_leave_to_reaper,
 )
 from genserver.scheduling.pools import DECODE
 from genserver.scheduling.segments import Segment, segment_plan

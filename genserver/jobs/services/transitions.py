@@ -110,7 +110,7 @@ def claim_merge_partners(job: Job, worker: str, max_rows: int) -> list[Job]:
             # The lead's own duplicates too (a redelivery, a reaper re-publish): no-ops that the
             # yield test would count as work waiting ahead of the batch.
             broker.withdraw_chunks(job.queue, [job.pk, *(p.pk for p in partners)])
-        except Exception:  # noqa: BLE001 - a message left behind only wakes a card for nothing
+        except Exception:
             log.warning("could not withdraw the merged jobs' messages", exc_info=True)
     return partners
 
