@@ -116,7 +116,7 @@ def test_retention_is_a_beat_task(settings):
     from tasks.maintenance import retain
 
     entry = settings.CELERY_BEAT_SCHEDULE["retention"]
-    assert entry["task"] == "tasks.maintenance.retain" and entry["options"]["queue"] == "control"
+    assert entry["task"] == retain.name and entry["options"]["queue"] == "control"  # the registered task
     assert entry["schedule"] == settings.RETENTION_INTERVAL_SECONDS > 0
     assert set(retain.apply().get()) == {"outputs_expired", "embeddings_deleted"}
 

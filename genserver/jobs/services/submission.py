@@ -26,6 +26,8 @@ log = logging.getLogger(__name__)
 
 
 class AdmissionRefused(Exception):
+    """The job's class is over its expected-wait limit (→ 429 with Retry-After); nothing was recorded."""
+
     def __init__(self, decision: Decision, duration_class: str) -> None:
         super().__init__(decision.reason)
         self.decision = decision
