@@ -17,7 +17,6 @@ cancelled or loses its lease leaves the batch and the others go on.
 """
 from __future__ import annotations
 
-import os
 import time
 import traceback
 from concurrent.futures import ThreadPoolExecutor
@@ -26,11 +25,12 @@ from dataclasses import dataclass
 from celery import shared_task
 from django.conf import settings
 
-from genserver import policy
+from genserver import config, policy
 from genserver.jobs import selectors, services
 from genserver.jobs.models import Job
 from genserver.metrics import count_merged_batch
-from genserver.redis_client import CANCEL_KEY, STEPS_KEY, client as redis_client
+from genserver.redis_client import CANCEL_KEY, STEPS_KEY
+from genserver.redis_client import client as redis_client
 from genserver.scheduling.classes import CLASSES, priority_for
 from genserver.scheduling.pools import class_of
 from workers.runtime import stages
@@ -45,8 +45,7 @@ _deleter = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-gc")
 
 def _consumed_queues(job_queue: str) -> list[str]:
     """The denoise queues this worker consumes (the launcher sets them; a bare worker assumes the job's)."""
-    queues = os.environ.get("GENSERVER_WORKER_QUEUES", "")
-    return [q for q in queues.split(",") if class_of(q) in CLASSES] or [job_queue]
+    return [q for q in config.worker_queues() if class_of(q) in CLASSES] or [job_queue]
 
 
 @dataclass

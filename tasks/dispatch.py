@@ -1,7 +1,7 @@
 """Publishing: which queue and priority each stage's message goes to (the routing step)."""
 from __future__ import annotations
 
-from typing import Iterable
+from collections.abc import Iterable
 from uuid import UUID
 
 from genserver.celery import app

@@ -26,7 +26,6 @@ from workers.runtime.base import DenoiseState, Family, GenerationRequest
 from .common import family_of, preload, renewing, request_of, storage, worker_id
 
 
-
 def job_id_of(request: GenerationRequest) -> str:
     """The job a (segment's) request belongs to: a segment's `job_id` is `<job>/segments/<index>`."""
     return request.job_id.split("/", 1)[0]
@@ -107,7 +106,7 @@ def assemble(self, job_id: str) -> str:
     try:
         with renewing(lambda: services.heartbeat(job_id, worker)):
             outputs = runtime_segments.assemble(storage(), str(job.pk), [s.key for s in segments])
-    except Exception:  # noqa: BLE001
+    except Exception:  # noqa: BLE001 - recorded on the job, which is retried or fails
         return services.fail_attempt(job_id, worker, traceback.format_exc())
     services.finish_decoding(job_id, worker, outputs)
     return "succeeded"

@@ -121,7 +121,7 @@ def test_redelivered_segment_decode_does_not_duplicate_a_segment(stack, api):
     for index in (0, 1, 0):
         dispatch.send_segment_decode(job_id, index, 0)
     dispatch.send_assemble(job_id, 0)
-    wait_for(lambda: stack_idle(), 20, what="the duplicates to be consumed")
+    wait_for(stack_idle, 20, what="the duplicates to be consumed")
     after = {s.index: (s.key, s.decoded_at, s.attempts) for s in JobSegment.objects.filter(job_id=job_id)}
     assert after == before and len(after) == 2
     assert default_storage().path(before[0][0]).stat().st_mtime_ns == mtime

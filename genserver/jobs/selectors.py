@@ -4,14 +4,16 @@ from __future__ import annotations
 import json
 import math
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import Any
 
 from django.db.models import QuerySet
 
 from genserver import policy
 from genserver.jobs.models import ACTIVE, Job, JobStatus
-from genserver.redis_client import WORKER_KEY, client as redis_client
+from genserver.redis_client import WORKER_KEY
+from genserver.redis_client import client as redis_client
 from genserver.scheduling.admission import WorkItem, expected_wait
 from genserver.scheduling.classes import CLASSES, priority_for
 from genserver.scheduling.pools import PoolLayout
@@ -65,7 +67,7 @@ class QueueSnapshot:
     layout: PoolLayout
 
     @classmethod
-    def load(cls) -> "QueueSnapshot":
+    def load(cls) -> QueueSnapshot:
         return cls(_active_jobs(), policy.layout())
 
     def _ahead(self, job: Job) -> Iterable[Job]:
@@ -183,7 +185,7 @@ def queue_overview() -> list[dict[str, Any]]:
             entry["live_workers"] = [w["name"] for w in workers if cls in w.get("queues", [])]
             try:
                 entry["broker_messages"] = broker_depth(cls)
-            except Exception:  # noqa: BLE001
+            except Exception:  # noqa: BLE001 - the overview answers without the depth when Redis is down
                 entry["broker_messages"] = None
         result.append(entry)
     return result

@@ -26,7 +26,8 @@ from django.utils import timezone
 from genserver import policy
 from genserver.jobs import segment_service, selectors
 from genserver.jobs.models import ACTIVE, TERMINAL, Job, JobSegment, JobStatus
-from genserver.redis_client import CANCEL_KEY, CORRECTION_KEY, STEPS_KEY, client as redis_client
+from genserver.redis_client import CANCEL_KEY, CORRECTION_KEY, STEPS_KEY
+from genserver.redis_client import client as redis_client
 from genserver.scheduling.admission import Decision, decide
 from genserver.scheduling.chunking import steps_per_chunk
 from genserver.scheduling.classes import priority_for
@@ -173,7 +174,7 @@ def submit_or_replay(owner: Any, data: dict[str, Any], idempotency_key: str = ""
         return replay, True
 
 
-def _record_job(owner: Any, spec: Any, data: dict[str, Any], est: "Estimate", queue: str, idempotency_key: str,
+def _record_job(owner: Any, spec: Any, data: dict[str, Any], est: Estimate, queue: str, idempotency_key: str,
                 request_fingerprint: str) -> Job:
     return Job.objects.create(
         owner=owner, model=spec.name, family=spec.family, kind=spec.kind, backend=spec.backend,
@@ -467,7 +468,7 @@ def claim_merge_partners(job: Job, worker: str, max_rows: int) -> list[Job]:
             # The lead's own duplicates too (a redelivery, a reaper re-publish): no-ops that the
             # yield test would count as work waiting ahead of the batch.
             dispatch.withdraw_chunks(job.queue, [job.pk, *(p.pk for p in partners)])
-        except Exception:  # noqa: BLE001 - a message left behind only wakes a card for nothing
+        except Exception:
             log.warning("could not withdraw the merged jobs' messages", exc_info=True)
     return partners
 
@@ -561,7 +562,7 @@ def _learn_step_time(job: Job, measured_step_seconds: float) -> None:
                                                 settings.EFFECTIVE_TFLOPS) / job.steps
         r.hset(CORRECTION_KEY, key, correction.observe(job.model, shape.bucket(), uncorrected_step,
                                                         measured_step_seconds))
-    except Exception:  # noqa: BLE001 - learning is best effort
+    except Exception:
         log.warning("could not record step time of job %s", job.id, exc_info=True)
 
 
@@ -691,7 +692,7 @@ def _after_end(job_id) -> None:
     default_storage().delete_prefix(f"checkpoints/{job_id}")
     try:
         redis_client().delete(CANCEL_KEY.format(job_id=job_id))
-    except Exception:  # noqa: BLE001
+    except Exception:  # noqa: BLE001 - a stale cancel flag expires with its job; Redis down must not block the end
         pass
     status = Job.objects.filter(pk=job_id).values_list("status", flat=True).first()
     if status in TERMINAL:
@@ -770,7 +771,7 @@ def publish_or_leave_to_reaper(send, job_id, *args: Any) -> bool:
     try:
         send(job_id, *args)
         return True
-    except Exception:  # noqa: BLE001 - kombu's OperationalError, redis' ConnectionError, a timeout...
+    except Exception:
         log.warning("broker unavailable: job %s is recorded and the reaper will publish it", job_id, exc_info=True)
         return False
 

@@ -42,14 +42,23 @@ from __future__ import annotations
 import heapq
 import random
 from collections import deque
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any, Iterable, Literal, Mapping, Sequence
+from typing import Any, Literal
 
 from .admission import AdmissionLimits, WorkItem, decide, expected_wait
 from .chunking import DEFAULT_CHUNK_SECONDS, steps_per_chunk
 from .classes import CLASSES, LONG, MEDIUM, SHORT, ClassThresholds, priority_for
 from .pools import (
-    CONTROL, DECODE, ENCODE, GROUP_EFFICIENCY, INTERACTIVE, PoolLayout, WorkerSpec, class_of, default_layout,
+    CONTROL,
+    DECODE,
+    ENCODE,
+    GROUP_EFFICIENCY,
+    INTERACTIVE,
+    PoolLayout,
+    WorkerSpec,
+    class_of,
+    default_layout,
     group_speedup,
 )
 

@@ -119,7 +119,7 @@ def test_redis_restarted_mid_run_loses_no_job(stack, api):
 def _pings(conn) -> bool:
     try:
         return bool(conn.ping())
-    except Exception:  # noqa: BLE001
+    except Exception:  # noqa: BLE001 - any failure to ping means "not reachable" to the drill
         return False
 
 
@@ -180,7 +180,8 @@ def test_database_outage_answers_503_and_work_resumes(stack, user_with_token):
         connection.close()
         connection.settings_dict.update(HOST=real["HOST"], PORT=real["PORT"])
         proxied.stop()
-        from genserver.redis_client import WORKER_KEY, client as redis_client
+        from genserver.redis_client import WORKER_KEY
+        from genserver.redis_client import client as redis_client
 
         for spec in stack.layout.workers:  # the stopped stand-ins' liveness keys would outlive them
             redis_client().delete(WORKER_KEY.format(name=spec.name))
