@@ -14,9 +14,11 @@ one line, `genserver: NAME: problem (accepted: ...)`, and exit with status 2.
 """
 from __future__ import annotations
 
+import json
 import math
 import os
 import sys
+import tomllib
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
@@ -172,8 +174,11 @@ def env_pools(name: str = "GENSERVER_POOLS") -> str:
         return ""
     try:
         load_layout(raw, num_gpus=0)
-    except (ValueError, OSError) as exc:  # JSON and TOML decode errors are ValueErrors
-        raise SettingsError(name, str(exc).replace(f"{name} names ", ""),
+    except (ValueError, OSError) as exc:
+        problem = str(exc).replace(f"{name} names ", "")
+        if isinstance(exc, json.JSONDecodeError | tomllib.TOMLDecodeError):
+            problem = f"not valid {'JSON' if isinstance(exc, json.JSONDecodeError) else 'TOML'} ({exc})"
+        raise SettingsError(name, problem,
                             'inline JSON {"workers": [{"name": "gpu0", "queues": ["short", "medium", "long"], '
                             '"devices": [0]}, ...]} or the path of a .json/.toml file with the same; '
                             "unset for the generated layout") from None

@@ -77,10 +77,11 @@ def current_layout() -> PoolLayout:
 
     try:
         return policy.layout()
-    except ValueError as exc:  # GENSERVER_POOLS parsed in settings; what is left is the generated layout's knobs
-        raise SettingsError("GENSERVER_IMAGE_CARDS, GENSERVER_MAX_LONG_CARDS, GENSERVER_GROUP_CARDS", str(exc),
-                            "values that leave each class a card for the GENSERVER_NUM_GPUS (or detected) cards, "
-                            "or GENSERVER_CPU_WORKERS on CPU; see docs/CONFIGURATION.md") from None
+    except ValueError as exc:  # GENSERVER_POOLS was parsed with the settings: what is left is the generated layout
+        knobs = ("GENSERVER_IMAGE_CARDS", "GENSERVER_MAX_LONG_CARDS", "GENSERVER_GROUP_CARDS")
+        named = " and ".join([k for k in knobs if os.environ.get(k, "").strip()] or knobs)
+        raise SettingsError(named, str(exc), "values that leave every class a card among the GENSERVER_NUM_GPUS "
+                            "(or detected) cards, or GENSERVER_CPU_WORKERS on CPU (docs/CONFIGURATION.md)") from None
 
 
 def main() -> None:
