@@ -38,10 +38,10 @@ from genserver.scheduling.simulator import (
     group_table,
     mixed_layout,
     offered_load,
-    our_config,
     pct,
     seed_waits,
     seed_workload,
+    service_policy_config,
     simulate,
     simulate_groups,
 )
@@ -83,11 +83,11 @@ class Outcome:
 
 
 def ours(**overrides: object) -> SimConfig:
-    return our_config(**overrides)  # type: ignore[arg-type]
+    return service_policy_config(**overrides)  # type: ignore[arg-type]
 
 
 def ours_yod(**overrides: object) -> SimConfig:
-    return our_config(yield_on_demand=True, **overrides)  # type: ignore[arg-type]
+    return service_policy_config(yield_on_demand=True, **overrides)  # type: ignore[arg-type]
 
 
 OUR_POLICIES: dict[str, Callable[..., SimConfig]] = {OURS: ours, OURS_YOD: ours_yod}

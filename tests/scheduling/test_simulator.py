@@ -19,11 +19,11 @@ from genserver.scheduling.simulator import (
     SimConfig,
     SimResult,
     mixed_layout,
-    our_config,
     pct,
     seed_simulate,
     seed_waits,
     seed_workload,
+    service_policy_config,
     simulate,
     simulate_rate,
 )
@@ -35,7 +35,7 @@ POLICIES = ("ours", "ours+yod")
 
 @cache
 def run(policy: str, rate: float) -> SimResult:
-    return simulate_rate(rate, our_config(yield_on_demand=policy == "ours+yod"))
+    return simulate_rate(rate, service_policy_config(yield_on_demand=policy == "ours+yod"))
 
 
 @cache
@@ -135,14 +135,14 @@ def test_the_simulator_asks_admission(monkeypatch):
     def refuse(queue, priority, items, layout, limits):
         return Decision(False, 1e9, 1.0, 1, "test")
 
-    monkeypatch.setattr(simulator, "decide", refuse)
+    monkeypatch.setattr(simulator.engine, "decide", refuse)  # the module that runs the arrivals
     r = simulate_rate(0.06, SimConfig())
     assert r.classes[IMAGE].refused + r.classes[VIDEO].refused == 400
     assert r.classes[IMAGE].waits == [] and r.classes[VIDEO].waits == []
 
 
 def test_simulation_is_deterministic_and_rejects_unsorted_input():
-    assert run("ours", 0.06).summary("delay") == simulate_rate(0.06, our_config()).summary("delay")
+    assert run("ours", 0.06).summary("delay") == simulate_rate(0.06, service_policy_config()).summary("delay")
     with pytest.raises(ValueError):
         simulate([Request(5.0, IMAGE, 2.0), Request(1.0, IMAGE, 2.0)])
 
