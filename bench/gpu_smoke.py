@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import os
 import sys
 import tempfile
 import traceback
@@ -57,6 +56,7 @@ from bench.runtime import (
     timed,
     tiny_model_names,
 )
+from genserver import config
 from genserver.registry import ModelSpec, Registry, load_registry
 from genserver.storage import LocalStorage
 from workers.runtime import stages
@@ -279,7 +279,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     quiet_loading()
     with tempfile.TemporaryDirectory(prefix="genserver-gpu-smoke-") as tmp:
         data_dir = (Path(tmp) if args.tiny else
-                    args.data_dir or Path(os.environ.get("GENSERVER_DATA_DIR", REPO_ROOT / "var")))
+                    args.data_dir or config.data_dir())
         return run(args, data_dir.resolve(), Path(tmp) / "storage")
 
 
