@@ -29,8 +29,7 @@ from genserver import config, policy
 from genserver.jobs import selectors, services
 from genserver.jobs.models import Job
 from genserver.metrics import count_merged_batch
-from genserver.redis_client import CANCEL_KEY, STEPS_KEY
-from genserver.redis_client import client as redis_client
+from genserver.redis_client import CANCEL_KEY, STEPS_KEY, client as redis_client
 from genserver.scheduling.classes import CLASSES, priority_for
 from genserver.scheduling.pools import class_of
 from workers.runtime import stages

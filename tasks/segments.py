@@ -19,8 +19,7 @@ from celery import shared_task
 from genserver.jobs import segment_service, services
 from genserver.jobs.models import Job
 from genserver.scheduling.segments import segment_of_step
-from workers.runtime import segments as runtime_segments
-from workers.runtime import stages
+from workers.runtime import segments as runtime_segments, stages
 from workers.runtime.base import DenoiseState, Family, GenerationRequest
 
 from .common import family_of, preload, renewing, request_of, storage, worker_id

@@ -12,8 +12,7 @@ from django.db.models import QuerySet
 
 from genserver import policy
 from genserver.jobs.models import ACTIVE, Job, JobStatus
-from genserver.redis_client import WORKER_KEY
-from genserver.redis_client import client as redis_client
+from genserver.redis_client import WORKER_KEY, client as redis_client
 from genserver.scheduling.admission import WorkItem, expected_wait
 from genserver.scheduling.classes import CLASSES, priority_for
 from genserver.scheduling.pools import PoolLayout

@@ -26,8 +26,7 @@ from django.utils import timezone
 from genserver import policy
 from genserver.jobs import segment_service, selectors
 from genserver.jobs.models import ACTIVE, TERMINAL, Job, JobSegment, JobStatus
-from genserver.redis_client import CANCEL_KEY, CORRECTION_KEY, STEPS_KEY
-from genserver.redis_client import client as redis_client
+from genserver.redis_client import CANCEL_KEY, CORRECTION_KEY, STEPS_KEY, client as redis_client
 from genserver.scheduling.admission import Decision, decide
 from genserver.scheduling.chunking import steps_per_chunk
 from genserver.scheduling.classes import priority_for

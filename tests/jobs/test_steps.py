@@ -11,8 +11,7 @@ from rest_framework.test import APIClient
 
 from genserver.jobs import services
 from genserver.jobs.models import Job, JobStatus
-from genserver.redis_client import STEPS_KEY
-from genserver.redis_client import client as redis_client
+from genserver.redis_client import STEPS_KEY, client as redis_client
 from tests.conftest import submit
 
 pytestmark = pytest.mark.django_db(transaction=True)  # the service publishes on commit
