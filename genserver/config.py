@@ -185,6 +185,20 @@ def env_pools(name: str = "GENSERVER_POOLS") -> str:
     return raw
 
 
+def env_registry(name: str, default: str) -> str:
+    """Model registry files joined by os.pathsep, checked by reading them (a missing file or a bad entry)."""
+    from genserver.registry import RegistryError, load_registry
+
+    raw = env_str(name, default)
+    try:
+        load_registry(raw)
+    except (RegistryError, OSError, ValueError) as exc:  # tomllib's decode error is a ValueError
+        problem = str(exc).replace("; set GENSERVER_REGISTRY to a TOML file", "")
+        raise SettingsError(name, problem, f"TOML files in genserver/registry.toml's format, joined by "
+                                           f"{os.pathsep!r} (later files add or replace models)") from None
+    return raw
+
+
 # --- The Django-free parts' settings ---------------------------------------------------------
 # Read at call time: the launcher sets some of them per worker process, and the runtime reads
 # them in that process. genserver/settings.py calls each once, so a bad value stops start-up.

@@ -24,6 +24,7 @@ from genserver.config import (
     env_optional_int,
     env_path,
     env_pools,
+    env_registry,
     env_str,
     env_url,
 )
@@ -187,7 +188,7 @@ CELERY_BEAT_SCHEDULE = {
 CELERY_BEAT_SCHEDULE_FILENAME = str(DATA_DIR / "celerybeat-schedule")
 
 # --- Models ----------------------------------------------------------------------
-REGISTRY_PATH = env_str("GENSERVER_REGISTRY", str(BASE_DIR / "genserver" / "registry.toml"))
+REGISTRY_PATH = env_registry("GENSERVER_REGISTRY", str(BASE_DIR / "genserver" / "registry.toml"))
 # Clock compression of the simulated backend: 1.0 sleeps the cost model's
 # seconds; 0.02 runs 50× faster (load tests, demos). Real models ignore it.
 TIME_SCALE = env_float("GENSERVER_TIME_SCALE", 1.0, above=0)

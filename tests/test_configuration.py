@@ -142,6 +142,7 @@ def test_make_up_refuses_a_generated_layout_that_cannot_be_built(tmp_path):
     (["manage.py", "check"], "GENSERVER_POOLS", '{"workers": ['),
     (["manage.py", "check"], "GENSERVER_TIME_SCALE", "-1"),
     (["manage.py", "check"], "DJANGO_DEBUG", "maybe"),
+    (["manage.py", "check"], "GENSERVER_REGISTRY", "/nonexistent/registry.toml"),
     (["-m", "workers.launcher", "--print"], "GENSERVER_MAX_ATTEMPTS", "three"),
 ])
 def test_manage_py_and_the_launcher_refuse_a_bad_setting_in_one_line(tmp_path, argv, variable, value):
