@@ -239,6 +239,11 @@ def worker_queues() -> list[str]:
     return [q for q in env_str("GENSERVER_WORKER_QUEUES", "").split(",") if q]
 
 
+def worker_models() -> list[str]:
+    """The only models this worker loads (set by the launcher for an entry with `models`; empty: any)."""
+    return [m for m in env_str("GENSERVER_WORKER_MODELS", "").split(",") if m]
+
+
 def group_size() -> int:
     """k of this worker's card group (set by the launcher for a pool entry with k devices)."""
     return env_int("GENSERVER_GROUP_SIZE", 1, minimum=1)
