@@ -1,6 +1,8 @@
 """`make up`: the whole service on one machine, stopped together by Ctrl-C or SIGTERM.
 
-Starts, in order: the bundled Redis (only when REDIS_URL is unset), database
+First checks every setting and the pool layout (a bad value prints one line
+naming the variable and exits 2, before anything starts). Then starts, in
+order: the bundled Redis (only when REDIS_URL is unset), database
 migrations, the tiny demo checkpoints, the API (gunicorn), the worker pools
 (through the launcher's layout), Celery beat (the reaper) and Flower; then
 prints the URLs and a ready-to-use API token.
