@@ -139,9 +139,7 @@ def test_make_up_refuses_a_generated_layout_that_cannot_be_built(tmp_path):
 
 
 @pytest.mark.parametrize(("argv", "variable", "value"), [
-    (["manage.py", "check"], "GENSERVER_POOLS", '{"workers": ['),
     (["manage.py", "check"], "GENSERVER_TIME_SCALE", "-1"),
-    (["manage.py", "check"], "DJANGO_DEBUG", "maybe"),
     (["manage.py", "check"], "GENSERVER_REGISTRY", "/nonexistent/registry.toml"),
     (["-m", "workers.launcher", "--print"], "GENSERVER_MAX_ATTEMPTS", "three"),
 ])
