@@ -32,18 +32,31 @@ from __future__ import annotations
 
 import argparse
 import gc
-import os
 import sys
 import tempfile
 import traceback
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 
-from bench.runtime import (PROMPT, encode_one, ignore_preview, load_family, make_request, median, ms,
-                           never_stop, quiet_loading, shape_label, tiny_model_names, timed)
+from bench.runtime import (
+    PROMPT,
+    encode_one,
+    ignore_preview,
+    load_family,
+    make_request,
+    median,
+    ms,
+    never_stop,
+    quiet_loading,
+    shape_label,
+    timed,
+    tiny_model_names,
+)
+from genserver import config
 from genserver.registry import ModelSpec, Registry, load_registry
 from genserver.storage import LocalStorage
 from workers.runtime import stages
@@ -239,7 +252,7 @@ def run(args: argparse.Namespace, data_dir: Path, storage_dir: Path) -> int:
         print(f"# {spec.name}: loading on {args.device} …", file=sys.stderr, flush=True)
         try:
             results.append(smoke_one(spec, args.device, data_dir, storage, overrides))
-        except Exception as exc:  # a smoke run reports every model, then fails
+        except Exception as exc:  # noqa: BLE001 - a smoke run reports every model, then fails
             if not isinstance(exc, FileNotFoundError):  # a missing checkpoint's message says it all
                 traceback.print_exc(file=sys.stderr)
             failures.append(f"{spec.name}: {type(exc).__name__}: {exc}")
@@ -266,7 +279,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     quiet_loading()
     with tempfile.TemporaryDirectory(prefix="genserver-gpu-smoke-") as tmp:
         data_dir = (Path(tmp) if args.tiny else
-                    args.data_dir or Path(os.environ.get("GENSERVER_DATA_DIR", REPO_ROOT / "var")))
+                    args.data_dir or config.data_dir())
         return run(args, data_dir.resolve(), Path(tmp) / "storage")
 
 

@@ -112,7 +112,7 @@ def main() -> None:
                 alone_s.append(seconds)
                 seconds, merged = run_merged(family, reqs, embeddings, k)
                 merged_s.append(seconds)
-                diff = max(diff, max(float((a - b).abs().max()) for a, b in zip(lone, merged)))
+                diff = max([diff, *(float((a - b).abs().max()) for a, b in zip(lone, merged))])
             alone_rate = args.jobs / statistics.median(alone_s)
             merged_rate = args.jobs / statistics.median(merged_s)
             size = f"{width}×{height}" + (f"×{frames}" if frames > 1 else "")

@@ -17,9 +17,9 @@ import argparse
 import statistics
 import time
 import uuid
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime
-from typing import Sequence
 
 from bench.livestack import LiveStack, live_stack
 from genserver.scheduling.simulator import pct

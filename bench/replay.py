@@ -17,9 +17,9 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from collections.abc import Sequence
 from datetime import datetime
 from pathlib import Path
-from typing import Sequence
 
 from bench.livestack import live_stack
 from genserver.scheduling.admission import AdmissionLimits

@@ -40,9 +40,11 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
-from typing import Callable, Sequence, TypeVar
+from typing import TypeVar
 
 import torch
 
@@ -218,12 +220,12 @@ def run_round(bench: ModelBench, storage: LocalStorage, steps: int, round_index:
     published_s: list[float] = []
     restore_s = 0.0
     for _ in range(steps):
-        step_s.append(timed(lambda: family.step(state))[1])
-        preview_s.append(timed(lambda: family.preview(state))[1])
-        published_s.append(timed(lambda: publish_preview(family, storage, state))[1])
+        step_s.append(timed(partial(family.step, state))[1])
+        preview_s.append(timed(partial(family.preview, state))[1])
+        published_s.append(timed(partial(publish_preview, family, storage, state))[1])
         if state.step == steps // 2:
             key = save_checkpoint(bench, storage, state, keep)
-            state, restore_s = timed(lambda: stages.load_state(family, storage, request, miss.key, key))
+            state, restore_s = timed(partial(stages.load_state, family, storage, request, miss.key, key))
     final_key = save_checkpoint(bench, storage, state, keep)
     _, decode_s = timed(lambda: stages.decode(family, storage, request, embeddings_ref=miss.key,
                                               checkpoint_ref=final_key))
@@ -305,7 +307,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         storage = LocalStorage(data_dir / "storage")
         benches = []
         for spec in specs:
-            family, seconds = timed(lambda: load_family(spec, "cpu", data_dir))
+            family, seconds = timed(partial(load_family, spec, "cpu", data_dir))
             benches.append(ModelBench(spec, family, seconds))
         started = time.perf_counter()
         for round_index in range(args.repeats + 1):  # round 0 warms up and is discarded

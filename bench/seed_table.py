@@ -19,16 +19,31 @@ import argparse
 import statistics
 import sys
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Sequence
 
 from genserver.scheduling.admission import AdmissionLimits
 from genserver.scheduling.chunking import DEFAULT_CHUNK_SECONDS
 from genserver.scheduling.simulator import (
-    DEFAULT_CHECKPOINT_SECONDS, DEFAULT_SWITCH_SECONDS, IMAGE, KINDS, SEED_POLICIES, VIDEO, SimConfig,
-    SEED_VIDEO_SECONDS, SimResult, group_table, mixed_layout, offered_load, service_policy_config, pct, seed_waits,
-    seed_workload, simulate, simulate_groups,
+    DEFAULT_CHECKPOINT_SECONDS,
+    DEFAULT_SWITCH_SECONDS,
+    IMAGE,
+    KINDS,
+    SEED_POLICIES,
+    SEED_VIDEO_SECONDS,
+    VIDEO,
+    SimConfig,
+    SimResult,
+    group_table,
+    mixed_layout,
+    offered_load,
+    pct,
+    seed_waits,
+    seed_workload,
+    service_policy_config,
+    simulate,
+    simulate_groups,
 )
 
 RATES: tuple[float, ...] = (0.06, 0.08)

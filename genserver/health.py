@@ -94,7 +94,7 @@ def readyz(request: HttpRequest) -> JsonResponse:
         live = live_workers()
         redis_ok = True
         checks["redis"] = {"ok": True}
-    except Exception as exc:  # noqa: BLE001
+    except Exception as exc:  # noqa: BLE001 - a probe reports the failure, it never raises
         checks["redis"] = {"ok": False, "error": _brief(exc)}
         problems.append("Redis (the broker) is unreachable")
     # The queues some worker of the layout reads (a worker dedicated to a model reads its own class
@@ -107,7 +107,7 @@ def readyz(request: HttpRequest) -> JsonResponse:
         if redis_ok:
             try:
                 depth = broker_depth(queue)
-            except Exception:  # noqa: BLE001
+            except Exception:  # noqa: BLE001 - a probe reports an unknown depth, it never raises
                 depth = None
         entry = {"live_workers": names, "broker_messages": depth,
                  "waiting_jobs": 0, "oldest_message_age_seconds": None} | waiting.get(queue, {})

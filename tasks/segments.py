@@ -20,12 +20,10 @@ from genserver.jobs import broker, segment_service, services
 from genserver.jobs.models import Job
 from genserver.jobs.services import Outcome
 from genserver.scheduling.segments import segment_of_step
-from workers.runtime import segments as runtime_segments
-from workers.runtime import stages
+from workers.runtime import segments as runtime_segments, stages
 from workers.runtime.base import DenoiseState, Family, GenerationRequest
 
 from .common import family_of, preload, renewing, request_of, storage, worker_id
-
 
 
 def job_id_of(request: GenerationRequest) -> str:
@@ -109,7 +107,7 @@ def assemble(self, job_id: str) -> str:
     try:
         with renewing(lambda: services.heartbeat(job_id, worker)):
             outputs = runtime_segments.assemble(storage(), str(job.pk), [s.key for s in segments])
-    except Exception:  # noqa: BLE001
+    except Exception:  # noqa: BLE001 - recorded on the job, which is retried or fails
         return services.fail_attempt(job_id, worker, traceback.format_exc())
     services.finish_decoding(job_id, worker, outputs)
     return Outcome.SUCCEEDED

@@ -5,7 +5,7 @@ import json
 import os
 import signal
 import time
-from typing import Callable, Iterator
+from collections.abc import Callable, Iterator
 
 import pytest
 from django.conf import settings

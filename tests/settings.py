@@ -55,7 +55,7 @@ def _start_bundled_redis() -> str:
 if not os.environ.get("REDIS_URL"):
     os.environ["REDIS_URL"] = _start_bundled_redis()
 
-from genserver.settings import *  # noqa: E402,F401,F403
+from genserver.settings import *  # noqa: E402, F403 - the real settings, after the environment above is set
 
 # The fault drills (tests/reliability, bench/chaos.py) count what the workers ran to completion.
 CELERY_IMPORTS = ["bench.chaos_probe"]

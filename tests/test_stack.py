@@ -13,7 +13,6 @@ import pytest
 from PIL import Image
 
 from genserver.storage import default_storage
-
 from tests.conftest import job_row, submit, wait_for
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.stack]

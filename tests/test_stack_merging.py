@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import io
-from typing import Iterator
+from collections.abc import Iterator
 
 import numpy as np
 import pytest

@@ -110,8 +110,8 @@ def test_cancel_after_the_first_segment_keeps_it(stack, api):
 
 
 def test_redelivered_segment_decode_does_not_duplicate_a_segment(stack, api):
-    from genserver.storage import default_storage
     from genserver.jobs import broker
+    from genserver.storage import default_storage
 
     job_id = submit(api, prompt="twice", **(LONG | {"num_frames": 161, "steps": 20})).json()["id"]
     job = finished(job_id)
@@ -121,7 +121,7 @@ def test_redelivered_segment_decode_does_not_duplicate_a_segment(stack, api):
     for index in (0, 1, 0):
         broker.send_segment_decode(job_id, index, 0)
     broker.send_assemble(job_id, 0)
-    wait_for(lambda: stack_idle(), 20, what="the duplicates to be consumed")
+    wait_for(stack_idle, 20, what="the duplicates to be consumed")
     after = {s.index: (s.key, s.decoded_at, s.attempts) for s in JobSegment.objects.filter(job_id=job_id)}
     assert after == before and len(after) == 2
     assert default_storage().path(before[0][0]).stat().st_mtime_ns == mtime

@@ -15,7 +15,6 @@ _stop = threading.Event()
 
 def _beat(name: str, queues: list[str]) -> None:
     from genserver.redis_client import WORKER_KEY, client
-
     from workers.runtime.cache import loaded_models
 
     while not _stop.is_set():
@@ -23,7 +22,7 @@ def _beat(name: str, queues: list[str]) -> None:
                               "devices": os.environ.get("CUDA_VISIBLE_DEVICES", ""), "models": loaded_models()})
         try:
             client().set(WORKER_KEY.format(name=name), payload, ex=int(INTERVAL_SECONDS * 3))
-        except Exception:  # noqa: BLE001 - liveness is best effort; the broker connection has its own retries
+        except Exception:
             log.debug("worker heartbeat failed", exc_info=True)
         _stop.wait(INTERVAL_SECONDS)
 

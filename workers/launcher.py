@@ -16,6 +16,8 @@ import json
 import logging
 import os
 
+from genserver import config
+from genserver.config import SettingsError, exit_on_settings_error
 from genserver.scheduling.pools import PoolLayout, WorkerSpec
 
 from .supervise import Supervisor, python
@@ -24,7 +26,7 @@ from .supervise import Supervisor, python
 def worker_argv(spec: WorkerSpec, loglevel: str = "INFO") -> list[str]:
     return [python(), "-m", "celery", "-A", "genserver", "worker",
             "--hostname", f"{spec.name}@%h", "--queues", ",".join(spec.consumed_queues()),
-            "--concurrency", "1", "--pool", os.environ.get("GENSERVER_WORKER_POOL", "solo"),
+            "--concurrency", "1", "--pool", config.worker_pool(),
             "--prefetch-multiplier", "1",
             "--without-gossip", "--without-mingle", "--task-events", "--loglevel", loglevel]
 
@@ -37,9 +39,9 @@ def cpu_threads_per_worker(layout: PoolLayout) -> int:
     2-core machine made steps 10-300× slower. On a GPU worker the CPU side
     only feeds the card, and one or two threads are enough.
     """
-    configured = os.environ.get("GENSERVER_TORCH_THREADS", "")
-    if configured:
-        return max(1, int(configured))
+    configured = config.torch_threads()
+    if configured is not None:
+        return configured
     return max(1, (os.cpu_count() or 1) // max(1, len(layout.workers)))
 
 
@@ -57,29 +59,40 @@ def worker_env(spec: WorkerSpec, torch_threads: int | None = None) -> dict[str, 
     return env
 
 
-def start_workers(supervisor: Supervisor, layout: PoolLayout, loglevel: str = "INFO") -> None:
+def start_workers(supervisor: Supervisor, layout: PoolLayout, loglevel: str | None = None) -> None:
+    """One supervised Celery worker per entry (log level: `loglevel`, else GENSERVER_WORKER_LOGLEVEL)."""
     threads = cpu_threads_per_worker(layout)
     for spec in layout.workers:
-        supervisor.add(f"worker {spec.name}", worker_argv(spec, loglevel), worker_env(spec, threads))
+        argv = worker_argv(spec, loglevel or config.worker_loglevel())
+        supervisor.add(f"worker {spec.name}", argv, worker_env(spec, threads))
 
 
 def current_layout() -> PoolLayout:
+    """The layout the settings describe; a bad setting raises SettingsError naming it (nothing started yet)."""
     os.environ.setdefault("DJANGO_SETTINGS_MODULE", "genserver.settings")
     import django
 
-    django.setup()
+    django.setup()  # reads the settings: a malformed GENSERVER_* value raises SettingsError here
     from genserver import deployment
 
-    return deployment.layout()
+    try:
+        return deployment.layout()
+    except ValueError as exc:  # GENSERVER_POOLS was parsed with the settings: what is left is the generated layout
+        knobs = ("GENSERVER_IMAGE_CARDS", "GENSERVER_MAX_LONG_CARDS", "GENSERVER_GROUP_CARDS")
+        named = " and ".join([k for k in knobs if os.environ.get(k, "").strip()] or knobs)
+        raise SettingsError(named, str(exc), "values that leave every class a card among the GENSERVER_NUM_GPUS "
+                            "(or detected) cards, or GENSERVER_CPU_WORKERS on CPU (docs/CONFIGURATION.md)") from None
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--print", action="store_true", help="print the layout and commands, start nothing")
-    parser.add_argument("--loglevel", default=os.environ.get("GENSERVER_WORKER_LOGLEVEL", "INFO"))
+    parser.add_argument("--loglevel", help="Celery's log level for the workers (default GENSERVER_WORKER_LOGLEVEL)")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s launcher %(message)s")
-    layout = current_layout()
+    with exit_on_settings_error():  # before any worker starts
+        layout = current_layout()
+        args.loglevel = args.loglevel or config.worker_loglevel()
     if args.print:
         print(json.dumps(layout.to_dict(), indent=2))
         for spec in layout.workers:

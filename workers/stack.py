@@ -1,6 +1,8 @@
 """`make up`: the whole service on one machine, stopped together by Ctrl-C or SIGTERM.
 
-Starts, in order: the bundled Redis (only when REDIS_URL is unset), database
+First checks every setting and the pool layout (a bad value prints one line
+naming the variable and exits 2, before anything starts). Then starts, in
+order: the bundled Redis (only when REDIS_URL is unset), database
 migrations, the tiny demo checkpoints, the API (gunicorn), the worker pools
 (through the launcher's layout), Celery beat (the reaper) and Flower; then
 prints the URLs and a ready-to-use API token.
@@ -14,6 +16,9 @@ import sys
 import time
 import urllib.request
 from pathlib import Path
+
+from genserver import config
+from genserver.config import exit_on_settings_error
 
 from .launcher import current_layout, start_workers
 from .supervise import Supervisor, python
@@ -46,12 +51,12 @@ def wait_for_redis(url: str, timeout: float = 20.0) -> None:
             return
         except redis.RedisError:
             if time.monotonic() > deadline:
-                raise SystemExit(f"Redis at {url} did not answer within {timeout:.0f} s")
+                raise SystemExit(f"Redis at {url} did not answer within {timeout:.0f} s") from None
             time.sleep(0.2)
 
 
 def manage(*args: str) -> str:
-    out = subprocess.run([python(), "manage.py", *args], capture_output=True, text=True)
+    out = subprocess.run([python(), "manage.py", *args], capture_output=True, text=True, check=False)
     if out.returncode:
         raise SystemExit(f"manage.py {' '.join(args)} failed:\n{out.stderr.strip()}")
     return out.stdout.strip()
@@ -65,7 +70,7 @@ def wait_for_http(url: str, timeout: float = 60.0) -> None:
                 return
         except OSError:
             if time.monotonic() > deadline:
-                raise SystemExit(f"{url} did not answer within {timeout:.0f} s")
+                raise SystemExit(f"{url} did not answer within {timeout:.0f} s") from None
             time.sleep(0.3)
 
 
@@ -74,8 +79,9 @@ def main() -> None:
     os.environ.setdefault("DJANGO_SETTINGS_MODULE", "genserver.settings")
     from django.conf import settings
 
-    port = os.environ.get("GENSERVER_PORT", "8000")
-    flower_port = os.environ.get("FLOWER_PORT", "5555")
+    with exit_on_settings_error():  # every setting and the pool layout checked before anything starts
+        layout = current_layout()
+        port, flower_port, api_workers = config.api_port(), config.flower_port(), config.api_workers()
     supervisor = Supervisor()
     supervisor.install_signal_handlers()
     try:
@@ -90,9 +96,9 @@ def main() -> None:
         manage("migrate", "--noinput")  # runs the system checks: a missing checkpoint stops here
         token = manage("issue_token", "demo").splitlines()[-1]
         supervisor.add("api", [python(), "-m", "gunicorn", "genserver.wsgi:application", "--bind",
-                               f"127.0.0.1:{port}", "--workers", os.environ.get("GENSERVER_API_WORKERS", "2"),
+                               f"127.0.0.1:{port}", "--workers", str(api_workers),
                                "--threads", "4", "--access-logfile", "-", "--graceful-timeout", "10"])
-        start_workers(supervisor, current_layout())
+        start_workers(supervisor, layout)
         supervisor.add("beat", [python(), "-m", "celery", "-A", "genserver", "beat", "--loglevel", "INFO",
                                 "--schedule", settings.CELERY_BEAT_SCHEDULE_FILENAME])
         supervisor.add("flower", [python(), "-m", "celery", "-A", "genserver", "flower",

@@ -3,8 +3,9 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import Any
 
 from django.db.models import QuerySet
 
@@ -65,7 +66,7 @@ class QueueSnapshot:
     layout: PoolLayout
 
     @classmethod
-    def load(cls) -> "QueueSnapshot":
+    def load(cls) -> QueueSnapshot:
         return cls(_active_jobs(), deployment.layout())
 
     def _ahead(self, job: Job) -> Iterable[Job]:
@@ -142,7 +143,7 @@ def queue_overview() -> list[dict[str, Any]]:
             entry["live_workers"] = [w["name"] for w in workers if cls in w.get("queues", [])]
             try:
                 entry["broker_messages"] = broker_depth(cls)
-            except Exception:  # noqa: BLE001
+            except Exception:  # noqa: BLE001 - the overview answers without the depth when Redis is down
                 entry["broker_messages"] = None
         result.append(entry)
     return result

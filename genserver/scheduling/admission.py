@@ -11,8 +11,8 @@ is refused while images are still accepted.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Iterable
 
 from .classes import CLASSES, LONG, MEDIUM, SHORT
 from .pools import PoolLayout, class_of

@@ -10,8 +10,8 @@ points `{tokens: factor}` and we interpolate linearly between them.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Mapping
 
 # H100-class dense bf16 throughput actually reached by a diffusion step (the seed's figure).
 DEFAULT_EFFECTIVE_TFLOPS = 450.0

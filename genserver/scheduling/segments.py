@@ -28,8 +28,8 @@ from __future__ import annotations
 
 import hashlib
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Mapping
 
 from .cost import JobShape, estimate_job_seconds
 

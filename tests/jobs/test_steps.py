@@ -20,7 +20,7 @@ SNAPSHOT_FIELDS = ("status", "stage", "steps", "steps_requested", "estimated_sec
                    "checkpoint_step", "lease_owner")
 
 
-def change(client, job_id, body) -> "object":
+def change(client, job_id, body) -> object:
     data = body if isinstance(body, str) else json.dumps(body)
     return client.post(f"/api/v1/jobs/{job_id}/steps/", data=data, content_type="application/json")
 
@@ -73,7 +73,8 @@ def test_a_bad_body_is_400_with_field_errors_and_changes_nothing(api, body, bad_
 
 def test_not_json_is_refused(api):
     job_id = submit(api, steps=20).json()["id"]
-    response = api.post(f"/api/v1/jobs/{job_id}/steps/", data="steps=5", content_type="application/x-www-form-urlencoded")
+    response = api.post(f"/api/v1/jobs/{job_id}/steps/", data="steps=5",
+                        content_type="application/x-www-form-urlencoded")
     assert response.status_code == 415
 
 
@@ -203,7 +204,8 @@ def test_a_held_job_given_more_steps_is_republished_from_where_its_worker_stoppe
     assert change(api, job_id, {"steps": 30}).status_code == 202
     assert services.release_for_new_total(job_id, "card0:1", 6, f"checkpoints/{job_id}/step-00006.pt")
     job = Job.objects.get(pk=job_id)
-    assert (job.status, job.stage, job.steps, job.checkpoint_step, job.lease_owner) == ("denoising", "waiting", 30, 6, "")
+    assert (job.status, job.stage, job.steps, job.checkpoint_step, job.lease_owner) == (
+        "denoising", "waiting", 30, 6, "")
     assert sent == [("chunk", job.pk, 6, job.queue, job.priority)]
     # Stopped before any new step (no checkpoint): continues from the recorded one.
     denoising(job_id, done=6, held_by="card0:2")

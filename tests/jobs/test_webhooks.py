@@ -15,7 +15,6 @@ import pytest
 from django.conf import settings
 
 from genserver import webhooks
-
 from tests.conftest import job_row, submit, wait_for
 
 VIDEO = {"model": "wan-sim", "width": 832, "height": 480, "num_frames": 81}
@@ -31,7 +30,7 @@ class Receiver:
         receiver = self
 
         class Handler(BaseHTTPRequestHandler):
-            def do_POST(self):  # noqa: N802
+            def do_POST(self):
                 body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
                 event = self.headers.get("X-Genserver-Event", "")
                 with receiver.lock:

@@ -39,8 +39,8 @@ def test_every_message_published_twice_runs_each_chunk_once(stack, make_user):
     this process takes the same stage at the same moment as the real worker (a race on the claim)."""
     from django.db import connection
 
-    from genserver.jobs.models import JobStatus
     from genserver.jobs import broker
+    from genserver.jobs.models import JobStatus
     from tasks.decode import decode
     from tasks.denoise import run_chunk
     from tasks.encode import encode

@@ -17,7 +17,6 @@ not the limiter, answers; they have their own tests (test_tenancy.py).
 from __future__ import annotations
 
 import json
-import os
 from collections import Counter
 
 import hypothesis
@@ -25,11 +24,13 @@ import pytest
 import schemathesis
 from schemathesis.checks import not_a_server_error
 
+from genserver.config import env_int, env_str
 from genserver.jobs.models import Job
 
 pytestmark = pytest.mark.django_db
 
-EXAMPLES = int(os.environ.get("GENSERVER_FUZZ_EXAMPLES", "30"))
+EXAMPLES = env_int("GENSERVER_FUZZ_EXAMPLES", 30, minimum=1)
+REPORT = env_str("GENSERVER_FUZZ_REPORT", "")  # a JSON file for the totals; "" writes none
 TALLY: Counter = Counter()
 
 
@@ -43,8 +44,8 @@ def fuzz_totals():
                "server_errors": sum(v for k, v in TALLY.items() if k.startswith("status 5")),
                "rows_from_refused_requests": TALLY["rows_from_refused"]}
     print(f"\nfuzz totals: {json.dumps(summary)}")
-    if os.environ.get("GENSERVER_FUZZ_REPORT"):
-        with open(os.environ["GENSERVER_FUZZ_REPORT"], "w") as fh:
+    if REPORT:
+        with open(REPORT, "w") as fh:
             json.dump(summary, fh, indent=2)
 
 

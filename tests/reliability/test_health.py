@@ -63,11 +63,11 @@ def test_readyz_reports_workers_broker_depth_and_oldest_waiting_message(make_use
 
 
 def test_readyz_is_503_naming_what_is_missing(monkeypatch):
-    import genserver.redis_client
     import redis
-
     from redis.backoff import NoBackoff
     from redis.retry import Retry
+
+    import genserver.redis_client
 
     dead = redis.Redis(host="127.0.0.1", port=1, socket_connect_timeout=1, retry=Retry(NoBackoff(), 0))
     monkeypatch.setattr(genserver.redis_client, "client", lambda: dead)

@@ -7,8 +7,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 import pytest
@@ -19,8 +20,14 @@ from genserver.registry import load_registry
 from genserver.scheduling.cost import JobShape, estimate_job_seconds
 from tests.runtime.conftest import RESUME_CASES, assert_same_scheduler_state, generate, make_request, run_to_end
 from workers.runtime.base import Family
-from workers.runtime.flux import (FLUX_SCHEDULERS, CheckpointMissingError, FluxFamily, calculate_shift,
-                                  pack_latents, unpack_latents)
+from workers.runtime.flux import (
+    FLUX_SCHEDULERS,
+    CheckpointMissingError,
+    FluxFamily,
+    calculate_shift,
+    pack_latents,
+    unpack_latents,
+)
 from workers.runtime.tiny_models import make_tiny_flux
 
 FLUX_CASES = [case for case in RESUME_CASES if case[0] == "tiny-flux"]

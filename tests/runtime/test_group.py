@@ -3,18 +3,17 @@ diffusers' context parallelism (Ulysses) and gives the one-device result; on CPU
 and for a family without a context-parallel plan, a group runs the job on one device."""
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import pytest
 import torch
 
 from genserver.registry import ModelSpec, load_registry
+from tests.runtime.conftest import generate, make_request
 from workers.runtime import group as group_runtime
 from workers.runtime.base import Family
 from workers.runtime.group import TransformerGroup, maybe_parallelize, source_of, why_single
-
-from tests.runtime.conftest import generate, make_request
 
 
 @pytest.fixture(scope="module")

@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import dataclasses
 import io
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 import pytest
@@ -17,11 +18,10 @@ import torch
 
 from genserver.registry import load_registry
 from genserver.storage import LocalStorage
+from tests.runtime.conftest import make_request, resume_in_child, run_to_end
 from workers.runtime import stages
 from workers.runtime.base import DenoiseState, Family, GenerationRequest
 from workers.runtime.simulated import SimulatedFamily
-
-from tests.runtime.conftest import make_request, resume_in_child, run_to_end
 
 # (model, scheduler, whether rescheduling to the same total is the identity: Euler-type, no history)
 CASES = [

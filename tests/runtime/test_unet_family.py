@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 import pytest
@@ -16,8 +17,7 @@ from PIL import Image
 
 from genserver.registry import ModelSpec, load_registry
 from genserver.scheduling.cost import JobShape, estimate_job_seconds
-from tests.runtime.conftest import (RESUME_CASES, assert_same_scheduler_state, generate, make_request,
-                                    run_to_end)
+from tests.runtime.conftest import RESUME_CASES, assert_same_scheduler_state, generate, make_request, run_to_end
 from workers.runtime.base import Family
 from workers.runtime.tiny_models import TINY_MODELS, ensure_tiny_models, make_tiny_sdxl, make_tiny_unet
 from workers.runtime.unet import UNET_SCHEDULERS, CheckpointMissingError, UNetFamily

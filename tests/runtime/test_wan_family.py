@@ -16,13 +16,11 @@ from PIL import Image
 
 from genserver.registry import ModelSpec
 from genserver.scheduling.cost import JobShape, estimate_job_seconds
+from tests.runtime.conftest import resume_in_child
 from workers.runtime.base import DenoiseState, GenerationRequest
 from workers.runtime.tiny_wan import make_tiny_wan
 from workers.runtime.video import encode_mp4, poster, read_mp4
 from workers.runtime.wan import SCHEDULERS, CheckpointMissingError, WanFamily
-
-from tests.runtime.conftest import resume_in_child
-
 
 
 def make_request(**overrides) -> GenerationRequest:

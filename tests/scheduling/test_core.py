@@ -13,11 +13,17 @@ from genserver.registry import load_registry
 from genserver.scheduling.admission import AdmissionLimits, WorkItem, decide, expected_wait, work_ahead
 from genserver.scheduling.chunking import chunk_plan, steps_per_chunk
 from genserver.scheduling.classes import (
-    DEFAULT_PRIORITY, LONG, MEDIUM, PRIORITY_STEPS, SHORT, ClassThresholds, band_of, priority_for,
+    DEFAULT_PRIORITY,
+    LONG,
+    MEDIUM,
+    PRIORITY_STEPS,
+    SHORT,
+    ClassThresholds,
+    band_of,
+    priority_for,
 )
 from genserver.scheduling.cost import JobShape, est_seconds, estimate_job_seconds, interpolate_factor
 from genserver.scheduling.pools import PoolLayout, WorkerSpec, default_layout, load_layout, parse_layout
-
 
 # The seed chapter's cost table: (name, tokens, steps, cfg passes, TFLOP per 1k tokens) → seconds on an H100.
 SEED_REQS = [
@@ -63,7 +69,8 @@ def test_cost_grows_with_outputs_and_correction():
     spec = load_registry().get("sdxl-sim")
     one = JobShape("unet", 1024, 1024, 1, 30, 5.0)
     four = JobShape("unet", 1024, 1024, 1, 30, 5.0, num_outputs=4)
-    assert estimate_job_seconds(four, spec.cost_points) == pytest.approx(4 * estimate_job_seconds(one, spec.cost_points))
+    assert estimate_job_seconds(four, spec.cost_points) == pytest.approx(
+        4 * estimate_job_seconds(one, spec.cost_points))
     assert estimate_job_seconds(one, spec.cost_points, correction=1.5) == pytest.approx(
         1.5 * estimate_job_seconds(one, spec.cost_points))
 

@@ -5,10 +5,27 @@ import json
 
 import pytest
 
-from genserver.scheduling.pools import GROUP_EFFICIENCY, WorkerSpec, group_speedup
+from genserver.scheduling.admission import AdmissionLimits, WorkItem, decide, expected_wait
+from genserver.scheduling.pools import (
+    GROUP_EFFICIENCY,
+    INTERACTIVE,
+    WorkerSpec,
+    class_of,
+    default_layout,
+    group_speedup,
+    load_layout,
+)
 from genserver.scheduling.simulator import (
-    SEED_VIDEO_SECONDS, VIDEO, Request, SimConfig, group_layout, group_layouts, group_table, simulate,
+    SEED_VIDEO_SECONDS,
+    VIDEO,
+    Request,
+    SimConfig,
+    group_layout,
+    group_layouts,
+    group_table,
+    simulate,
     simulate_groups,
+    video_workload,
 )
 
 # The seed's printed table for 8 cards: (cards per group, latency minutes, videos per hour).
@@ -57,9 +74,6 @@ def test_simulated_layouts() -> None:
 
 # --------------------------------------------------------------------------- layout: a group on a lane
 
-from genserver.scheduling.admission import AdmissionLimits, WorkItem, decide, expected_wait  # noqa: E402
-from genserver.scheduling.pools import INTERACTIVE, class_of, default_layout, load_layout  # noqa: E402
-from genserver.scheduling.simulator import video_workload  # noqa: E402
 
 
 def test_default_layout_with_a_group_on_the_interactive_lane() -> None:

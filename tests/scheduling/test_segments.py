@@ -6,8 +6,14 @@ import pytest
 from genserver.registry import load_registry
 from genserver.scheduling.cost import JobShape, estimate_job_seconds
 from genserver.scheduling.segments import (
-    Segment, estimate_segmented_seconds, generated_frames, is_segmented, segment_count, segment_of_step,
-    segment_plan, segment_seed,
+    Segment,
+    estimate_segmented_seconds,
+    generated_frames,
+    is_segmented,
+    segment_count,
+    segment_of_step,
+    segment_plan,
+    segment_seed,
 )
 
 

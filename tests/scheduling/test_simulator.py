@@ -5,7 +5,7 @@ The figures are explained in docs/BENCHMARKS.md, "Scheduling policy (simulator)"
 """
 from __future__ import annotations
 
-from functools import lru_cache
+from functools import cache
 
 import pytest
 
@@ -13,8 +13,19 @@ from genserver.scheduling import simulator
 from genserver.scheduling.admission import AdmissionLimits, Decision
 from genserver.scheduling.pools import default_layout
 from genserver.scheduling.simulator import (
-    IMAGE, VIDEO, Request, SimConfig, SimResult, mixed_layout, service_policy_config, pct, seed_simulate, seed_waits,
-    seed_workload, simulate, simulate_rate,
+    IMAGE,
+    VIDEO,
+    Request,
+    SimConfig,
+    SimResult,
+    mixed_layout,
+    pct,
+    seed_simulate,
+    seed_waits,
+    seed_workload,
+    service_policy_config,
+    simulate,
+    simulate_rate,
 )
 
 # The chapter's printed table: policy → (images P50, images P99, videos P50, videos P99), seconds.
@@ -22,12 +33,12 @@ SEED_TABLE = {"fcfs": (17, 473, 19, 423), "sjf": (2, 90, 23, 614), "pools": (0, 
 POLICIES = ("ours", "ours+yod")
 
 
-@lru_cache(maxsize=None)
+@cache
 def run(policy: str, rate: float) -> SimResult:
     return simulate_rate(rate, service_policy_config(yield_on_demand=policy == "ours+yod"))
 
 
-@lru_cache(maxsize=None)
+@cache
 def bounds(rate: float) -> tuple[float, float]:
     """(0.6 × pools' image P99, 1.1 × FCFS' video P99) on the seed's workload at `rate`."""
     return (0.6 * pct(seed_waits("pools", rate=rate)[IMAGE], 0.99),
@@ -124,7 +135,7 @@ def test_the_simulator_asks_admission(monkeypatch):
     def refuse(queue, priority, items, layout, limits):
         return Decision(False, 1e9, 1.0, 1, "test")
 
-    monkeypatch.setattr(simulator, "decide", refuse)
+    monkeypatch.setattr(simulator.engine, "decide", refuse)  # the module that runs the arrivals
     r = simulate_rate(0.06, SimConfig())
     assert r.classes[IMAGE].refused + r.classes[VIDEO].refused == 400
     assert r.classes[IMAGE].waits == [] and r.classes[VIDEO].waits == []

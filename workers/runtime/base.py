@@ -14,12 +14,12 @@ stop after any step and continue in another process:
 """
 from __future__ import annotations
 
-import os
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from genserver import config
 from genserver.registry import ModelSpec
 
 
@@ -195,7 +195,7 @@ class Family(ABC):
     def set_vae_tiling(vae: Any, width: int, height: int) -> bool:
         """Decode in tiles above GENSERVER_VAE_TILE_ABOVE_PIXELS (per frame): the VAE decode is the
         memory peak of a job, and tiling caps it at some speed and faint seams. Returns whether on."""
-        tiled = width * height > int(os.environ.get("GENSERVER_VAE_TILE_ABOVE_PIXELS", 768 * 768))
+        tiled = width * height > config.vae_tile_above_pixels()
         if hasattr(vae, "enable_tiling"):
             vae.enable_tiling() if tiled else vae.disable_tiling()
         return tiled

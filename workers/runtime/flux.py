@@ -36,8 +36,16 @@ from PIL import Image
 
 from genserver.registry import ModelSpec
 from workers.runtime.base import DenoiseState, Family, GenerationRequest
-from workers.runtime.unet import (CheckpointMissingError, check_checkpoint_dir, last_denoised, latent_preview,
-                                  module_bytes, resumed_state, scheduler_class, scheduler_history)
+from workers.runtime.unet import (
+    CheckpointMissingError,
+    check_checkpoint_dir,
+    last_denoised,
+    latent_preview,
+    module_bytes,
+    resumed_state,
+    scheduler_class,
+    scheduler_history,
+)
 
 __all__ = ["FluxFamily", "CheckpointMissingError", "CHECKPOINT_FORMAT", "FLUX_SCHEDULERS"]
 

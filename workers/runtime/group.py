@@ -34,25 +34,24 @@ from __future__ import annotations
 import contextlib
 import importlib
 import logging
-import os
 import tempfile
+from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
+
+from genserver import config
 
 log = logging.getLogger(__name__)
 
 # A collective that waits longer than this fails (a follower died): the task fails, the
 # job's attempt counts and it is retried from its checkpoint, like any worker crash.
-COLLECTIVE_TIMEOUT = timedelta(seconds=int(os.environ.get("GENSERVER_GROUP_TIMEOUT_SECONDS", "300")))
+COLLECTIVE_TIMEOUT = timedelta(seconds=config.group_timeout_seconds())
 
 
 def group_size() -> int:
     """k of this worker: GENSERVER_GROUP_SIZE, set by the launcher for a pool entry with k devices."""
-    try:
-        return max(1, int(os.environ.get("GENSERVER_GROUP_SIZE", "1")))
-    except ValueError:
-        return 1
+    return config.group_size()
 
 
 def why_single(transformer: Any, k: int, *, allow_cpu: bool = False) -> str:
@@ -184,7 +183,7 @@ class TransformerGroup:
         self._names: set[str] = set()
         self._dir = tempfile.mkdtemp(prefix="genserver-group-")
 
-    def start(self) -> "TransformerGroup":
+    def start(self) -> TransformerGroup:
         import torch.distributed as dist
         import torch.multiprocessing as mp
 

@@ -77,7 +77,8 @@ def assemble(storage: LocalStorage, job_id: str, clip_keys: list[str]) -> list[d
                         image = frame.to_image()
                         if stream is None:
                             first = image.convert("RGB")
-                            width, height = max(2, image.width + image.width % 2), max(2, image.height + image.height % 2)
+                            width = max(2, image.width + image.width % 2)
+                            height = max(2, image.height + image.height % 2)
                             stream = out.add_stream("libx264", rate=Fraction(DEFAULT_FPS, 1))
                             stream.width, stream.height, stream.pix_fmt = width, height, "yuv420p"
                             stream.options = {"crf": str(CRF), "preset": "medium", "threads": "1"}

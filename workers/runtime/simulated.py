@@ -20,8 +20,8 @@ from genserver.scheduling.cost import JobShape, estimate_job_seconds, merged_ste
 from .base import DenoiseState, Family, GenerationRequest
 
 LATENT_SIDE = 8  # simulated latents stay tiny whatever the resolution
-MAX_OUTPUT_SIDE = 1024
-PULL = 0.85  # each step keeps this much of the latents and moves the rest towards the prompt's target  # outputs keep the requested aspect, capped to stay cheap to encode
+MAX_OUTPUT_SIDE = 1024  # outputs keep the requested aspect, capped to stay cheap to encode
+PULL = 0.85  # each step keeps this much of the latents and moves the rest towards the prompt's target
 
 
 class SimulatedFault(RuntimeError):

@@ -10,8 +10,9 @@ import dataclasses
 import hashlib
 import io
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 

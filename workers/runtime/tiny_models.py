@@ -28,8 +28,9 @@ import logging
 import os
 import shutil
 import uuid
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING
 
 from workers.runtime.tiny_wan import make_tiny_wan
 

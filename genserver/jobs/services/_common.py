@@ -21,8 +21,7 @@ from django.utils import timezone
 
 from genserver import webhooks
 from genserver.jobs.models import TERMINAL, Job, JobStage, JobStatus
-from genserver.redis_client import CANCEL_KEY
-from genserver.redis_client import client as redis_client
+from genserver.redis_client import CANCEL_KEY, client as redis_client
 from genserver.storage import default_storage
 
 log = logging.getLogger(__name__)
@@ -79,7 +78,7 @@ def after_end(job_id: JobId) -> None:
     default_storage().delete_prefix(f"checkpoints/{job_id}")
     try:
         redis_client().delete(CANCEL_KEY.format(job_id=job_id))
-    except Exception:  # noqa: BLE001
+    except Exception:  # noqa: BLE001 - a stale cancel flag expires with its job; Redis down must not block the end
         pass
     status = Job.objects.filter(pk=job_id).values_list("status", flat=True).first()
     if status in TERMINAL:

@@ -9,8 +9,7 @@ from django.conf import settings
 
 from genserver import deployment
 from genserver.jobs.models import Job
-from genserver.redis_client import CORRECTION_KEY
-from genserver.redis_client import client as redis_client
+from genserver.redis_client import CORRECTION_KEY, client as redis_client
 from genserver.scheduling.chunking import steps_per_chunk
 from genserver.scheduling.classes import priority_for
 from genserver.scheduling.cost import JobShape, StepTimeCorrection, estimate_job_seconds

@@ -9,8 +9,7 @@ from django.utils import timezone
 from genserver import deployment
 from genserver.jobs import broker, selectors
 from genserver.jobs.models import Job, JobStage, JobStatus
-from genserver.redis_client import STEPS_KEY
-from genserver.redis_client import client as redis_client
+from genserver.redis_client import STEPS_KEY, client as redis_client
 from genserver.scheduling.admission import decide
 from genserver.scheduling.classes import priority_for
 

@@ -1,0 +1,330 @@
+"""The event-driven model of the live service: cards taking chunks from kombu-ordered Redis lists.
+
+It calls the scheduling core the service uses: `ClassThresholds.classify` for
+the duration class (= queue), `priority_for` for every message's priority,
+`chunking.steps_per_chunk` for the chunk length, the `PoolLayout` for which card
+consumes which queues in which order, and `admission.decide` on every arrival.
+"""
+from __future__ import annotations
+
+import heapq
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+from typing import Literal
+
+from ..admission import WorkItem, decide, expected_wait
+from ..chunking import steps_per_chunk
+from ..classes import CLASSES, LONG, priority_for
+from ..pools import PoolLayout, class_of, group_speedup
+from .service_policy import SimConfig
+from .workload import KINDS, Request, pct, seed_workload
+
+Metric = Literal["wait", "delay"]
+
+
+@dataclass(eq=False)
+class _Job:
+    id: int
+    request: Request
+    duration_class: str
+    queue: str  # the broker queue, `PoolLayout.queue_for` (class, lane or dedicated model)
+    model: str
+    steps: int
+    step_seconds: float
+    priority: int  # of its current (or next) message
+    steps_done: int = 0
+    first_step: float | None = None
+
+    @property
+    def remaining_seconds(self) -> float:
+        return (self.steps - self.steps_done) * self.step_seconds
+
+
+@dataclass(eq=False)
+class _Card:
+    index: int
+    name: str
+    queues: tuple[str, ...]  # the denoise queues it consumes (class, lane or model queues), in order
+    idle_since: float = 0.0
+    busy_until: float = 0.0
+    job: _Job | None = None  # None: idle, blocked on the broker
+    chunk_steps: int = 0
+    last_model: str | None = None
+    busy_seconds: float = 0.0
+    speedup: float = 1.0  # a group of k cards: group_speedup(k)
+
+
+@dataclass
+class ClassResult:
+    """One kind's outcome: per finished job, its wait and its delay."""
+
+    waits: list[float] = field(default_factory=list)  # arrival → first step
+    delays: list[float] = field(default_factory=list)  # completion − arrival − service
+    latencies: list[float] = field(default_factory=list)  # completion − arrival
+    accepted: int = 0
+    refused: int = 0
+
+    def p(self, metric: Metric, q: float) -> float:
+        return pct(self.waits if metric == "wait" else self.delays, q)
+
+
+@dataclass
+class SimResult:
+    """What one run of `simulate` measured."""
+
+    classes: dict[str, ClassResult]
+    makespan: float
+    utilization: float  # busy card-seconds (overheads included) / (cards × makespan)
+    switches: int  # model switches
+    republished: int  # boundaries that paid a full save + restore
+    in_process: int  # boundaries run on in-process (yield_on_demand)
+    max_long_cards: int  # most cards running long work at once
+    cap_engaged_share: float  # share of events at which the overload cap was engaged
+    lanes: dict[str, ClassResult] = field(default_factory=dict)  # per request lane ("" = none)
+
+    def summary(self, metric: Metric = "wait") -> dict[str, tuple[float, float]]:
+        """{kind: (P50, P99)} of `metric`, like the seed's table."""
+        return {k: (c.p(metric, 0.5), c.p(metric, 0.99)) for k, c in self.classes.items()}
+
+
+class _Broker:
+    """The Redis lists: one FIFO per (queue, priority), popped the way kombu pops them."""
+
+    def __init__(self) -> None:
+        self.lists: dict[tuple[str, int], deque[_Job]] = {}
+
+    def publish(self, job: _Job) -> None:
+        self.lists.setdefault((job.queue, job.priority), deque()).append(job)
+
+    def _first(self, queues: Sequence[str], long_blocked: bool,
+               before: tuple[int, int] | None = None) -> tuple[str, int] | None:
+        """The (queue, priority) list a worker consuming `queues` pops next: priority-major
+        over all its queues, then its queue order. With `before` = (priority, queue index):
+        only a list it would pop ahead of a message published there now."""
+        for priority in range(10):
+            for index, queue in enumerate(queues):
+                if long_blocked and class_of(queue) == LONG:
+                    continue
+                if before is not None and (priority, index) > before:
+                    return None
+                if self.lists.get((queue, priority)):
+                    return queue, priority
+        return None
+
+    def pop(self, queues: Sequence[str], long_blocked: bool) -> _Job | None:
+        key = self._first(queues, long_blocked)
+        return self.lists[key].popleft() if key else None
+
+    def ahead_of(self, queues: Sequence[str], job: _Job, long_blocked: bool) -> bool:
+        """Whether the worker would take a waiting message before `job` re-published now
+        (FIFO: a message already waiting in the same list is ahead of it)."""
+        before = (job.priority, queues.index(job.queue))
+        return self._first(queues, long_blocked, before) is not None
+
+
+class _Simulation:
+    """One run of the event-driven model; `simulate` is its public face."""
+
+    def __init__(self, requests: Sequence[Request], cfg: SimConfig) -> None:
+        self.requests = requests
+        self.cfg = cfg
+        denoisers = [w for w in cfg.layout.workers if w.denoises]
+        if not denoisers:
+            raise ValueError("the layout has no denoise worker")
+        self.cards = [_Card(i, w.name, tuple(q for q in w.consumed_queues() if class_of(q) in CLASSES),
+                            speedup=group_speedup(w.group_size))
+                      for i, w in enumerate(denoisers)]
+        self.broker = _Broker()
+        self.jobs: dict[int, _Job] = {}  # accepted and unfinished, by id
+        self.result = {k: ClassResult() for k in KINDS}
+        self.lane_result: dict[str, ClassResult] = {}
+        self.switches = self.republished = self.in_process = self.max_long = 0
+        self.events: list[tuple[float, int, int, int]] = []  # (time, order, seq, payload)
+        self.seq = 0
+        # A boundary's save is charged at the end of the chunk, its restore at the start
+        # of the next one; with yield_on_demand the end pays the in-process save and a
+        # yield pays the rest of a full save + restore when the job resumes.
+        half = cfg.checkpoint_seconds / 2
+        if cfg.yield_on_demand and cfg.in_process_seconds is not None:
+            self.save_seconds = cfg.in_process_seconds
+        else:
+            self.save_seconds = half
+        self.restore_seconds = cfg.checkpoint_seconds - self.save_seconds
+        self._engaged_cache: tuple[float, bool] | None = None
+        self._engaged_checks = self._engaged_hits = 0
+        self._capped_layout: PoolLayout | None = None
+
+    # -- the long cap --------------------------------------------------------------------
+
+    def _running_long(self, exclude: _Card | None = None) -> int:
+        return sum(1 for c in self.cards if c is not exclude and c.job is not None
+                   and c.job.duration_class == LONG)
+
+    def _cap_engaged(self, now: float) -> bool:
+        cfg = self.cfg
+        if cfg.long_cap is None:
+            return False
+        if cfg.long_cap_engage_seconds is None:
+            return True
+        if self._engaged_cache is not None and self._engaged_cache[0] == now:
+            return self._engaged_cache[1]
+        new_long = priority_for(LONG, cfg.thresholds.medium, False, cfg.thresholds)
+        engaged = expected_wait(LONG, new_long, self.work_items(now), cfg.layout) > cfg.long_cap_engage_seconds
+        self._engaged_cache = (now, engaged)
+        return engaged
+
+    def _long_blocked(self, card: _Card, now: float) -> bool:
+        cap = self.cfg.long_cap
+        return cap is not None and self._running_long(exclude=card) >= cap and self._cap_engaged(now)
+
+    def _admission_layout(self, now: float) -> PoolLayout:
+        cfg = self.cfg
+        if cfg.long_cap is None or not self._cap_engaged(now):
+            return cfg.layout
+        if self._capped_layout is None:
+            excess = sum(1 for c in self.cards if any(class_of(q) == LONG for q in c.queues)) - cfg.long_cap
+            workers = []
+            for worker in cfg.layout.workers:
+                if excess > 0 and worker.denoises and LONG in worker.queues:
+                    excess -= 1
+                    workers.append(replace(worker, queues=tuple(q for q in worker.queues if q != LONG)))
+                else:
+                    workers.append(worker)
+            self._capped_layout = PoolLayout(tuple(workers))
+        return self._capped_layout
+
+    # -- cards and admission -------------------------------------------------------------
+
+    def _start_chunk(self, card: _Card, job: _Job, now: float, in_process: bool = False) -> None:
+        """Run the job's next chunk on `card` from `now`, charging what the service pays."""
+        cfg = self.cfg
+        step_seconds = job.step_seconds / card.speedup  # wall seconds of one step on this card (group)
+        k = min(steps_per_chunk(cfg.chunk_seconds, step_seconds), job.steps - job.steps_done)
+        overhead = 0.0
+        if card.last_model is not None and card.last_model != job.model:
+            overhead += cfg.switch_seconds
+            self.switches += 1
+        if job.steps_done > 0 and not in_process:
+            overhead += self.restore_seconds
+        if job.first_step is None:
+            job.first_step = now + overhead
+        last = job.steps_done + k >= job.steps
+        duration = overhead + k * step_seconds + (0.0 if last else self.save_seconds)
+        card.job, card.chunk_steps, card.last_model = job, k, job.model
+        card.busy_until = now + duration
+        card.busy_seconds += duration
+        if job.duration_class == LONG:
+            self.max_long = max(self.max_long, self._running_long())
+        heapq.heappush(self.events, (card.busy_until, 0, self.seq, card.index))
+        self.seq += 1
+
+    def _dispatch(self, now: float) -> None:
+        """Idle workers pop, the one blocked longest first (Redis serves BRPOP clients FIFO)."""
+        for card in sorted((c for c in self.cards if c.job is None), key=lambda c: c.idle_since):
+            job = self.broker.pop(card.queues, self._long_blocked(card, now))
+            if job is not None:
+                self._start_chunk(card, job, now)
+
+    def work_items(self, now: float) -> list[WorkItem]:
+        """What admission sees: every accepted, unfinished job, queued or running."""
+        running = {c.job.id: c for c in self.cards if c.job is not None}
+        items = []
+        for job in self.jobs.values():
+            card = running.get(job.id)
+            if card is None:
+                items.append(WorkItem(job.queue, job.priority, job.remaining_seconds))
+                continue
+            in_chunk = max(0.0, card.busy_until - now)
+            after = (job.steps - job.steps_done - card.chunk_steps) * job.step_seconds
+            items.append(WorkItem(job.queue, job.priority, after + in_chunk,
+                                  running=True, chunk_remaining_seconds=in_chunk))
+        return items
+
+    # -- events --------------------------------------------------------------------------
+
+    def _chunk_end(self, card: _Card, now: float) -> None:
+        job = card.job
+        assert job is not None
+        job.steps_done += card.chunk_steps
+        card.job, card.idle_since = None, now
+        if job.steps_done >= job.steps:
+            del self.jobs[job.id]
+            res = self.result[job.request.kind]
+            assert job.first_step is not None
+            res.waits.append(job.first_step - job.request.arrival)
+            res.delays.append(now - job.request.arrival - job.request.seconds)
+            res.latencies.append(now - job.request.arrival)
+            lane = self.lane_result.setdefault(job.request.lane, ClassResult())
+            lane.waits.append(res.waits[-1])
+            lane.delays.append(res.delays[-1])
+            lane.latencies.append(res.latencies[-1])
+            return
+        job.priority = priority_for(job.duration_class, job.remaining_seconds, True, self.cfg.thresholds)
+        if self.cfg.yield_on_demand:
+            blocked = self._long_blocked(card, now)
+            must_stop = job.duration_class == LONG and blocked
+            if not must_stop and not self.broker.ahead_of(card.queues, job, blocked):
+                self.in_process += 1
+                self._start_chunk(card, job, now, in_process=True)
+                return
+        self.republished += 1
+        self.broker.publish(job)
+
+    def _arrival(self, index: int, now: float) -> None:
+        cfg = self.cfg
+        r = self.requests[index]
+        cls = cfg.thresholds.classify(r.seconds)
+        priority = priority_for(cls, r.seconds, False, cfg.thresholds)
+        queue = cfg.layout.queue_for(cls, cfg.models[r.kind], r.lane)
+        if cfg.limits is not None:
+            decision = decide(queue, priority, self.work_items(now), self._admission_layout(now), cfg.limits)
+            if not decision.accepted:
+                self.result[r.kind].refused += 1
+                return
+        self.result[r.kind].accepted += 1
+        steps = cfg.steps_for(r.seconds)
+        job = _Job(id=index, request=r, duration_class=cls, queue=queue, model=cfg.models[r.kind], steps=steps,
+                   step_seconds=r.seconds / steps, priority=priority)
+        self.jobs[job.id] = job
+        self.broker.publish(job)
+
+    def run(self) -> SimResult:
+        for index, r in enumerate(self.requests):
+            heapq.heappush(self.events, (r.arrival, 1, index, index))  # chunk ends (0) go first
+        self.seq = len(self.requests)
+        now = 0.0
+        while self.events:
+            now, order, _, payload = heapq.heappop(self.events)
+            self._engaged_cache = None  # every event changes the state
+            if order == 0:
+                self._chunk_end(self.cards[payload], now)
+            else:
+                self._arrival(payload, now)
+            self._engaged_cache = None
+            self._dispatch(now)
+            if self.cfg.long_cap is not None:
+                self._engaged_checks += 1
+                self._engaged_hits += self._cap_engaged(now)
+        busy = sum(c.busy_seconds for c in self.cards)
+        return SimResult(
+            classes=self.result, makespan=now,
+            utilization=busy / (len(self.cards) * now) if now > 0 else 0.0,
+            switches=self.switches, republished=self.republished, in_process=self.in_process,
+            max_long_cards=self.max_long,
+            cap_engaged_share=self._engaged_hits / self._engaged_checks if self._engaged_checks else 0.0,
+            lanes=self.lane_result,
+        )
+
+
+def simulate(requests: Sequence[Request], config: SimConfig | None = None) -> SimResult:
+    """Run the service's scheduling policy on `requests` (sorted by arrival)."""
+    if any(b.arrival < a.arrival for a, b in zip(requests, requests[1:])):
+        raise ValueError("requests must be sorted by arrival")
+    return _Simulation(requests, config or SimConfig()).run()
+
+
+def simulate_rate(rate: float, config: SimConfig | None = None, arrivals: int = 400,
+                  seed: int = 0) -> SimResult:
+    """`simulate` on the seed's workload at `rate`."""
+    return simulate(seed_workload(arrivals, rate, seed), config)

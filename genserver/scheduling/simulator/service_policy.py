@@ -1,0 +1,126 @@
+"""What the model of the service is parameterised by (`SimConfig`), and the service's chosen policy."""
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..admission import AdmissionLimits
+from ..chunking import DEFAULT_CHUNK_SECONDS
+from ..classes import LONG, MEDIUM, SHORT, ClassThresholds
+from ..pools import CONTROL, DECODE, ENCODE, PoolLayout, WorkerSpec, default_layout
+from .workload import DEFAULT_MODELS, DEFAULT_STEPS
+
+# Modelled costs (seconds of card time). A checkpoint of a Wan 480p job (latents
+# 16×21×60×104 fp32 plus a two-entry multistep history, 25 MB) saved atomically and
+# loaded back took 0.05 s on local disk (bench notes in docs/BENCHMARKS.md); with the
+# task round trip and host↔device copies, 0.2 s is a conservative save + restore.
+# A model switch costs ~0 when both models stay resident on the card and ~0.2 s
+# (SDXL UNet, 5 GB) to ~1.1 s (Wan 14B, 29 GB) when weights come from pinned host
+# memory; 0.5 s is charged per switch. docs/BENCHMARKS.md shows the sensitivity.
+DEFAULT_CHECKPOINT_SECONDS = 0.2
+DEFAULT_SWITCH_SECONDS = 0.5
+# Our policy lends every card to video and caps long work at N−1 cards only under
+# overload: while a new long job's expected wait exceeds this share of its limit.
+OVERLOAD_ENGAGE_SHARE = 0.5
+
+
+def mixed_layout(num_gpus: int = 4, image_only: int = 0) -> PoolLayout:
+    """Cards 0..image_only-1 take short+medium, the others short+medium+long; plus encode/decode.
+
+    `mixed_layout(4, 1)` has the denoise workers of `default_layout(4)`;
+    `mixed_layout(4, 0)` lends every card to video.
+    """
+    if not 0 <= image_only <= num_gpus:
+        raise ValueError(f"image_only must be within 0..{num_gpus}, got {image_only}")
+    workers = [WorkerSpec(name=f"gpu{i}", devices=(i,),
+                          queues=(SHORT, MEDIUM) if i < image_only else (SHORT, MEDIUM, LONG))
+               for i in range(num_gpus)]
+    workers.append(WorkerSpec(name="encode", queues=(ENCODE, CONTROL)))
+    workers.append(WorkerSpec(name="decode", queues=(DECODE,)))
+    return PoolLayout(tuple(workers))
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    """What the event-driven model of the service is parameterised by.
+
+    layout: the pool layout; only workers consuming a duration-class queue are
+        denoise cards (encode/decode workers are ignored).
+    chunk_seconds: CHUNK_SECONDS, the target GPU time of one chunk.
+    checkpoint_seconds: save + restore at a chunk boundary; the save is charged
+        at the end of a chunk that is not the last, the restore at the start of
+        the next chunk.
+    switch_seconds: charged before a chunk whose model differs from the card's
+        previous chunk's (a card's first chunk is free: warm start).
+    long_cap: at most this many cards run long-class chunks at once (None: no
+        cap); a card at the cap does not take from the long queue.
+    long_cap_engage_seconds: engage the cap only while a new long job's expected
+        wait (admission's estimate over the full layout) exceeds this (None: the
+        cap always holds). While engaged, admission sees the layout without
+        `long` on the cards beyond the cap: the capacity a long job can count on.
+    yield_on_demand: a proposed refinement of the denoise task, not what the
+        service does today. At a chunk boundary the worker looks at the broker
+        and re-publishes (yields) only if a message it would take before its
+        own continuation is waiting (or the long cap asks it to stop); otherwise
+        it runs the next chunk in-process with no restore and no model switch,
+        paying `in_process_seconds` for the save kept for crash recovery (None:
+        a synchronous save, half of `checkpoint_seconds`; 0: an asynchronous
+        one). A yield costs a full save + restore. The order of work is the
+        same as with re-publishing every chunk.
+    limits: admission limits (None: admit everything).
+    steps: steps given to a request of each duration (seconds → steps).
+    models: the model of each kind (a change of model on a card is a switch).
+    """
+
+    layout: PoolLayout = field(default_factory=lambda: default_layout(4))
+    chunk_seconds: float = DEFAULT_CHUNK_SECONDS
+    checkpoint_seconds: float = DEFAULT_CHECKPOINT_SECONDS
+    switch_seconds: float = DEFAULT_SWITCH_SECONDS
+    long_cap: int | None = None
+    long_cap_engage_seconds: float | None = None
+    yield_on_demand: bool = False
+    in_process_seconds: float | None = None
+    thresholds: ClassThresholds = field(default_factory=ClassThresholds)
+    limits: AdmissionLimits | None = field(default_factory=AdmissionLimits)
+    steps: Mapping[float, int] = field(default_factory=lambda: dict(DEFAULT_STEPS))
+    models: Mapping[str, str] = field(default_factory=lambda: dict(DEFAULT_MODELS))
+
+    def __post_init__(self) -> None:
+        if self.chunk_seconds <= 0:
+            raise ValueError(f"chunk_seconds must be positive, got {self.chunk_seconds}")
+        if self.checkpoint_seconds < 0 or self.switch_seconds < 0:
+            raise ValueError("checkpoint_seconds and switch_seconds must be >= 0")
+        if self.in_process_seconds is not None and not 0 <= self.in_process_seconds <= self.checkpoint_seconds:
+            raise ValueError("in_process_seconds must be within 0..checkpoint_seconds")
+        if self.long_cap is not None and self.long_cap < 0:
+            raise ValueError(f"long_cap must be >= 0, got {self.long_cap}")
+
+    def steps_for(self, seconds: float) -> int:
+        if seconds in self.steps:
+            return self.steps[seconds]
+        return 50 if seconds >= self.thresholds.medium else 30
+
+
+def service_policy_config(num_gpus: int = 4, *, yield_on_demand: bool = False, **overrides: Any) -> SimConfig:
+    """The service's scheduling policy as deployed, with its chosen defaults
+    (docs/BENCHMARKS.md, "Scheduling policy (simulator)").
+
+    Every card consumes short, medium and long (the image card is lent to
+    video), CHUNK_SECONDS = `chunking.DEFAULT_CHUNK_SECONDS`, and under overload
+    (a new long job's expected wait above half the long admission limit) at
+    most N−1 cards run long work. `yield_on_demand` adds the proposed
+    denoise-task refinement with an asynchronous in-process save.
+    """
+    limits = overrides.get("limits", AdmissionLimits())
+    long_limit = limits.long if limits is not None else AdmissionLimits().long
+    params: dict[str, Any] = dict(
+        layout=mixed_layout(num_gpus, 0),
+        chunk_seconds=DEFAULT_CHUNK_SECONDS,
+        long_cap=max(1, num_gpus - 1),
+        long_cap_engage_seconds=OVERLOAD_ENGAGE_SHARE * long_limit,
+        yield_on_demand=yield_on_demand,
+        in_process_seconds=0.0 if yield_on_demand else None,
+    )
+    params.update(overrides)
+    return SimConfig(**params)
