@@ -15,15 +15,15 @@ from .common import family_of, preload, renewing, request_of, storage, worker_id
 @shared_task(name=broker.DECODE_TASK.name, bind=True)
 def decode(self, job_id: str) -> str:
     worker = worker_id(self)
-    if not preload(job_id):
+    if not preload(job_id, "decode"):
         return Outcome.SKIPPED
     job = services.start_decoding(job_id, worker)
     if job is None:
         return Outcome.SKIPPED
     try:
         with renewing(lambda: services.heartbeat(job_id, worker)):
-            outputs = stages.decode(family_of(job), storage(), request_of(job), embeddings_ref=job.embeddings_key,
-                                    checkpoint_ref=job.checkpoint_key)
+            outputs = stages.decode(family_of(job, "decode"), storage(), request_of(job),
+                                    embeddings_ref=job.embeddings_key, checkpoint_ref=job.checkpoint_key)
     except Exception:  # noqa: BLE001 - any decode error is recorded on the job, which is retried or fails
         return services.fail_attempt(job_id, worker, traceback.format_exc())
     services.finish_decoding(job_id, worker, outputs)
