@@ -84,13 +84,14 @@ _BUILT: dict[tuple[str, str, str, str], dict[str, Any]] = {}
 
 def _modules(spec: ModelSpec, stage: str) -> dict[str, Any]:
     """`stage`'s torch modules of `spec`, built on the meta device (config only; cached per process)."""
-    key = (spec.name, spec.path, str(getattr(spec, "dtype", "")), stage)
+    key = (spec.name, spec.path, spec.dtype, stage)
     if key not in _BUILT:
         import torch
 
         from workers.runtime.components import build_stage
 
-        built = build_stage(spec, stage, device="meta", weights="meta")
+        # device "cuda": the dtype a card runs (the entry's, else bfloat16); weights "meta": no memory.
+        built = build_stage(spec, stage, device="cuda", weights="meta")
         _BUILT[key] = {name: m for name, m in built.items() if isinstance(m, torch.nn.Module)}
     return _BUILT[key]
 
@@ -143,7 +144,7 @@ def default_shape(spec: ModelSpec) -> Shape:
 
 
 def _elem(spec: ModelSpec) -> int:
-    return DTYPE_BYTES.get(str(getattr(spec, "dtype", "") or "bfloat16"), 2)
+    return DTYPE_BYTES[spec.resolved_dtype("cuda")]
 
 
 def _block_live(width: int, ffn: int) -> int:
@@ -211,7 +212,7 @@ def _denoise_elements(spec: ModelSpec, shape: Shape) -> int:
 def _decode_elem(spec: ModelSpec) -> int:
     config = _config(spec, "decode", "vae")
     # The pipelines upcast a `force_upcast` VAE only from float16 (its known NaN); bf16 decodes as is.
-    return 4 if config.get("force_upcast") and str(getattr(spec, "dtype", "")) == "float16" else _elem(spec)
+    return 4 if config.get("force_upcast") and spec.resolved_dtype("cuda") == "float16" else _elem(spec)
 
 
 def _decode_elements(spec: ModelSpec, shape: Shape) -> int:
@@ -254,7 +255,7 @@ def served_models(worker: WorkerSpec, registry: Registry) -> tuple[str, ...]:
 
 def on_card(spec: ModelSpec, stage: str) -> bool:
     """Whether `stage` of `spec` runs on the worker's card (`encode_device = "cpu"` keeps it in host memory)."""
-    return not (stage == "encode" and str(getattr(spec, "encode_device", "") or "") == "cpu")
+    return not (stage == "encode" and spec.encode_device == "cpu")
 
 
 def worst_cache(entries: list[list[Component]], budget: int) -> list[Component]:
@@ -310,6 +311,11 @@ def _check_models_alone(card: CardPlan, registry: Registry) -> None:
         need = sum(c.bytes for _, c in held) + headroom
         if held and need > card.capacity:
             largest = max((c for _, c in held), key=lambda c: c.bytes)
+            if largest.bytes > card.capacity:
+                card.problems.append(
+                    f"{card.label} ({gib(card.capacity)}): {model} does not fit: its {largest.name} alone is "
+                    f"{gib(largest.bytes)} in {largest.dtype}. Use a card with more memory, or a smaller dtype.")
+                continue
             parts = " + ".join(f"{c.name} {gib(c.bytes)} ({worker})" for worker, c in held)
             card.problems.append(
                 f"{card.label} ({gib(card.capacity)}): {model} does not fit: its {largest.name} alone is "
@@ -355,7 +361,7 @@ def _remedies(spec: ModelSpec, held: list[tuple[str, Component]]) -> str:
     if encoders:
         options.append(f'encode_device = "cpu" on [models."{spec.name}"] (frees {gib(encoders)})')
     options.append('a smaller dtype (dtype = "float16" / "bfloat16" where it is "float32")'
-                   if str(getattr(spec, "dtype", "")) == "float32" else "a smaller dtype")
+                   if spec.resolved_dtype("cuda") == "float32" else "a smaller dtype")
     options.append(f'or more cards (GENSERVER_POOLS: give "{spec.name}" workers of its own, its encode '
                    "and decode on other cards)")
     return "Set " + ", ".join(options) + "."
@@ -373,7 +379,7 @@ def format_plan(cards: list[CardPlan], registry: Registry, cache_budget: int) ->
                      + ", ".join(f"{w.name} [{'+'.join(stages) or '-'}]" for w, stages, _ in card.workers))
         for component in card.resident:
             lines.append(f"  {component.model:<20} {component.stage:<8} {component.name:<16} "
-                         f"{component.dtype:<9} {component.params / 1e9:7.3f} B params  {gib(component.bytes):>10}")
+                         f"{component.dtype:<16} {component.params / 1e9:7.3f} B params  {gib(component.bytes):>10}")
         for worker, size in card.activations.items():
             lines.append(f"  activations {worker}: {gib(size)} (its largest job at a default shape)")
         verdict = "fits" if not card.problems else "DOES NOT FIT"
