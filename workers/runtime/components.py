@@ -168,7 +168,8 @@ def _component_dtype(spec: ModelSpec, name: str, root: Path, dtype: Any) -> Any:
     return dtype
 
 
-def _from_pretrained(cls: type, folder: Path, dtype: Any, variant: str) -> Any:
+def load_pretrained(cls: type, folder: Path, dtype: Any, variant: str = "") -> Any:
+    """One component from its checkpoint folder, local files only, in `dtype` at load time."""
     from diffusers.utils import is_accelerate_available
 
     if is_tokenizer(cls):
@@ -207,7 +208,9 @@ def build_stage(spec: ModelSpec, stage: str, *, device: str = "cpu", weights: st
         raise ValueError(f"weights must be one of {WEIGHTS}, got {weights!r}")
     root = checkpoint_dir(spec, data_dir)
     classes = stage_components(spec, stage, data_dir=data_dir)
-    missing = [name for name in classes if not (root / name).is_dir()]
+    # A weightless config tree may lack the tokenizers: only a real checkpoint must have them.
+    missing = [name for name, cls in classes.items()
+               if not (root / name).is_dir() and (weights == "checkpoint" or not is_tokenizer(cls))]
     if missing:
         from .common import CheckpointMissingError, missing_checkpoint_message
 
@@ -222,12 +225,12 @@ def build_stage(spec: ModelSpec, stage: str, *, device: str = "cpu", weights: st
         folder = root / name
         if is_tokenizer(cls):
             # Tokenizers have no tensors: skipped on meta; loaded from the folder's files otherwise.
-            if weights != "meta" and any(folder.glob("*.json")) and not _config_only(folder):
-                built[name] = _from_pretrained(cls, folder, dtype, spec.variant)
+            if weights == "checkpoint" or (weights == "random" and folder.is_dir() and not _config_only(folder)):
+                built[name] = load_pretrained(cls, folder, dtype, spec.variant)
             continue
         component_dtype = _component_dtype(spec, name, root, dtype)
         if weights == "checkpoint":
-            module = _from_pretrained(cls, folder, component_dtype, spec.variant).to(device)
+            module = load_pretrained(cls, folder, component_dtype, spec.variant).to(device)
         else:
             module = _from_config(cls, folder, component_dtype, "meta" if weights == "meta" else device)
         built[name] = module.eval().requires_grad_(False)
