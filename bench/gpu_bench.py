@@ -244,6 +244,10 @@ def bench_model(spec: ModelSpec, request: GenerationRequest, device: str, weight
     del pipe
     with prebuilt(modules):
         family = load_family(spec, device, REPO_ROOT / "var")
+    shared = {name: m for stage in modules.values() for name, m in stage.items()}
+    if any(family.components.get(name) is not module for name, module in shared.items()):
+        raise RuntimeError(f"{spec.name}: the family adapter did not get the stock pipeline's modules "
+                           "(its loaders no longer go through components.build_stage?)")
     peaks: dict[str, int | None] = {}
     started = time.perf_counter()
     with stage_peak(device, peaks, "encode"):
