@@ -35,9 +35,10 @@ import shutil
 import sys
 import tempfile
 import time
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any
 
 import torch
 
@@ -265,8 +266,9 @@ def bench_model(spec: ModelSpec, request: GenerationRequest, device: str, weight
             if bound < request.steps:
                 # What the next chunk's task pays on another worker: restore from the checkpoint.
                 # The run goes on in memory, so its end is the uninterrupted reference for the resume.
-                _, restore_s = timed(lambda: stages.load_state(family, storage, request, encoded.key,
-                                                               result.checkpoint_key), device)
+                key = result.checkpoint_key
+                _, restore_s = timed(lambda key=key: stages.load_state(family, storage, request, encoded.key, key),
+                                     device)
                 restores.append(restore_s)
     with stage_peak(device, peaks, "decode"):
         _, decode_s = timed(lambda: family.decode(state), device)
@@ -333,7 +335,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 result = bench_model(spec, request, args.device, "checkpoint" if args.tiny else args.weights,
                                      storage)
                 rows.append(result.row())
-            except Exception as exc:  # report every model, then fail
+            except Exception as exc:  # noqa: BLE001 (report every model, then fail)
                 import traceback
 
                 traceback.print_exc(file=sys.stderr)
