@@ -56,3 +56,25 @@ def test_full_size_trees_get_download_free_tokenizers(model, folders, tmp_path, 
                         truncation=True).input_ids[0]
         vocab = json.loads((tree / encoders[folder] / "config.json").read_text())["vocab_size"]
         assert len(ids) == length and max(ids) < vocab  # real sequence length, ids inside the real vocabulary
+
+
+def test_every_family_adapter_takes_the_full_size_modules(tmp_path, monkeypatch):
+    # The GPU run's build, on the meta device: each full-size tree gives its family adapter (as a worker
+    # loads it) the prebuilt modules of every stage, shapes and configs read from the real architecture.
+    from bench.runtime import load_family
+    from workers.runtime import components
+
+    monkeypatch.chdir(REPO)
+    registry = load_registry(REPO / "bench" / "full-size.toml")
+    expected = {"unet": "UNetFamily", "flux": "FluxFamily", "wan": "WanFamily"}
+    for name in registry.names():
+        spec = gpu_bench.config_tree_with_tokenizers(registry.get(name), tmp_path)
+        modules = {stage: components.build_stage(spec, stage, device="cuda", weights="meta")
+                   for stage in components.STAGES}
+        for component, cls in components.stage_components(spec, "encode").items():
+            if components.is_tokenizer(cls):  # meta builds skip tokenizers; the random build loads these
+                modules["encode"][component] = cls.from_pretrained(Path(spec.path) / component, local_files_only=True)
+        with gpu_bench.prebuilt(modules):
+            family = load_family(spec, "cpu", tmp_path)
+        assert type(family).__name__ == expected[spec.family]
+        assert all(family.components[c] is m for stage in modules.values() for c, m in stage.items())
