@@ -214,6 +214,14 @@ TABLE_HEADER = (
 )
 
 
+def bitwise_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal bit for bit (NaN included: random full-size weights may overflow, and NaN != NaN)."""
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    as_int = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()]
+    return torch.equal(a.detach().cpu().contiguous().view(as_int), b.detach().cpu().contiguous().view(as_int))
+
+
 def shape_text(request: GenerationRequest) -> str:
     frames = f"×{request.num_frames}" if request.num_frames > 1 else ""
     return f"{request.width}×{request.height}{frames}"
@@ -240,7 +248,7 @@ def bench_model(spec: ModelSpec, request: GenerationRequest, device: str, weight
     """One model: build once, stock pipeline, our stages on the same modules, a resume check."""
     modules = build_modules(spec, device, weights)
     pipe = stock_pipeline(spec, modules, device)
-    run_stock(spec, pipe, dataclasses.replace(request, steps=2), device)  # warm-up: kernels, allocator
+    run_stock(spec, pipe, dataclasses.replace(request, steps=1), device)  # warm-up: kernels, allocator
     stock_total, stock_steps = run_stock(spec, pipe, request, device)
     del pipe
     with prebuilt(modules):
@@ -278,7 +286,7 @@ def bench_model(spec: ModelSpec, request: GenerationRequest, device: str, weight
     resumed = stages.load_state(family, storage, request, encoded.key, middle)
     stages.run_chunk(family, storage, resumed, until_step=request.steps, preview_every=0,
                      should_stop=lambda step: "", on_preview=lambda key, step: None)
-    bit_exact = torch.equal(state.latents.detach().cpu(), resumed.latents.detach().cpu())
+    bit_exact = bitwise_equal(state.latents, resumed.latents)
     return BenchResult(spec, request, stock_total, median(stock_steps), ours_total, median(timer.step_seconds),
                        median(saves), median(restores) if restores else float("nan"), preview_s, decode_s,
                        peaks, {stage: sum(components.component_bytes(m) for m in built.values())
@@ -319,7 +327,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     registry = load_registry(None if args.tiny else args.registry)
     names = [n for n in args.models.split(",") if n] or (list(TINY) if args.tiny else [
         n for n, s in registry.models.items() if s.backend == "diffusers"])
-    rows, failures = [], []
+    device = torch.cuda.get_device_name(args.device) if args.device.startswith("cuda") else "CPU"
+    weights = "tiny checkpoints'" if args.tiny else args.weights
+    table = Table(Path(args.out) / "gpu_bench.md" if args.out else None)
+    table.add(f"# bench.gpu_bench on {device}, torch {torch.__version__}, {weights} weights")
+    table.add(TABLE_HEADER)
+    failed = False
     with tempfile.TemporaryDirectory(prefix="genserver-gpu-bench-") as tmp:
         storage, data_dir = LocalStorage(Path(tmp) / "storage"), None
         if args.tiny:
@@ -327,29 +340,39 @@ def main(argv: Sequence[str] | None = None) -> int:
 
             data_dir = Path(tmp) / "data"
             ensure_tiny_models(data_dir / "models")
-        for name in names:
+        for name in names:  # cheapest first (the registry's order), each row printed when it is done
             print(f"# {name}: building on {args.device} …", file=sys.stderr, flush=True)
             try:
                 spec = config_tree_with_tokenizers(registry.get(name), Path(tmp), data_dir)
                 request = bench_request(spec, *TINY[name]) if args.tiny else bench_request(spec)
                 result = bench_model(spec, request, args.device, "checkpoint" if args.tiny else args.weights,
                                      storage)
-                rows.append(result.row())
+                table.add(result.row())
             except Exception as exc:  # noqa: BLE001 (report every model, then fail)
                 import traceback
 
                 traceback.print_exc(file=sys.stderr)
-                failures.append(f"FAILED {name}: {type(exc).__name__}: {exc}")
+                table.add(f"FAILED {name}: {type(exc).__name__}: {exc}")
+                failed = True
             release(args.device)
-    device = torch.cuda.get_device_name(args.device) if args.device.startswith("cuda") else "CPU"
-    weights = "tiny checkpoints'" if args.tiny else args.weights
-    table = "\n".join([f"# bench.gpu_bench on {device}, torch {torch.__version__}, {weights} weights",
-                       TABLE_HEADER, *rows, *failures])
-    print(table)
-    if args.out:
-        Path(args.out).mkdir(parents=True, exist_ok=True)
-        (Path(args.out) / "gpu_bench.md").write_text(table + "\n")
-    return 1 if failures else 0
+    return 1 if failed else 0
+
+
+class Table:
+    """The result table, printed line by line (a run cut short by its time limit keeps what it
+    finished) and mirrored to a file when one is given."""
+
+    def __init__(self, path: Path | None) -> None:
+        self.path = path
+        if path:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text("")
+
+    def add(self, line: str) -> None:
+        print(line, flush=True)
+        if self.path:
+            with self.path.open("a") as file:
+                file.write(line + "\n")
 
 
 if __name__ == "__main__":
