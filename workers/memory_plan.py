@@ -54,6 +54,7 @@ class CardPlan:
     capacity: int  # bytes
     workers: list[tuple[WorkerSpec, tuple[str, ...], tuple[str, ...]]]  # (worker, stages, models)
     resident: list[Component] = field(default_factory=list)  # the worst case between jobs
+    in_turn: list[Component] = field(default_factory=list)  # loadable, but not beside the worst case
     activations: dict[str, int] = field(default_factory=dict)  # worker → its largest job's activations
     problems: list[str] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
@@ -164,6 +165,7 @@ def _check_card_worst_case(card: CardPlan, registry: Registry, cache_budget: int
                    if on_card(registry.get(m), stage)]
         held = worst_cache([e for e in entries if e], cache_budget)
         card.resident.extend(held)
+        card.in_turn.extend(c for entry in entries for c in entry if c not in held)
         per_worker.append((worker.name, sum(c.bytes for c in held)))
         card.activations[worker.name] = _headroom(card, registry, worker, default_shape)[0]
     if card.total_bytes > card.capacity and card.resident:
@@ -211,9 +213,11 @@ def format_plan(cards: list[CardPlan], registry: Registry, cache_budget: int) ->
     for card in cards:
         lines.append(f"\n{card.label}: {gib(card.capacity)}; workers "
                      + ", ".join(f"{w.name} [{'+'.join(stages) or '-'}]" for w, stages, _ in card.workers))
-        for component in card.resident:
+        for component in [*card.resident, *card.in_turn]:
+            held = "" if component in card.resident else "  (in turn: the cache swaps it for others)"
             lines.append(f"  {component.model:<20} {component.stage:<8} {component.name:<16} "
-                         f"{component.dtype:<16} {component.params / 1e9:7.3f} B params  {gib(component.bytes):>10}")
+                         f"{component.dtype:<16} {component.params / 1e9:7.3f} B params  {gib(component.bytes):>10}"
+                         f"{held}")
         for worker, size in card.activations.items():
             lines.append(f"  activations {worker}: {gib(size)} (its largest job at a default shape)")
         verdict = "fits" if not card.problems else "DOES NOT FIT"
