@@ -41,7 +41,8 @@ def test_compile_wraps_each_repeated_block_and_the_worker_start_warms_it_up(
     blocks = compiled_blocks(family.transformer)
     assert blocks and all(type(family.transformer.get_submodule(b)).__name__ in family.transformer._repeated_blocks
                           for b in blocks)
-    assert family.needs_warm_up is False and cache.memory() == {"tiny-flux-compiled/denoise": family.memory_by_component()}
+    assert family.needs_warm_up is False
+    assert cache.memory() == {"tiny-flux-compiled/denoise": family.memory_by_component()}
     plain = FluxFamily(registry.get("tiny-flux"), "cpu", data_dir, ("denoise",))
     request = make_request("tiny-flux", steps=2)
     states = [f.prepare(request, plain.blank_embeddings()) for f in (family, plain)]

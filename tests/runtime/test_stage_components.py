@@ -69,7 +69,8 @@ def test_each_stage_lists_and_loads_only_its_components(model: str, models_root:
         assert set(classes) == EXPECTED[model][stage], stage
         built = build_stage(spec, stage, data_dir=models_root)
         assert set(built) == EXPECTED[model][stage]
-        assert all(isinstance(built[name], cls) for name, cls in classes.items())
+        # (AutoTokenizer builds the checkpoint's own tokenizer class.)
+        assert all(isinstance(built[name], cls) for name, cls in classes.items() if not cls.__name__.startswith("Auto"))
         modules = {n: m for n, m in built.items() if isinstance(m, torch.nn.Module)}
         assert modules and all(not m.training for m in modules.values())
 

@@ -124,15 +124,17 @@ def to_device(value: Any, device: str) -> Any:
 # --- restoring a state ------------------------------------------------------------
 
 def resumed_state(scheduler: Any, data: dict[str, Any], request: GenerationRequest, embeddings: dict[str, Any],
-                  device: str) -> DenoiseState:
-    """The tail of a restore: the scheduler's history, the RNG and the latents back in place, each
-    in the dtype it was saved in (the dtype the state ran in)."""
+                  device: str, dtype: torch.dtype) -> DenoiseState:
+    """The tail of a restore: the scheduler's history, the RNG and the latents back in place. The
+    latents in the model's `dtype` (what they ran in: a no-op for a checkpoint of this entry, a cast
+    for one made before its dtype changed); the history and x0 estimate in the dtype they were saved
+    in (a scheduler may keep them in fp32 for a bf16 model)."""
     if type(scheduler).__name__ != data["scheduler_class"]:
         raise ValueError(f"checkpoint used {data['scheduler_class']}, the model now uses {type(scheduler).__name__}")
     restore_scheduler_history(scheduler, data, device)
     generator = torch.Generator("cpu")
     generator.set_state(data["generator_state"])
-    state = DenoiseState(request=request, step=int(data["step"]), latents=data["latents"].to(device),
+    state = DenoiseState(request=request, step=int(data["step"]), latents=data["latents"].to(device, dtype),
                          embeddings=embeddings, scheduler=scheduler, generator=generator)
     restore_denoised(state, data, device)
     return state

@@ -299,7 +299,7 @@ class FluxFamily(Family):
             raise ValueError(f"checkpoint latents {tuple(data['latents'].shape)} do not fit the request "
                              f"({expected})")
         scheduler = self._new_scheduler(request, begin_index=int(data["scheduler_step_index"]))
-        return resumed_state(scheduler, data, request, embeddings, self.device)
+        return resumed_state(scheduler, data, request, embeddings, self.device, self.dtype)
 
     @torch.no_grad()
     def reschedule(self, state: DenoiseState, new_steps: int) -> DenoiseState:

@@ -272,8 +272,9 @@ class UNetFamily(Family):
             model_input, timestep = torch.cat([model_input] * 2), torch.cat([timestep] * 2)
         added = ({"text_embeds": self.guidance_batch(text_embeds, cfg), "time_ids": self.guidance_batch(time_ids, cfg)}
                  if text_embeds else None)
-        noise_pred = self.component("unet")(model_input, timestep, encoder_hidden_states=self.guidance_batch(hidden, cfg),
-                               added_cond_kwargs=added).sample
+        unet = self.component("unet")
+        noise_pred = unet(model_input, timestep, encoder_hidden_states=self.guidance_batch(hidden, cfg),
+                          added_cond_kwargs=added).sample
         halves = [part.split(rows) for part in noise_pred.chunk(2)] if cfg else [noise_pred.split(rows)]
         for i, state in enumerate(states):
             pred = halves[0][i] + state.request.guidance_scale * (halves[1][i] - halves[0][i]) if cfg else halves[0][i]
@@ -298,7 +299,7 @@ class UNetFamily(Family):
                 data: dict[str, Any]) -> DenoiseState:
         self.check_checkpoint_fields(data, request, READABLE_FORMATS)
         scheduler = self._new_scheduler(request.steps, begin_index=int(data["scheduler_step_index"]))
-        return resumed_state(scheduler, data, request, embeddings, self.device)
+        return resumed_state(scheduler, data, request, embeddings, self.device, self.dtype)
 
     @torch.no_grad()
     def reschedule(self, state: DenoiseState, new_steps: int) -> DenoiseState:
