@@ -15,16 +15,20 @@ entry holds nothing). Its model cache keeps them under GENSERVER_MODEL_CACHE_BYT
 (least recently used out first), so the worst case between jobs is the largest
 set of its entries within that budget (or its largest single entry).
 
-Activation headroom is an estimate from each model's largest job shape (the
-registry's limits; a video at most one segment), see `activation_bytes`. Two
-checks per card, each failure a line naming the card and the component:
+Activation headroom is an estimate from a job's shape (memory_estimates.py,
+`activation_bytes`), printed per model for its default shape and its largest
+(the registry's limits and max_batch; a video at most one segment). Two checks
+per card at the default shapes, each failure a line naming the card and the
+component:
 
 1. each model alone: its components on the card's workers + their activations;
 2. the card at its worst: every worker's cache full + every worker's largest
    activations at once (the stage workers on one card run concurrently).
 
-Exit status 1 when a check fails; the launcher refuses such a layout with the
-same message (`check_layout`).
+A card that fits at the default shapes but not at the largest gets a WARNING
+(such a job would fail with CUDA out-of-memory; the worker lives on). Exit
+status 1 when a check fails; the launcher refuses such a layout with the same
+message (`check_layout`).
 """
 from __future__ import annotations
 
