@@ -253,6 +253,13 @@ def group_timeout_seconds() -> float:
     return env_float("GENSERVER_GROUP_TIMEOUT_SECONDS", 300.0, above=0)
 
 
+def card_gib() -> float | None:
+    """Card memory the launcher's memory plan checks a layout against (None: ask nvidia-smi)."""
+    if not env_str("GENSERVER_CARD_GIB", ""):
+        return None
+    return env_float("GENSERVER_CARD_GIB", 0.0, above=0)
+
+
 def vae_tile_above_pixels() -> int:
     """Pixels per frame above which the VAE decodes in tiles (0: always tile)."""
     return env_int("GENSERVER_VAE_TILE_ABOVE_PIXELS", 768 * 768, minimum=0)

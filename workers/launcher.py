@@ -84,6 +84,31 @@ def current_layout() -> PoolLayout:
                             "(or detected) cards, or GENSERVER_CPU_WORKERS on CPU (docs/CONFIGURATION.md)") from None
 
 
+def refuse_unfit_layout(layout: PoolLayout) -> None:
+    """Exit with the memory plan's message when the layout's cards cannot hold what its workers load.
+
+    Only diffusers entries whose checkpoint directory exists count (the simulated backend holds
+    nothing); a CPU layout has no card to fill. The card's size is GENSERVER_CARD_GIB, else the
+    smallest card nvidia-smi reports; unknown, the check is skipped with a log line.
+    """
+    if not any(spec.devices for spec in layout.workers):
+        return
+    from django.conf import settings
+
+    from genserver import policy
+
+    from .memory_plan import check_layout, detected_card_bytes
+
+    card_bytes = detected_card_bytes()
+    if card_bytes is None:
+        logging.warning("memory plan skipped: card memory unknown (set GENSERVER_CARD_GIB)")
+        return
+    problems = check_layout(layout, policy.registry(), card_bytes, settings.MODEL_CACHE_BYTES, settings.DATA_DIR)
+    if problems:
+        raise SystemExit("launcher: this layout does not fit its cards; nothing started.\n" + "\n".join(problems)
+                         + "\n(`python -m workers.memory_plan --card-gib N` prints the whole plan)")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--print", action="store_true", help="print the layout and commands, start nothing")
@@ -98,7 +123,9 @@ def main() -> None:
         for spec in layout.workers:
             env = " ".join(f"{k}={v}" for k, v in worker_env(spec, cpu_threads_per_worker(layout)).items())
             print(env, " ".join(worker_argv(spec, args.loglevel)))
+        refuse_unfit_layout(layout)
         return
+    refuse_unfit_layout(layout)
     supervisor = Supervisor()
     start_workers(supervisor, layout, args.loglevel)
     supervisor.run_forever()
