@@ -95,7 +95,7 @@ def refuse_unfit_layout(layout: PoolLayout) -> None:
         return
     from django.conf import settings
 
-    from genserver import policy
+    from genserver import deployment
 
     from .memory_plan import check_layout, detected_card_bytes
 
@@ -103,7 +103,7 @@ def refuse_unfit_layout(layout: PoolLayout) -> None:
     if card_bytes is None:
         logging.warning("memory plan skipped: card memory unknown (set GENSERVER_CARD_GIB)")
         return
-    problems = check_layout(layout, policy.registry(), card_bytes, settings.MODEL_CACHE_BYTES, settings.DATA_DIR)
+    problems = check_layout(layout, deployment.registry(), card_bytes, settings.MODEL_CACHE_BYTES, settings.DATA_DIR)
     if problems:
         raise SystemExit("launcher: this layout does not fit its cards; nothing started.\n" + "\n".join(problems)
                          + "\n(`python -m workers.memory_plan --card-gib N` prints the whole plan)")

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from genserver import config as service_config
 from genserver.registry import ModelSpec
 
 GIB = 1024**3
@@ -168,7 +169,7 @@ def _decode_elem(spec: ModelSpec) -> int:
 
 def _decode_elements(spec: ModelSpec, shape: Shape) -> int:
     config = _config(spec, "decode", "vae")
-    tile_above = config.vae_tile_above_pixels()
+    tile_above = service_config.vae_tile_above_pixels()
     width, height = shape.width, shape.height
     if spec.family == "wan":
         channels = config.get("base_dim", 96) * list(config.get("dim_mult", (1, 2, 4, 4)))[1]

@@ -109,11 +109,11 @@ def test_a_worker_cache_holds_the_largest_set_within_its_budget():
 
 
 def test_launcher_refuses_a_layout_that_does_not_fit(registry, settings, monkeypatch):
-    from genserver import policy
+    from genserver import deployment
     from workers.launcher import refuse_unfit_layout
 
     settings.REGISTRY_PATH = str(FULL_SIZE)
-    policy.registry.cache_clear()
+    deployment.registry.cache_clear()
     monkeypatch.setattr(memory_plan, "detected_card_bytes", lambda: 24 * GIB)
     try:
         with pytest.raises(SystemExit, match="nothing started") as refused:
@@ -123,20 +123,20 @@ def test_launcher_refuses_a_layout_that_does_not_fit(registry, settings, monkeyp
         monkeypatch.setattr(memory_plan, "detected_card_bytes", lambda: 80 * GIB)
         refuse_unfit_layout(default_layout(num_gpus=1))
     finally:
-        policy.registry.cache_clear()
+        deployment.registry.cache_clear()
 
 
 def test_launcher_counts_only_checkpoints_that_exist(settings, monkeypatch):
     # The bundled registry: simulated entries hold nothing, and the tiny checkpoints' folders
     # (under the test data dir) are not there, so a 1 GiB card is no reason to refuse.
-    from genserver import policy
+    from genserver import deployment
     from workers.launcher import refuse_unfit_layout
 
     settings.REGISTRY_PATH = str(REPO / "genserver" / "registry.toml")
-    policy.registry.cache_clear()
+    deployment.registry.cache_clear()
     monkeypatch.setattr(memory_plan, "detected_card_bytes", lambda: 1 * GIB)
     monkeypatch.setattr(settings, "DATA_DIR", Path("/nonexistent-genserver-data"))
     try:
         refuse_unfit_layout(default_layout(num_gpus=1))
     finally:
-        policy.registry.cache_clear()
+        deployment.registry.cache_clear()
