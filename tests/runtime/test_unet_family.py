@@ -5,7 +5,6 @@ is tested in test_family_contract.py. No Django, no database, no downloads.
 """
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Callable
 
 import pytest
