@@ -168,15 +168,7 @@ def test_tiny_wan_long_video_in_segments_on_the_real_runtime(stack, api):
     # Segment 0 is exactly the 9-frame video of the same seed: a segment is an ordinary request.
     short = finished(submit(api, num_frames=9, **body).json()["id"])
     assert short.status == "succeeded"
-    from genserver.metrics import merged_counts
-    from genserver.jobs.models import Job
-    short_clip = download(api, api.get(f"/api/v1/jobs/{short.pk}/").json()["outputs"][0]["url"])
-    long_job = job_row(long_id)
-    print("DEBUG equal", short_clip == clips[0], "merged", merged_counts(),
-          "short", short.chunks_run, short.attempts, short.chunk_steps, short.embeddings_key,
-          "long", long_job.chunks_run, long_job.attempts, long_job.chunk_steps, long_job.embeddings_key,
-          "others", list(Job.objects.exclude(status__in=["succeeded","failed","cancelled","expired"]).values_list("model","status","num_frames","steps")))
-    assert short_clip == clips[0]
+    assert download(api, api.get(f"/api/v1/jobs/{short.pk}/").json()["outputs"][0]["url"]) == clips[0]
     assert clips[1] != clips[0]  # its own seed
 
 
