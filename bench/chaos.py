@@ -417,7 +417,7 @@ def own_stack(cards: int, clock: float, users: int, database_url: str | None,
         from django.core.management import call_command
         from rest_framework.authtoken.models import Token
 
-        from workers.launcher import current_layout, worker_argv, worker_env
+        from workers.local_workers import LocalWorkers
 
         _wait(lambda: _redis_up(url), 20, "Redis answering")
         call_command("migrate", "--noinput", verbosity=0)
@@ -426,20 +426,15 @@ def own_stack(cards: int, clock: float, users: int, database_url: str | None,
         tokens = [Token.objects.get_or_create(user=get_user_model().objects.get_or_create(
             username=f"chaos{i}")[0])[0].key for i in range(users)]
         supervisor = QuietSupervisor(os.path.join(data_dir, "stack.log"), stop_timeout=10)
-        layout = current_layout()
-        for spec in layout.workers:
-            supervisor.add(f"worker {spec.name}",
-                           worker_argv(spec, "ERROR") + ["--include", "bench.chaos_probe"], worker_env(spec))
-        supervisor.add("beat", [python(), "-m", "celery", "-A", "genserver", "beat", "--loglevel", "ERROR",
-                                "--schedule", os.path.join(data_dir, "celerybeat-schedule")])
+        # The suite's stack boot (workers and beat, every worker live), with the probe tasks loaded.
+        workers = LocalWorkers(supervisor=supervisor, loglevel="ERROR", worker_args=["--include", "bench.chaos_probe"],
+                               beat_schedule=os.path.join(data_dir, "celerybeat-schedule"), boot_timeout=120)
         api_port = free_port()
         supervisor.add("api", [python(), "-m", "gunicorn", "genserver.wsgi:application", "--bind",
                                f"127.0.0.1:{api_port}", "--workers", "2", "--threads", "4", "--log-level", "error"])
         base = f"http://127.0.0.1:{api_port}"
         _wait(lambda: http_api(base, "")("GET", "/healthz", None)[0] == 200, 60, "the API answering")
-        wanted = {w.name for w in layout.workers}
-        _wait(lambda: (supervisor.poll(), wanted <= live_names())[1], 120, "every worker live")
-        yield Target(supervisor, layout, [http_api(base, t) for t in tokens])
+        yield Target(supervisor, workers.layout, [http_api(base, t) for t in tokens])
     finally:
         if supervisor is not None:
             supervisor.stop()

@@ -126,11 +126,8 @@ def live_stack(env: dict[str, str], boot_timeout: float = 180) -> Iterator[LiveS
 
 
 def wait_for_workers(stack: LiveStack, timeout: float = 120) -> None:
-    """Until every class has as many live workers as the layout gives it."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        _, queues, _ = stack.request("GET", "/api/v1/queues/")
-        if all(set(q["workers"]) <= set(q.get("live_workers", [])) for q in queues):
-            return
-        time.sleep(0.5)
-    raise RuntimeError("workers did not come up in time")
+    """Until every worker of the stack's layout (as its API reports it) is live: the suite's readiness wait."""
+    from workers.local_workers import wait_until_live
+
+    _, queues, _ = stack.request("GET", "/api/v1/queues/")
+    wait_until_live({name for q in queues for name in q["workers"]}, timeout, interval=0.5)

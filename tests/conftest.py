@@ -1,17 +1,18 @@
-"""Shared fixtures: the real database (migrated once), real Redis, real Celery workers and beat."""
+"""Shared fixtures: the real database (migrated once), real Redis, real Celery workers and beat.
+
+Helpers live in tests/support/; the stack boot in workers/local_workers.py (shared with bench/).
+"""
 from __future__ import annotations
 
-import json
-import os
-import signal
-import time
 from collections.abc import Callable, Iterator
 
 import pytest
-from django.conf import settings
 from django.core.management import call_command
 
-STACK_BOOT_SECONDS = 90
+from tests.support.api import submit  # noqa: F401 - re-exported: tests import these from here too
+from tests.support.isolation import settle_stack
+from tests.support.waits import job_row, wait_for  # noqa: F401 - re-exported
+from workers.local_workers import LocalWorkers
 
 
 @pytest.fixture(scope="session")
@@ -35,58 +36,28 @@ def redis_conn():
     return conn
 
 
-class Stack:
-    """The worker side of the service, as `make up` runs it: the launcher's workers and beat."""
-
-    def __init__(self) -> None:
-        from workers.launcher import current_layout, start_workers
-        from workers.supervise import Supervisor, python
-
-        self.supervisor = Supervisor(stop_timeout=10)
-        self.layout = current_layout()
-        start_workers(self.supervisor, self.layout, loglevel="WARNING")
-        self.supervisor.add("beat", [python(), "-m", "celery", "-A", "genserver", "beat", "--loglevel", "WARNING",
-                                     "--schedule", settings.CELERY_BEAT_SCHEDULE_FILENAME])
-        try:
-            self.wait_ready()
-        except BaseException:  # no fixture teardown runs for a failed setup: don't leave processes behind
-            self.supervisor.stop()
-            raise
-
-    def wait_ready(self, timeout: float = STACK_BOOT_SECONDS) -> None:
-        """Every worker of the layout has sent its liveness heartbeat."""
-        from genserver.jobs.selectors import live_workers
-
-        wanted = {w.name for w in self.layout.workers}
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            self.supervisor.poll()
-            alive = {w["name"] for w in live_workers()}
-            if wanted <= alive:
-                return
-            time.sleep(0.3)
-        raise RuntimeError(f"workers not ready after {timeout} s: have {alive}, want {wanted}")
-
-    def child(self, worker: str):
-        return next(c for c in self.supervisor.children if c.name == f"worker {worker}")
-
-    def kill(self, worker: str) -> None:
-        """SIGKILL a worker's whole process group (main process and pool child): no cleanup runs."""
-        from genserver.redis_client import WORKER_KEY, client
-
-        os.killpg(self.child(worker).process.pid, signal.SIGKILL)
-        self.child(worker).process.wait()
-        client().delete(WORKER_KEY.format(name=worker))
-
-    def stop(self) -> None:
-        self.supervisor.stop()
-
-
 @pytest.fixture(scope="session")
-def stack(django_db_setup, redis_conn) -> Iterator[Stack]:
-    s = Stack()
-    yield s
-    s.stop()
+def stack(django_db_setup, redis_conn) -> Iterator[LocalWorkers]:
+    """The launcher's workers and beat (workers/local_workers.py, the boot bench/ uses too)."""
+    workers = LocalWorkers(loglevel="WARNING")
+    yield workers
+    workers.stop()
+
+
+@pytest.fixture(autouse=True)
+def _no_inherited_stack_work(request) -> Iterator[None]:
+    """A stack test neither inherits nor leaves a job in flight (tests/support/isolation.py).
+
+    The database fixture is set up first, so this teardown runs before
+    pytest-django empties the tables: the jobs it cancels still have their rows.
+    """
+    if "stack" not in request.fixturenames:
+        yield
+        return
+    request.getfixturevalue("transactional_db")  # every stack test is transactional: workers see its rows
+    settle_stack()
+    yield
+    settle_stack()
 
 
 @pytest.fixture
@@ -108,25 +79,3 @@ def make_user() -> Callable:
 @pytest.fixture
 def api(make_user):
     return make_user("alice")
-
-
-def wait_for(predicate: Callable[[], object], timeout: float = 30.0, interval: float = 0.05, what: str = ""):
-    """Poll until predicate() is truthy; its value is returned."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(interval)
-    raise AssertionError(f"timed out after {timeout} s waiting for {what or predicate}")
-
-
-def job_row(job_id):
-    from genserver.jobs.models import Job
-
-    return Job.objects.get(pk=job_id)
-
-
-def submit(client, **fields):
-    body = {"model": "sdxl-sim", "prompt": "a lighthouse at dusk"} | fields
-    return client.post("/api/v1/jobs/", data=json.dumps(body), content_type="application/json")

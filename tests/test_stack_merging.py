@@ -16,13 +16,11 @@ from PIL import Image
 
 from genserver.celery import app
 from genserver.metrics import merged_counts
-from tests.conftest import job_row, submit, wait_for
+from tests.support.api import submit
+from tests.support.waits import finished, job_row, wait_for
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.stack]
 
-
-def finished(job_id, timeout: float = 120.0):
-    return wait_for(lambda: (j := job_row(job_id)).is_terminal and j, timeout, what=f"job {job_id} to finish")
 
 
 def pixels(api, job_id) -> list[np.ndarray]:

@@ -8,17 +8,11 @@ import pytest
 from PIL import Image
 
 from genserver.metrics import embedding_cache_counts
-from tests.conftest import job_row, submit, wait_for
+from tests.support.api import download, submit
+from tests.support.waits import finished, job_row, wait_for
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.stack]
 
-
-def finished(job_id, timeout: float = 120.0):
-    return wait_for(lambda: (j := job_row(job_id)).is_terminal and j, timeout, what=f"job {job_id} to finish")
-
-
-def download(api, url: str) -> bytes:
-    return b"".join(api.get(url).streaming_content)
 
 
 @pytest.mark.parametrize("model", ["tiny-sdxl", "tiny-sd-dpm", "tiny-flux", "tiny-flux-dpm"])

@@ -7,22 +7,16 @@ import json
 import pytest
 from PIL import Image
 
-from tests.conftest import job_row, submit, wait_for
+from tests.support.api import download, submit
+from tests.support.waits import finished, job_row, wait_for
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.stack]
 
-
-def finished(job_id, timeout: float = 180.0):
-    return wait_for(lambda: (j := job_row(job_id)).is_terminal and j, timeout, what=f"job {job_id} to finish")
 
 
 def change(api, job_id, steps: int):
     return api.post(f"/api/v1/jobs/{job_id}/steps/", data=json.dumps({"steps": steps}),
                     content_type="application/json")
-
-
-def download(api, url: str) -> bytes:
-    return b"".join(api.get(url).streaming_content)
 
 
 def test_tiny_sd_stopped_early_decodes_what_it_has(stack, api):

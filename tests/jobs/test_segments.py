@@ -10,6 +10,7 @@ from django.utils import timezone
 from genserver.jobs import segment_service, services
 from genserver.jobs.models import Job, JobSegment, JobStatus, SegmentStatus
 from tests.reliability.conftest import make_job
+from tests.support.broker import capture_sends
 
 pytestmark = pytest.mark.django_db
 
@@ -20,13 +21,8 @@ LONG = {"model": "wan-sim", "width": 832, "height": 480, "num_frames": 241, "ste
 @pytest.fixture
 def sent(monkeypatch):
     """Messages the service would publish: ("decode", job, index) and ("assemble", job)."""
-    from genserver.jobs import broker
-
-    calls: list[tuple] = []
-    monkeypatch.setattr(broker, "send_segment_decode", lambda job_id, index, p: calls.append(("decode", index)))
-    monkeypatch.setattr(broker, "send_assemble", lambda job_id, p: calls.append(("assemble",)))
-    monkeypatch.setattr(broker, "send_decode", lambda job_id, p: calls.append(("job-decode",)))
-    return calls
+    return capture_sends(monkeypatch, send_segment_decode=lambda job_id, index, p: ("decode", index),
+                         send_assemble=lambda job_id, p: ("assemble",), send_decode=lambda job_id, p: ("job-decode",))
 
 
 @pytest.fixture
@@ -187,7 +183,7 @@ def test_admin_retry_of_a_failed_video_restarts_at_the_first_unpublished_segment
         segment_service.start_segment_decode(video.pk, 1, "dec")
         assert segment_service.fail_segment_decode(video.pk, 1, "dec", "boom") == "failed"
     sent.clear()
-    monkeypatch.setattr("genserver.jobs.broker.send_chunk", lambda job_id, step, q, p: sent.append(("chunk", step)))
+    capture_sends(monkeypatch, into=sent, send_chunk=lambda job_id, step, q, p: ("chunk", step))
     assert services.retry_failed(Job.objects.get(pk=video.pk))
     job = Job.objects.get(pk=video.pk)
     assert (job.status, job.checkpoint_step, job.steps_done, job.checkpoint_key) == ("denoising", 20, 20, "")

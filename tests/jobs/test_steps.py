@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import json
 from datetime import timedelta
-from unittest import mock
 
 import pytest
 from django.utils import timezone
@@ -13,6 +12,7 @@ from genserver.jobs import services
 from genserver.jobs.models import Job, JobStatus
 from genserver.redis_client import STEPS_KEY, client as redis_client
 from tests.conftest import submit
+from tests.support.broker import capture_sends
 
 pytestmark = pytest.mark.django_db(transaction=True)  # the service publishes on commit
 
@@ -31,13 +31,9 @@ def snapshot(job_id) -> tuple:
 
 
 @pytest.fixture
-def sent():
+def sent(monkeypatch):
     """The messages the job service publishes (no broker needed): [(task, args...)]."""
-    calls: list[tuple] = []
-    with mock.patch("genserver.jobs.broker.send_chunk", lambda *a: calls.append(("chunk", *a))), \
-            mock.patch("genserver.jobs.broker.send_decode", lambda *a: calls.append(("decode", *a))), \
-            mock.patch("genserver.jobs.broker.send_encode", lambda *a: calls.append(("encode", *a))):
-        yield calls
+    return capture_sends(monkeypatch, "send_chunk", "send_decode", "send_encode")
 
 
 def denoising(job_id, *, done: int, held_by: str = "") -> Job:

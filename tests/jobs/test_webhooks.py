@@ -15,7 +15,8 @@ import pytest
 from django.conf import settings
 
 from genserver import webhooks
-from tests.conftest import job_row, submit, wait_for
+from tests.support.api import submit
+from tests.support.waits import finished, job_row, wait_for
 
 VIDEO = {"model": "wan-sim", "width": 832, "height": 480, "num_frames": 81}
 
@@ -145,9 +146,6 @@ def test_private_webhook_host_is_refused_when_not_allowed(api, settings):
 
 
 # --- end to end (real workers) ---------------------------------------------------------------
-
-def finished(job_id, timeout: float = 60.0):
-    return wait_for(lambda: (j := job_row(job_id)).is_terminal and j, timeout, what=f"job {job_id} to finish")
 
 
 @pytest.mark.stack

@@ -13,15 +13,13 @@ import time
 import pytest
 
 from bench import chaos_probe
-from tests.conftest import job_row, submit, wait_for
+from tests.support.api import submit
+from tests.support.waits import finished, job_row, settled, wait_for
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.stack]
 
 VIDEO = {"model": "wan-sim", "width": 832, "height": 480, "num_frames": 81, "steps": 20}
 
-
-def finished(job_id, timeout: float = 60.0):
-    return wait_for(lambda: (j := job_row(job_id)).is_terminal and j, timeout, what=f"job {job_id} to end")
 
 
 def assert_each_chunk_and_decode_once(job) -> None:
@@ -78,7 +76,8 @@ def test_every_message_published_twice_runs_each_chunk_once(stack, make_user):
     twin.join()
     assert job.status == "succeeded", job.error
     assert published[0] >= 5 and "skipped" in outcomes, (published, outcomes)
-    time.sleep(1.0)  # the duplicates left in the broker are consumed (and find the job finished)
+    job = job_row(job_id)
+    settled(["encode", job.queue, "decode"])  # the duplicates left in the broker ran (and found it finished)
     assert_each_chunk_and_decode_once(job_row(job_id))
 
 
@@ -112,9 +111,16 @@ def test_messages_redelivered_after_visibility_timeout_run_nothing_twice(stack, 
     twin = threading.Thread(target=redeliver)
     twin.start()
     job = finished(job_id)
-    time.sleep(1.0)  # let the redelivered copies run
     stop.set()
     twin.join()
+
+    def no_copy_of_the_job_unacked() -> bool:
+        with app.connection_for_write() as conn:
+            return not any(job_id.encode() in raw for raw in client().hvals(conn.default_channel.unacked_key))
+
+    # The redelivered copies run: none is held unacknowledged or waits in a queue, no worker is busy.
+    wait_for(no_copy_of_the_job_unacked, 30, what="the redelivered copies to be acknowledged")
+    settled(["encode", job.queue, "decode"])
     assert job.status == "succeeded", job.error
     stages = {name for name in ("tasks.encode.encode", "tasks.denoise.run_chunk", "tasks.decode.decode")
               if any(name in raw for raw in redelivered.values())}

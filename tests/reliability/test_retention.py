@@ -28,6 +28,7 @@ from genserver.jobs.models import Job, JobStatus
 from genserver.storage import default_storage
 from tests.conftest import job_row, submit, wait_for
 from tests.reliability.conftest import make_job
+from tests.support.broker import capture_sends
 
 pytestmark = pytest.mark.django_db
 
@@ -131,13 +132,11 @@ def test_disk_full_fails_the_job_at_once_with_a_clear_error(make_user, monkeypat
     """The stage tasks run here, as a worker runs them, with every write under `where` going to
     /dev/full (ENOSPC at the first flush, through the real storage code)."""
     import genserver.storage as storage_module
-    from genserver.jobs import broker
     from tasks.decode import decode
     from tasks.denoise import run_chunk
     from tasks.encode import encode
 
-    for name in ("send_encode", "send_chunk", "send_decode"):  # no worker of the stack takes part
-        monkeypatch.setattr(broker, name, lambda *args, **kwargs: None)
+    capture_sends(monkeypatch, "send_encode", "send_chunk", "send_decode")  # no worker of the stack takes part
     real_mkstemp = tempfile.mkstemp
 
     def full_disk_mkstemp(*args, dir=None, **kwargs):
@@ -155,9 +154,7 @@ def test_disk_full_fails_the_job_at_once_with_a_clear_error(make_user, monkeypat
     for earlier in order[:order.index(stage)]:
         steps[earlier]()
     monkeypatch.setattr(storage_module.tempfile, "mkstemp", full_disk_mkstemp)
-    started = time.monotonic()
-    assert steps[stage]() == "failed"  # the task returns: the worker is free for the next job
-    assert time.monotonic() - started < 10
+    assert steps[stage]() == "failed"  # the task returns, not retried: the worker is free for the next job
     job.refresh_from_db()
     assert job.status == "failed" and job.attempts == 1, (job.status, job.attempts, job.error[:300])
     assert job.error.startswith("storage full: could not write")

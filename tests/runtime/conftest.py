@@ -38,13 +38,24 @@ RESUME_CASES: list[tuple[str, str]] = [
     ("tiny-sd", "euler"), ("tiny-sd", "euler_a"), ("tiny-sd", "dpmpp_2m"),
     ("tiny-sdxl", "euler"), ("tiny-sdxl", "euler_a"), ("tiny-sdxl", "dpmpp_2m"),
     ("tiny-flux", "flow_euler"), ("tiny-flux", "flow_dpmpp_2m"),
+    ("tiny-wan", "unipc"), ("tiny-wan", "dpmpp_2m"), ("tiny-wan", "flow_euler"),
 ]
+
+# What a model's requests default to besides the common fields: FLUX's usual guidance, a video's frames.
+MODEL_REQUEST_DEFAULTS: dict[str, dict[str, Any]] = {
+    "tiny-flux": {"guidance_scale": 3.5},
+    "tiny-wan": {"job_id": "job-v", "prompt": "a red cat walking on the sea", "num_frames": 9},
+}
 
 
 def make_request(model: str = "tiny-sd", **overrides: Any) -> GenerationRequest:
     fields = dict(job_id="job-1", model=model, prompt="a red cat on a sofa", negative_prompt="blurry",
                   width=64, height=64, num_frames=1, steps=6, guidance_scale=5.0, seed=1234, num_outputs=1)
-    return GenerationRequest(**(fields | overrides))
+    return GenerationRequest(**(fields | MODEL_REQUEST_DEFAULTS.get(model, {}) | overrides))
+
+
+def embed(family: Family, request: GenerationRequest) -> dict[str, Any]:
+    return family.encode([(request.prompt, request.negative_prompt)])[0]
 
 
 def run_to_end(family: Family, state: DenoiseState) -> torch.Tensor:
@@ -78,11 +89,13 @@ def assert_same_scheduler_state(a: Any, b: Any) -> None:
 
 
 def family_class(family: str) -> type[Family]:
-    if family == "flux":
-        from workers.runtime.flux import FluxFamily
+    """The adapter class the worker would load for a registry family (workers/runtime/cache.py)."""
+    import importlib
 
-        return FluxFamily
-    return UNetFamily
+    from workers.runtime.cache import FAMILY_ADAPTERS
+
+    module, name = FAMILY_ADAPTERS[family].split(":")
+    return getattr(importlib.import_module(module), name)
 
 
 @pytest.fixture(scope="session")

@@ -64,9 +64,9 @@ def test_merged_jobs_match_each_job_alone(load_family: Callable[..., Family], mo
 
 
 def test_merged_wan_jobs_match_each_job_alone(wan_family: Family) -> None:
-    from .test_wan_family import make_request as wan_request
 
-    requests = [wan_request(job_id="a", seed=1), wan_request(job_id="b", seed=2, prompt="a boat on a lake")]
+    requests = [make_request("tiny-wan", job_id="a", seed=1),
+                make_request("tiny-wan", job_id="b", seed=2, prompt="a boat on a lake")]
     states = [prepared(wan_family, r) for r in requests]
     while not states[0].done:
         wan_family.step_many(states)
