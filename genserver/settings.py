@@ -63,6 +63,7 @@ INSTALLED_APPS = [
 ]
 
 MIDDLEWARE = [
+    "genserver.metrics.RequestMetricsMiddleware",  # first: counts and times every request (GET /metrics)
     "django.middleware.security.SecurityMiddleware",
     "whitenoise.middleware.WhiteNoiseMiddleware",
     "django.contrib.sessions.middleware.SessionMiddleware",
@@ -114,12 +115,29 @@ STORAGES = {
 }
 WHITENOISE_USE_FINDERS = True  # serve admin/docs assets without a collectstatic step
 
+# --- Logs and metrics ------------------------------------------------------------
+# json: one JSON object per line (log collectors); text: plain lines for development. Job transitions
+# (genserver.transitions: job id, user, model, class, from → to, step, worker, node, seconds) go to the
+# process's real stderr through their own handler, so inside a Celery worker they keep this format
+# while Celery's own lines keep Celery's.
+LOG_FORMAT = env_choice("GENSERVER_LOG_FORMAT", "json", ("json", "text"))
+LOG_LEVEL = env_choice("GENSERVER_LOG_LEVEL", "INFO", LOG_LEVELS)
 LOGGING = {
     "version": 1,
     "disable_existing_loggers": False,
-    "handlers": {"console": {"class": "logging.StreamHandler"}},
-    "root": {"handlers": ["console"], "level": env_choice("GENSERVER_LOG_LEVEL", "INFO", LOG_LEVELS)},
+    "formatters": {
+        "json": {"()": "genserver.logs.JsonFormatter"},
+        "text": {"format": "%(asctime)s %(levelname)s %(name)s %(message)s"},
+    },
+    "handlers": {
+        "console": {"class": "logging.StreamHandler", "formatter": LOG_FORMAT},
+        "transitions": {"class": "logging.StreamHandler", "formatter": LOG_FORMAT, "stream": "ext://sys.__stderr__"},
+    },
+    "root": {"handlers": ["console"], "level": LOG_LEVEL},
+    "loggers": {"genserver.transitions": {"handlers": ["transitions"], "level": LOG_LEVEL, "propagate": False}},
 }
+# GET /metrics answers a staff session, or `Authorization: Bearer <this token>` (Prometheus); empty: staff only.
+METRICS_TOKEN = env_str("GENSERVER_METRICS_TOKEN", "")
 
 # --- API -----------------------------------------------------------------------
 REST_FRAMEWORK = {

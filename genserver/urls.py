@@ -3,7 +3,7 @@ from django.contrib import admin
 from django.urls import include, path
 from drf_spectacular.views import SpectacularAPIView, SpectacularRedocView, SpectacularSwaggerView
 
-from genserver import health
+from genserver import health, metrics
 
 urlpatterns = [
     path("api/v1/", include("genserver.jobs.api.urls")),
@@ -13,4 +13,9 @@ urlpatterns = [
     path("admin/", admin.site.urls),
     path("healthz", health.healthz, name="healthz"),
     path("readyz", health.readyz, name="readyz"),
+]
+
+# Prometheus (docs/METRICS.md): a staff session or the bearer token GENSERVER_METRICS_TOKEN.
+urlpatterns += [
+    path("metrics", metrics.metrics_view, name="metrics"),
 ]

@@ -55,6 +55,18 @@ def wait_for_redis(url: str, timeout: float = 20.0) -> None:
             time.sleep(0.2)
 
 
+def prepare_metrics_dir(data_dir: Path) -> Path:
+    """PROMETHEUS_MULTIPROC_DIR for every process started here (default: under the data directory), emptied
+    of the last run's value files: gunicorn's and the workers' processes each write theirs there, and
+    /metrics sums them (genserver/metrics.py). Set before any child starts, so all of them inherit it."""
+    path = Path(os.environ.get("PROMETHEUS_MULTIPROC_DIR") or data_dir / "prometheus")
+    path.mkdir(parents=True, exist_ok=True)
+    for stale in path.glob("*.db"):  # only prometheus-client's files: the directory may be the operator's
+        stale.unlink(missing_ok=True)
+    os.environ["PROMETHEUS_MULTIPROC_DIR"] = str(path)
+    return path
+
+
 def manage(*args: str) -> str:
     out = subprocess.run([python(), "manage.py", *args], capture_output=True, text=True, check=False)
     if out.returncode:
@@ -82,6 +94,7 @@ def main() -> None:
     with exit_on_settings_error():  # every setting and the pool layout checked before anything starts
         layout = current_layout()
         port, flower_port, api_workers = config.api_port(), config.flower_port(), config.api_workers()
+    metrics_dir = prepare_metrics_dir(settings.DATA_DIR)
     supervisor = Supervisor()
     supervisor.install_signal_handlers()
     try:
@@ -113,6 +126,7 @@ genserver is up.
   API        {api}/api/v1/   (docs: {api}/api/docs/)
   Admin      {api}/admin/    (python manage.py createsuperuser for a login)
   Flower     http://127.0.0.1:{flower_port}/
+  Metrics    {api}/metrics   (a staff session, or Bearer GENSERVER_METRICS_TOKEN; files in {metrics_dir})
   Token      {token}   (user "demo")
 
   curl -H "Authorization: Token {token}" -H "Content-Type: application/json" \\
