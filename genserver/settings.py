@@ -118,8 +118,8 @@ WHITENOISE_USE_FINDERS = True  # serve admin/docs assets without a collectstatic
 # --- Logs and metrics ------------------------------------------------------------
 # json: one JSON object per line (log collectors); text: plain lines for development. Job transitions
 # (genserver.transitions: job id, user, model, class, from → to, step, worker, node, seconds) go to the
-# process's real stderr through their own handler, so inside a Celery worker they keep this format
-# while Celery's own lines keep Celery's.
+# process's real stderr through their own handler, so inside a Celery worker they keep this format;
+# Celery's own lines (the `celery` loggers) keep Celery's format in either case.
 LOG_FORMAT = env_choice("GENSERVER_LOG_FORMAT", "json", ("json", "text"))
 LOG_LEVEL = env_choice("GENSERVER_LOG_LEVEL", "INFO", LOG_LEVELS)
 LOGGING = {
@@ -128,13 +128,18 @@ LOGGING = {
     "formatters": {
         "json": {"()": "genserver.logs.JsonFormatter"},
         "text": {"format": "%(asctime)s %(levelname)s %(name)s %(message)s"},
+        "celery": {"format": "[%(asctime)s: %(levelname)s/%(processName)s] %(message)s"},  # Celery's own
     },
     "handlers": {
         "console": {"class": "logging.StreamHandler", "formatter": LOG_FORMAT},
         "transitions": {"class": "logging.StreamHandler", "formatter": LOG_FORMAT, "stream": "ext://sys.__stderr__"},
+        "celery": {"class": "logging.StreamHandler", "formatter": "celery", "stream": "ext://sys.__stderr__"},
     },
     "root": {"handlers": ["console"], "level": LOG_LEVEL},
-    "loggers": {"genserver.transitions": {"handlers": ["transitions"], "level": LOG_LEVEL, "propagate": False}},
+    "loggers": {
+        "genserver.transitions": {"handlers": ["transitions"], "level": LOG_LEVEL, "propagate": False},
+        "celery": {"handlers": ["celery"], "propagate": False},
+    },
 }
 # GET /metrics answers a staff session, or `Authorization: Bearer <this token>` (Prometheus); empty: staff only.
 METRICS_TOKEN = env_str("GENSERVER_METRICS_TOKEN", "")

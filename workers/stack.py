@@ -60,9 +60,10 @@ def prepare_metrics_dir(data_dir: Path) -> Path:
     of the last run's value files: gunicorn's and the workers' processes each write theirs there, and
     /metrics sums them (genserver/metrics.py). Set before any child starts, so all of them inherit it."""
     path = Path(os.environ.get("PROMETHEUS_MULTIPROC_DIR") or data_dir / "prometheus")
-    path.mkdir(parents=True, exist_ok=True)
-    for stale in path.glob("*.db"):  # only prometheus-client's files: the directory may be the operator's
-        stale.unlink(missing_ok=True)
+    for directory in (path, path / "flower"):
+        directory.mkdir(parents=True, exist_ok=True)
+        for stale in directory.glob("*.db"):  # only prometheus-client's files: the directory may be the operator's
+            stale.unlink(missing_ok=True)
     os.environ["PROMETHEUS_MULTIPROC_DIR"] = str(path)
     return path
 
@@ -115,7 +116,8 @@ def main() -> None:
         supervisor.add("beat", [python(), "-m", "celery", "-A", "genserver", "beat", "--loglevel", "INFO",
                                 "--schedule", settings.CELERY_BEAT_SCHEDULE_FILENAME])
         supervisor.add("flower", [python(), "-m", "celery", "-A", "genserver", "flower",
-                                  f"--port={flower_port}", "--address=127.0.0.1"])
+                                  f"--port={flower_port}", "--address=127.0.0.1"],
+                       env={"PROMETHEUS_MULTIPROC_DIR": str(metrics_dir / "flower")})  # its own /metrics, not ours
         wait_for_http(f"http://127.0.0.1:{port}/healthz")
     except BaseException:
         supervisor.stop()
