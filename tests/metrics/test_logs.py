@@ -57,8 +57,10 @@ def test_a_worker_transition_names_the_worker_and_its_node(api, transition_lines
 
 
 def configured_formatter(tmp_path, log_format: str) -> subprocess.CompletedProcess:
-    """A fresh process that loads the real settings with GENSERVER_LOG_FORMAT and logs one transition line."""
+    """A fresh process that loads the real settings with GENSERVER_LOG_FORMAT, logs a Celery line and then
+    one transition line."""
     code = ("import django, logging; django.setup(); "
+            "logging.getLogger('celery.worker.consumer').info('Connected to redis'); "
             "logging.getLogger('genserver.transitions').info('job j queued → encoding', extra={'job_id': 'j'})")
     env = dict(os.environ, DJANGO_SETTINGS_MODULE="genserver.settings", GENSERVER_DATA_DIR=str(tmp_path),
                GENSERVER_LOG_FORMAT=log_format, GENSERVER_LOG_LEVEL="INFO")
@@ -67,7 +69,9 @@ def configured_formatter(tmp_path, log_format: str) -> subprocess.CompletedProce
 
 def test_log_format_json_text_or_refused(tmp_path):
     as_json = configured_formatter(tmp_path, "json")
-    assert json.loads(as_json.stderr.strip().splitlines()[-1])["job_id"] == "j", as_json.stderr
+    celery_line, transition_line = as_json.stderr.strip().splitlines()[-2:]
+    assert json.loads(transition_line)["job_id"] == "j", as_json.stderr
+    assert celery_line.startswith("[") and celery_line.endswith(": INFO/MainProcess] Connected to redis")  # Celery's
     as_text = configured_formatter(tmp_path, "text")
     assert as_text.stderr.strip().splitlines()[-1].endswith(" INFO genserver.transitions job j queued → encoding")
     refused = configured_formatter(tmp_path, "xml")
