@@ -77,9 +77,12 @@ def receiver():
 
 
 def assert_signed(request: dict) -> None:
+    """What a receiver in any language does, written out: HMAC-SHA256 of "<timestamp>." + the raw body."""
     headers = {k.lower(): v for k, v in request["headers"].items()}
-    expected = "sha256=" + hmac.new(settings.WEBHOOK_SECRET.encode(), request["body"], hashlib.sha256).hexdigest()
+    signed = headers["x-genserver-timestamp"].encode() + b"." + request["body"]
+    expected = "sha256=" + hmac.new(settings.WEBHOOK_SECRET.encode(), signed, hashlib.sha256).hexdigest()
     assert headers["x-genserver-signature"] == expected
+    assert abs(time.time() - int(headers["x-genserver-timestamp"])) < 600
     assert headers["content-type"] == "application/json"
     assert headers["x-genserver-event"] == json.loads(request["body"])["event"]
     assert len(headers["x-genserver-delivery"]) == 36  # a uuid
@@ -93,10 +96,24 @@ def test_signature_verifies_with_the_secret(receiver):
     request = receiver.requests[0]
     assert request["body"] == body
     assert_signed(request)
-    assert webhooks.verify(body, request["headers"]["X-Genserver-Signature"])
-    assert not webhooks.verify(body + b" ", request["headers"]["X-Genserver-Signature"])
-    assert not webhooks.verify(body, request["headers"]["X-Genserver-Signature"], secret="another secret")
+    signature, stamp = request["headers"]["X-Genserver-Signature"], request["headers"]["X-Genserver-Timestamp"]
+    assert webhooks.verify(body, signature, stamp)
+    assert not webhooks.verify(body + b" ", signature, stamp)
+    assert not webhooks.verify(body, signature, int(stamp) + 1)  # the timestamp is signed too
+    assert not webhooks.verify(body, signature, stamp, secret="another secret")
+    # A request replayed later than the tolerance is refused even with its valid signature.
+    assert not webhooks.verify(body, signature, stamp, now=int(stamp) + webhooks.REPLAY_TOLERANCE_SECONDS + 1)
     assert set(json.loads(body)) == {"event", "job", "sent_at"}
+
+
+def test_the_signing_secret_is_printed_by_a_management_command():
+    from io import StringIO
+
+    from django.core.management import call_command
+
+    out = StringIO()
+    call_command("webhook_secret", stdout=out, stderr=StringIO())
+    assert out.getvalue().strip() == settings.WEBHOOK_SECRET
 
 
 def test_non_2xx_raises_so_the_task_retries(receiver):
@@ -113,6 +130,8 @@ def test_private_hosts_are_refused_unless_allowed(settings):
             webhooks.check_url(url)
     with pytest.raises(webhooks.WebhookURLError):
         webhooks.check_url("file:///etc/passwd")
+    with pytest.raises(webhooks.WebhookURLError, match="GENSERVER_WEBHOOK_ALLOW_PRIVATE"):
+        webhooks.check_url("http://127.0.0.1:8000/x")  # the refusal says how to allow it for local testing
     settings.WEBHOOK_ALLOW_PRIVATE = True
     webhooks.check_url("http://127.0.0.1:8000/x")
 
