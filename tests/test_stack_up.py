@@ -17,6 +17,8 @@ import redis
 
 from tests.conftest import wait_for
 
+pytestmark = pytest.mark.stack
+
 BOOT_SECONDS = 240  # two stacks boot side by side on a small machine
 ALL_QUEUES = '["short", "medium", "long", "encode", "decode", "control", "webhooks"]'
 
