@@ -33,13 +33,14 @@ def _ts(text: str) -> float:
 
 def bare_round_trip(samples: int) -> list[float]:
     from genserver.celery import app
+    from genserver.jobs.broker import PING_TASK
     from genserver.redis_client import client
 
     times = []
     for _ in range(samples):
         key = f"genserver:probe:{uuid.uuid4()}"
         sent = time.time()
-        app.send_task("tasks.probe.ping", args=[key, sent], queue="short", priority=0)
+        app.send_task(PING_TASK.name, args=[key, sent], queue="short", priority=0)
         client().blpop([key], timeout=10)
         times.append(time.time() - sent)
     return times

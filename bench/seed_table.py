@@ -27,7 +27,7 @@ from genserver.scheduling.admission import AdmissionLimits
 from genserver.scheduling.chunking import DEFAULT_CHUNK_SECONDS
 from genserver.scheduling.simulator import (
     DEFAULT_CHECKPOINT_SECONDS, DEFAULT_SWITCH_SECONDS, IMAGE, KINDS, SEED_POLICIES, VIDEO, SimConfig,
-    SEED_VIDEO_SECONDS, SimResult, group_table, mixed_layout, offered_load, our_config, pct, seed_waits,
+    SEED_VIDEO_SECONDS, SimResult, group_table, mixed_layout, offered_load, service_policy_config, pct, seed_waits,
     seed_workload, simulate, simulate_groups,
 )
 
@@ -68,11 +68,11 @@ class Outcome:
 
 
 def ours(**overrides: object) -> SimConfig:
-    return our_config(**overrides)  # type: ignore[arg-type]
+    return service_policy_config(**overrides)  # type: ignore[arg-type]
 
 
 def ours_yod(**overrides: object) -> SimConfig:
-    return our_config(yield_on_demand=True, **overrides)  # type: ignore[arg-type]
+    return service_policy_config(yield_on_demand=True, **overrides)  # type: ignore[arg-type]
 
 
 OUR_POLICIES: dict[str, Callable[..., SimConfig]] = {OURS: ours, OURS_YOD: ours_yod}

@@ -28,7 +28,7 @@ from django.db.models import Count, Min, Q
 from django.http import HttpRequest, JsonResponse
 from django.utils import timezone
 
-from genserver import policy
+from genserver import deployment
 from genserver.scheduling.pools import ALL_QUEUES, CONTROL, DECODE, ENCODE, WEBHOOKS, class_of
 
 log = logging.getLogger(__name__)
@@ -97,7 +97,8 @@ def _queue_order(queue: str) -> tuple[int, str]:
 
 
 def readyz(request: HttpRequest) -> JsonResponse:
-    from genserver.jobs.selectors import broker_depth, live_workers
+    from genserver.jobs.broker import broker_depth
+    from genserver.jobs.selectors import live_workers
     from genserver.redis_client import client as redis_client
 
     problems: list[str] = []
@@ -124,7 +125,7 @@ def readyz(request: HttpRequest) -> JsonResponse:
         problems.append("Redis (the broker) is unreachable")
     # The queues some worker of the layout reads (a worker dedicated to a model reads its own class
     # queues, "short.sdxl"), plus encode, decode and control (the reaper runs there).
-    expected = set(policy.layout().all_queues()) | {ENCODE, DECODE, CONTROL}
+    expected = set(deployment.layout().all_queues()) | {ENCODE, DECODE, CONTROL}
     queues: dict[str, dict[str, Any]] = {}
     for queue in sorted(expected | set(waiting), key=_queue_order):
         names = sorted(w.get("name", "?") for w in live if queue in w.get("queues", []))

@@ -35,6 +35,8 @@ from django.conf import settings
 from django.urls import reverse
 from django.utils import timezone
 
+from genserver.jobs import broker
+
 log = logging.getLogger(__name__)
 
 EVENTS = ("started", "preview", "segment", "succeeded", "failed", "cancelled")  # segment: a long video's clip
@@ -161,12 +163,10 @@ def emit(job_id, event: str, segment: int | None = None) -> None:
         job = Job.objects.filter(pk=job_id).exclude(webhook_url="").first()
         if job is None:
             return
-        from tasks import dispatch
-
         payload = job_payload(job)
         if segment is not None:
             payload["segment"] = segment_payload(job, segment)  # encode_body moves it to the top level
-        dispatch.send_webhook(job.pk, event, payload)
+        broker.send_webhook(job.pk, event, payload)
     except Exception:  # noqa: BLE001 - a webhook must never break a transition
         log.warning("could not enqueue webhook %s of job %s", event, job_id, exc_info=True)
 

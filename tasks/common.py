@@ -6,7 +6,7 @@ import threading
 from contextlib import contextmanager
 from typing import Callable, Iterator
 
-from genserver import policy
+from genserver import deployment
 from genserver.jobs.models import Job
 from genserver.storage import default_storage
 from workers.runtime.base import Family, GenerationRequest
@@ -27,7 +27,7 @@ def request_of(job: Job) -> GenerationRequest:
 
 
 def family_of(job: Job) -> Family:
-    return model_cache().get(policy.registry().get(job.model))
+    return model_cache().get(deployment.registry().get(job.model))
 
 
 def preload(job_id: str) -> bool:
@@ -39,7 +39,7 @@ def preload(job_id: str) -> bool:
     model = model_of(job_id)
     if model is None:
         return False
-    model_cache().get(policy.registry().get(model))
+    model_cache().get(deployment.registry().get(model))
     return True
 
 

@@ -5,20 +5,21 @@ import traceback
 
 from celery import shared_task
 
-from genserver.jobs import services
+from genserver.jobs import broker, services
+from genserver.jobs.services import Outcome
 from workers.runtime import stages
 
 from .common import family_of, preload, renewing, request_of, storage, worker_id
 
 
-@shared_task(name="tasks.decode.decode", bind=True)
+@shared_task(name=broker.DECODE_TASK.name, bind=True)
 def decode(self, job_id: str) -> str:
     worker = worker_id(self)
     if not preload(job_id):
-        return "skipped"
+        return Outcome.SKIPPED
     job = services.start_decoding(job_id, worker)
     if job is None:
-        return "skipped"
+        return Outcome.SKIPPED
     try:
         with renewing(lambda: services.heartbeat(job_id, worker)):
             outputs = stages.decode(family_of(job), storage(), request_of(job), embeddings_ref=job.embeddings_key,
@@ -26,4 +27,4 @@ def decode(self, job_id: str) -> str:
     except Exception:  # noqa: BLE001
         return services.fail_attempt(job_id, worker, traceback.format_exc())
     services.finish_decoding(job_id, worker, outputs)
-    return "succeeded"
+    return Outcome.SUCCEEDED

@@ -26,9 +26,10 @@ from dataclasses import dataclass
 from celery import shared_task
 from django.conf import settings
 
-from genserver import policy
-from genserver.jobs import selectors, services
+from genserver import deployment
+from genserver.jobs import broker, services
 from genserver.jobs.models import Job
+from genserver.jobs.services import Outcome
 from genserver.metrics import count_merged_batch
 from genserver.redis_client import CANCEL_KEY, STEPS_KEY, client as redis_client
 from genserver.scheduling.classes import CLASSES, priority_for
@@ -66,15 +67,15 @@ class _Member:
         self.checkpoint_key = self.cursor.deletable(self.job.checkpoint_step, self.checkpoint_key)
 
 
-@shared_task(name="tasks.denoise.run_chunk", bind=True)
+@shared_task(name=broker.CHUNK_TASK.name, bind=True)
 def run_chunk(self, job_id: str, from_step: int) -> str:
     worker = worker_id(self)
     if not preload(job_id):
-        return "skipped"
+        return Outcome.SKIPPED
     job = services.claim_chunk(job_id, worker, from_step)
     if job is None:
-        return "skipped"  # already past this step, held elsewhere, cancelled or finished
-    partners = services.claim_merge_partners(job, worker, policy.registry().get(job.model).max_merge)
+        return Outcome.SKIPPED  # already past this step, held elsewhere, cancelled or finished
+    partners = services.claim_merge_partners(job, worker, deployment.registry().get(job.model).max_merge)
     if partners:
         count_merged_batch(1 + len(partners))
     members = [_Member(j, CANCEL_KEY.format(job_id=j.pk), time.monotonic(), j.checkpoint_key)
@@ -101,7 +102,7 @@ def _denoise(members: list[_Member], worker: str) -> str:
         if time.monotonic() - member.last_beat > HEARTBEAT_EVERY_SECONDS:
             member.last_beat = time.monotonic()
             if not services.heartbeat(job_id, worker, steps_done=step):
-                return "lease-lost"
+                return Outcome.LEASE_LOST
         return ""
 
     def keep_card(step: int) -> bool:
@@ -109,8 +110,8 @@ def _denoise(members: list[_Member], worker: str) -> str:
         if step >= lead.total_steps or time.monotonic() - task_started > settings.CELERY_VISIBILITY_TIMEOUT / 2:
             return False
         remaining = lead.estimated_seconds * (lead.total_steps - step) / lead.total_steps
-        continuation = priority_for(lead.duration_class, remaining, True, policy.thresholds())
-        return not selectors.waiting_at_or_before(_consumed_queues(lead.queue), continuation)
+        continuation = priority_for(lead.duration_class, remaining, True, deployment.thresholds())
+        return not broker.waiting_at_or_before(_consumed_queues(lead.queue), continuation)
 
     def on_preview(state: DenoiseState, key: str, step: int) -> None:
         member = by_id[job_id_of(state.request)]
@@ -127,7 +128,7 @@ def _denoise(members: list[_Member], worker: str) -> str:
                 preview_every=lead.preview_every, should_stop=should_stop, on_preview=on_preview)
             stay = keep_card(max(m.cursor.offset + r.step for m, r in zip(running, results)))
             for m, result in zip(running, results):
-                if result.stopped == "steps-changed":
+                if result.stopped == Outcome.STEPS_CHANGED:
                     m.outcome = _hand_back_for_new_total(m, worker, family, store)
                     continue
                 m.outcome = _record_chunk(m, result, worker, stay, store)
@@ -145,13 +146,13 @@ def _record_chunk(member: _Member, result: stages.ChunkResult, worker: str, stay
     """Record one job's chunk; "" while it stays in this task, else how it left."""
     job_id = member.job.pk
     if result.stopped:
-        if result.stopped == "cancelled":
+        if result.stopped == Outcome.CANCELLED:
             services.finish_cancelled(job_id, worker)
         return result.stopped
     step = member.cursor.offset + result.step  # global over a long video's segments
     if not services.finish_chunk(job_id, worker, step, result.checkpoint_key, result.step_seconds,
                                  keep_lease=stay):
-        return "superseded"
+        return Outcome.SUPERSEDED
     if member.checkpoint_key and member.checkpoint_key != result.checkpoint_key:
         # The older checkpoint is no longer needed; an unlink right after an fsync can take
         # milliseconds, so it happens off the chunk boundary.
@@ -165,9 +166,9 @@ def _flagged(member: _Member) -> str:
     or "": both flags in one Redis round trip, since this runs before every step of every member."""
     cancelled, total = redis_client().mget(member.cancel_key, STEPS_KEY.format(job_id=member.job.pk))
     if cancelled is not None:
-        return "cancelled"
+        return Outcome.CANCELLED
     if total is not None and int(total) != member.job.steps:
-        return "steps-changed"
+        return Outcome.STEPS_CHANGED
     return ""
 
 
@@ -179,4 +180,4 @@ def _hand_back_for_new_total(member: _Member, worker: str, family, store) -> str
     released = services.release_for_new_total(member.job.pk, worker, state.step, key)
     if released and key and member.checkpoint_key not in ("", key):
         _deleter.submit(store.delete_prefix, member.checkpoint_key)
-    return "steps-changed"
+    return Outcome.STEPS_CHANGED

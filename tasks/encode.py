@@ -11,21 +11,22 @@ import traceback
 from celery import shared_task
 from django.conf import settings
 
-from genserver.jobs import services
+from genserver.jobs import broker, services
+from genserver.jobs.services import Outcome
 from genserver.metrics import count_embedding_cache
 from workers.runtime import stages
 
 from .common import family_of, preload, request_of, storage, worker_id
 
 
-@shared_task(name="tasks.encode.encode", bind=True)
+@shared_task(name=broker.ENCODE_TASK.name, bind=True)
 def encode(self, job_id: str) -> str:
     worker = worker_id(self)
     if not preload(job_id):
-        return "skipped"
+        return Outcome.SKIPPED
     job = services.start_encoding(job_id, worker)
     if job is None:
-        return "skipped"  # cancelled, finished, or another worker has it: a redelivery does nothing
+        return Outcome.SKIPPED  # cancelled, finished, or another worker has it: a redelivery does nothing
     batch = [job] + services.claim_encode_batch(job, worker, settings.ENCODE_BATCH - 1)
     try:
         results = stages.encode(family_of(job), storage(), [request_of(j) for j in batch])

@@ -3,16 +3,16 @@ from __future__ import annotations
 
 from celery import shared_task
 
-from genserver.jobs import services
+from genserver.jobs import broker, services
 
 
-@shared_task(name="tasks.maintenance.reap")
+@shared_task(name=broker.REAP_TASK.name)
 def reap() -> dict[str, int]:
     """Re-publish every job whose worker stopped renewing its lease, from its last checkpoint."""
     return services.reap_stale()
 
 
-@shared_task(name="tasks.maintenance.retain")
+@shared_task(name=broker.RETAIN_TASK.name)
 def retain() -> dict[str, int]:
     """Retention: expire old outputs and previews, delete prompt embeddings no job uses any more."""
     return services.retain()

@@ -5,8 +5,10 @@ import time
 
 from celery import shared_task
 
+from genserver.jobs import broker
 
-@shared_task(name="tasks.probe.ping")
+
+@shared_task(name=broker.PING_TASK.name)
 def ping(reply_key: str, sent_at: float) -> None:
     """Push the time the task started to `reply_key`, where the sender waits for it (BLPOP)."""
     from genserver.redis_client import client

@@ -16,8 +16,9 @@ import traceback
 
 from celery import shared_task
 
-from genserver.jobs import segment_service, services
+from genserver.jobs import broker, segment_service, services
 from genserver.jobs.models import Job
+from genserver.jobs.services import Outcome
 from genserver.scheduling.segments import segment_of_step
 from workers.runtime import segments as runtime_segments
 from workers.runtime import stages
@@ -78,14 +79,14 @@ class SegmentCursor:
         return checkpoint_key
 
 
-@shared_task(name="tasks.segments.decode_segment", bind=True)
+@shared_task(name=broker.SEGMENT_DECODE_TASK.name, bind=True)
 def decode_segment(self, job_id: str, index: int) -> str:
     worker = worker_id(self)
     if not preload(job_id):
-        return "skipped"
+        return Outcome.SKIPPED
     taken = segment_service.start_segment_decode(job_id, index, worker)
     if taken is None:
-        return "skipped"  # published already, held elsewhere, or the job was cancelled / ended
+        return Outcome.SKIPPED  # published already, held elsewhere, or the job was cancelled / ended
     job, segment = taken
     try:
         with renewing(lambda: segment_service.renew_segment_lease(job_id, index, worker)):
@@ -94,15 +95,16 @@ def decode_segment(self, job_id: str, index: int) -> str:
                 frames=segment.frames, embeddings_ref=job.embeddings_key, checkpoint_ref=segment.checkpoint_key)
     except Exception:  # noqa: BLE001 - recorded on the segment, retried
         return segment_service.fail_segment_decode(job_id, index, worker, traceback.format_exc())
-    return "published" if segment_service.finish_segment_decode(job_id, index, worker, key, poster_key) else "lost"
+    published = segment_service.finish_segment_decode(job_id, index, worker, key, poster_key)
+    return Outcome.PUBLISHED if published else Outcome.LOST
 
 
-@shared_task(name="tasks.segments.assemble", bind=True)
+@shared_task(name=broker.ASSEMBLE_TASK.name, bind=True)
 def assemble(self, job_id: str) -> str:
     worker = worker_id(self)
     taken = segment_service.start_assembly(job_id, worker)
     if taken is None:
-        return "skipped"  # done, held, cancelled, or a segment is not published yet
+        return Outcome.SKIPPED  # done, held, cancelled, or a segment is not published yet
     job, segments = taken
     try:
         with renewing(lambda: services.heartbeat(job_id, worker)):
@@ -110,4 +112,4 @@ def assemble(self, job_id: str) -> str:
     except Exception:  # noqa: BLE001
         return services.fail_attempt(job_id, worker, traceback.format_exc())
     services.finish_decoding(job_id, worker, outputs)
-    return "succeeded"
+    return Outcome.SUCCEEDED

@@ -111,7 +111,7 @@ def test_cancel_after_the_first_segment_keeps_it(stack, api):
 
 def test_redelivered_segment_decode_does_not_duplicate_a_segment(stack, api):
     from genserver.storage import default_storage
-    from tasks import dispatch
+    from genserver.jobs import broker
 
     job_id = submit(api, prompt="twice", **(LONG | {"num_frames": 161, "steps": 20})).json()["id"]
     job = finished(job_id)
@@ -119,8 +119,8 @@ def test_redelivered_segment_decode_does_not_duplicate_a_segment(stack, api):
     before = {s.index: (s.key, s.decoded_at, s.attempts) for s in JobSegment.objects.filter(job_id=job_id)}
     mtime = default_storage().path(before[0][0]).stat().st_mtime_ns
     for index in (0, 1, 0):
-        dispatch.send_segment_decode(job_id, index, 0)
-    dispatch.send_assemble(job_id, 0)
+        broker.send_segment_decode(job_id, index, 0)
+    broker.send_assemble(job_id, 0)
     wait_for(lambda: stack_idle(), 20, what="the duplicates to be consumed")
     after = {s.index: (s.key, s.decoded_at, s.attempts) for s in JobSegment.objects.filter(job_id=job_id)}
     assert after == before and len(after) == 2
@@ -130,13 +130,13 @@ def test_redelivered_segment_decode_does_not_duplicate_a_segment(stack, api):
 
 
 def stack_idle() -> bool:
-    from genserver.jobs.selectors import broker_depth
+    from genserver.jobs.broker import broker_depth
 
     return broker_depth("decode") == 0
 
 
 def test_lost_segment_decode_messages_are_republished_by_the_reaper(stack, api, redis_conn):
-    from genserver.jobs.selectors import queue_keys
+    from genserver.jobs.broker import queue_keys
 
     stack.kill("decode")  # nothing consumes decode messages for now
     try:

@@ -33,9 +33,9 @@ def check_checkpoints(**kwargs) -> None:
     """Refuse to start when a registry model's weights are missing: say so now, not at its first job."""
     from django.conf import settings
 
-    from genserver import policy
+    from genserver import deployment
 
-    missing = policy.registry().missing_checkpoints(settings.DATA_DIR)
+    missing = deployment.registry().missing_checkpoints(settings.DATA_DIR)
     if missing:
         raise SystemExit("genserver worker cannot start:\n  " + "\n  ".join(missing))
 

@@ -68,9 +68,9 @@ def current_layout() -> PoolLayout:
     import django
 
     django.setup()
-    from genserver import policy
+    from genserver import deployment
 
-    return policy.layout()
+    return deployment.layout()
 
 
 def main() -> None:

@@ -17,6 +17,21 @@ class JobStatus(models.TextChoices):
     CANCELLED = "cancelled"
 
 
+class JobStage(models.TextChoices):
+    """Finer than the status: what the job does right now (shown on the API and in the admin)."""
+
+    QUEUED = "queued"  # accepted; its encode message waits
+    ENCODING = "encoding"
+    WAITING = "waiting"  # between stages or chunks: its next message waits in the broker
+    DENOISING = "denoising"  # a card holds it
+    DECODING = "decoding"
+    RETRYING = "retrying"  # an attempt failed; it continues from its checkpoint
+    DONE = "done"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+    EXPIRED = "expired"  # it succeeded and retention deleted its outputs
+
+
 TERMINAL = (JobStatus.SUCCEEDED, JobStatus.FAILED, JobStatus.CANCELLED)
 ACTIVE = (JobStatus.QUEUED, JobStatus.ENCODING, JobStatus.DENOISING, JobStatus.DECODING)
 
@@ -62,7 +77,7 @@ class Job(models.Model):
 
     # Where it is.
     status = models.CharField(max_length=20, choices=JobStatus.choices, default=JobStatus.QUEUED, db_index=True)
-    stage = models.CharField(max_length=20, default="queued")
+    stage = models.CharField(max_length=20, choices=JobStage.choices, default=JobStage.QUEUED)
     steps_done = models.PositiveIntegerField(default=0)
     cancel_requested = models.BooleanField(default=False)
     attempts = models.PositiveIntegerField(default=0, help_text="runs lost or failed so far")
@@ -91,6 +106,16 @@ class Job(models.Model):
         constraints = [
             models.UniqueConstraint(fields=["owner", "idempotency_key"], condition=~models.Q(idempotency_key=""),
                                     name="unique_idempotency_key_per_owner"),
+            # What the job service assumes of every row (a broken row fails at the write, not in a worker).
+            models.CheckConstraint(condition=models.Q(priority__gte=0, priority__lte=9), name="job_priority_0_to_9"),
+            models.CheckConstraint(condition=models.Q(steps__gte=1), name="job_steps_at_least_1"),
+            models.CheckConstraint(condition=models.Q(chunk_steps__gte=1), name="job_chunk_steps_at_least_1"),
+            models.CheckConstraint(condition=models.Q(num_outputs__gte=1), name="job_num_outputs_at_least_1"),
+            models.CheckConstraint(condition=models.Q(segment_count__gte=1), name="job_segment_count_at_least_1"),
+            models.CheckConstraint(condition=models.Q(estimated_seconds__gte=0), name="job_estimate_not_negative"),
+            models.CheckConstraint(condition=models.Q(clock_scale__gt=0), name="job_clock_scale_positive"),
+            models.CheckConstraint(condition=models.Q(status__in=JobStatus.values), name="job_status_known"),
+            models.CheckConstraint(condition=models.Q(stage__in=JobStage.values), name="job_stage_known"),
         ]
         indexes = [
             models.Index(fields=["owner", "-created_at"]),
@@ -150,7 +175,10 @@ class JobSegment(models.Model):
 
     class Meta:
         ordering = ["job", "index"]
-        constraints = [models.UniqueConstraint(fields=["job", "index"], name="unique_segment_per_job")]
+        constraints = [
+            models.UniqueConstraint(fields=["job", "index"], name="unique_segment_per_job"),
+            models.CheckConstraint(condition=models.Q(status__in=SegmentStatus.values), name="segment_status_known"),
+        ]
         indexes = [models.Index(fields=["status", "published_at"])]
 
     def __str__(self) -> str:

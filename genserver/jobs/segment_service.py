@@ -31,8 +31,13 @@ from django.db import transaction
 from django.db.models import Q
 from django.utils import timezone
 
-from genserver import policy
-from genserver.jobs.models import ACTIVE, Job, JobSegment, JobStatus, SegmentStatus
+from genserver import deployment
+from genserver.jobs import broker
+from genserver.jobs.models import ACTIVE, Job, JobSegment, JobStage, JobStatus, SegmentStatus
+from genserver.jobs.services._common import (
+    Outcome, after_end, disk_full, emit_on_commit, lease_free, lease_until, publish_or_leave_to_reaper,
+)
+from genserver.scheduling.pools import DECODE
 from genserver.scheduling.segments import Segment, segment_plan
 
 log = logging.getLogger(__name__)
@@ -40,16 +45,8 @@ log = logging.getLogger(__name__)
 
 def plan_of(job: Job) -> list[Segment]:
     """The job's segments (frames kept and generated, seed); one segment for an ordinary job."""
-    frames_step = policy.registry().get(job.model).limits.frames_step if job.segment_count > 1 else 1
+    frames_step = deployment.registry().get(job.model).limits.frames_step if job.segment_count > 1 else 1
     return segment_plan(job.num_frames, job.segment_frames, frames_step, job.seed)
-
-
-def _lease_until():
-    return timezone.now() + timedelta(seconds=settings.LEASE_SECONDS)
-
-
-def _lease_free(now) -> Q:
-    return Q(lease_owner="") | Q(lease_expires_at__lt=now)
 
 
 # --- the card's side (inside services.finish_chunk's transaction) --------------------------
@@ -74,10 +71,7 @@ def record_denoised(job: Job, index: int, checkpoint_key: str) -> None:
 
 
 def _send_decode(job_id, index: int, priority: int) -> None:
-    from genserver.jobs.services import publish_or_leave_to_reaper
-    from tasks import dispatch
-
-    publish_or_leave_to_reaper(dispatch.send_segment_decode, job_id, index, priority)
+    publish_or_leave_to_reaper(broker.send_segment_decode, job_id, index, priority)
 
 
 # --- the decode worker's side ------------------------------------------------------------------
@@ -87,9 +81,9 @@ def start_segment_decode(job_id, index: int, worker: str) -> tuple[Job, JobSegme
     cancelled or finished (a redelivered message does nothing)."""
     now = timezone.now()
     taken = JobSegment.objects.filter(
-        _lease_free(now), job_id=job_id, index=index, status__in=(SegmentStatus.DENOISED, SegmentStatus.DECODING),
+        lease_free(now), job_id=job_id, index=index, status__in=(SegmentStatus.DENOISED, SegmentStatus.DECODING),
         job__status__in=ACTIVE, job__cancel_requested=False,
-    ).update(status=SegmentStatus.DECODING, lease_owner=worker, lease_expires_at=_lease_until())
+    ).update(status=SegmentStatus.DECODING, lease_owner=worker, lease_expires_at=lease_until())
     if not taken:
         return None
     return Job.objects.get(pk=job_id), JobSegment.objects.get(job_id=job_id, index=index)
@@ -97,7 +91,7 @@ def start_segment_decode(job_id, index: int, worker: str) -> tuple[Job, JobSegme
 
 def renew_segment_lease(job_id, index: int, worker: str) -> bool:
     return bool(JobSegment.objects.filter(job_id=job_id, index=index, lease_owner=worker,
-                                          status=SegmentStatus.DECODING).update(lease_expires_at=_lease_until()))
+                                          status=SegmentStatus.DECODING).update(lease_expires_at=lease_until()))
 
 
 def finish_segment_decode(job_id, index: int, worker: str, key: str, poster_key: str) -> bool:
@@ -109,9 +103,7 @@ def finish_segment_decode(job_id, index: int, worker: str, key: str, poster_key:
             status=SegmentStatus.PUBLISHED, key=key, poster_key=poster_key, decoded_at=timezone.now(),
             lease_owner="", lease_expires_at=None, error="")
         if done:
-            from genserver.jobs.services import _emit_on_commit
-
-            _emit_on_commit(job_id, "segment")
+            emit_on_commit(job_id, "segment")
             transaction.on_commit(lambda: check_assembly(job_id))
     return bool(done)
 
@@ -119,15 +111,13 @@ def finish_segment_decode(job_id, index: int, worker: str, key: str, poster_key:
 def fail_segment_decode(job_id, index: int, worker: str | None, error: str) -> str:
     """A segment decode raised (or its worker died: `worker` None, the reaper). Retried like any
     stage; after MAX_ATTEMPTS (or on a full disk) the segment and its job fail."""
-    from genserver.jobs.services import _after_end, disk_full
-
     now = timezone.now()
     held = Q(lease_owner=worker) if worker else Q(lease_expires_at__lt=now) & ~Q(lease_owner="")
     with transaction.atomic():
         segment = JobSegment.objects.select_for_update().filter(held, job_id=job_id, index=index,
                                                                 status=SegmentStatus.DECODING).first()
         if segment is None:
-            return "ignored"
+            return Outcome.IGNORED
         segment.attempts += 1
         segment.error = error[-4000:]
         segment.lease_owner, segment.lease_expires_at = "", None
@@ -135,22 +125,22 @@ def fail_segment_decode(job_id, index: int, worker: str | None, error: str) -> s
         if job.status not in ACTIVE or job.cancel_requested:
             segment.status = SegmentStatus.DENOISED  # nobody will take it again
             segment.save()
-            return "ignored"
+            return Outcome.IGNORED
         full = disk_full(error)
         if full or segment.attempts >= settings.MAX_ATTEMPTS:
             segment.status = SegmentStatus.FAILED
             segment.save()
             reason = f"storage full: {full}" if full else f"gave up after {segment.attempts} attempts"
             Job.objects.filter(pk=job_id, status__in=ACTIVE).update(
-                status=JobStatus.FAILED, stage="failed", finished_at=now, lease_owner="", lease_expires_at=None,
+                status=JobStatus.FAILED, stage=JobStage.FAILED, finished_at=now, lease_owner="", lease_expires_at=None,
                 error=f"decode of segment {index} failed ({reason}); last error: {segment.error}"[:4000])
-            transaction.on_commit(lambda: _after_end(job_id))
-            return "failed"
+            transaction.on_commit(lambda: after_end(job_id))
+            return Outcome.FAILED
         segment.status = SegmentStatus.DENOISED
         segment.published_at = now
         segment.save()
         transaction.on_commit(lambda: _send_decode(job_id, index, job.priority))
-        return "retried"
+        return Outcome.RETRIED
 
 
 # --- the whole video -------------------------------------------------------------------------------
@@ -162,25 +152,22 @@ def _all_published(job: Job) -> bool:
 def check_assembly(job_id) -> bool:
     """Publish the whole video's assembly once the last segment is denoised and every segment is
     published (called after each segment publishes; a duplicate assembly message does nothing)."""
-    from genserver.jobs.services import publish_or_leave_to_reaper
-    from tasks import dispatch
-
     job = Job.objects.filter(pk=job_id, status=JobStatus.DECODING, cancel_requested=False).first()
     if job is None or not _all_published(job):
         return False
     Job.objects.filter(pk=job_id).update(published_at=timezone.now())
-    return publish_or_leave_to_reaper(dispatch.send_assemble, job.pk, job.priority)
+    return publish_or_leave_to_reaper(broker.send_assemble, job.pk, job.priority)
 
 
 def start_assembly(job_id, worker: str) -> tuple[Job, list[JobSegment]] | None:
     """Take the job's final decode stage (the whole video) once every segment is published."""
     now = timezone.now()
     with transaction.atomic():
-        job = Job.objects.select_for_update().filter(_lease_free(now), pk=job_id, status=JobStatus.DECODING,
+        job = Job.objects.select_for_update().filter(lease_free(now), pk=job_id, status=JobStatus.DECODING,
                                                      cancel_requested=False).first()
         if job is None or not _all_published(job):
             return None
-        job.stage, job.lease_owner, job.lease_expires_at = "decoding", worker, _lease_until()
+        job.stage, job.lease_owner, job.lease_expires_at = JobStage.DECODING, worker, lease_until()
         job.save(update_fields=["stage", "lease_owner", "lease_expires_at", "updated_at"])
     return job, list(JobSegment.objects.filter(job=job, status=SegmentStatus.PUBLISHED).order_by("index"))
 
@@ -211,9 +198,6 @@ def republish_decodes(job: Job) -> None:
 def reap_segments(now=None) -> dict[str, int]:
     """Reaper: a segment decode whose worker died (lease expired) is a failed attempt, retried; one
     whose message is gone (nothing waits in the broker for its job) is published again."""
-    from genserver.jobs import selectors
-    from genserver.scheduling.pools import DECODE
-
     now = now or timezone.now()
     outcomes: dict[str, int] = {}
     stale = list(JobSegment.objects.filter(status=SegmentStatus.DECODING, lease_expires_at__lt=now)
@@ -228,7 +212,7 @@ def reap_segments(now=None) -> dict[str, int]:
                                              job__cancel_requested=False)
                    .values_list("pk", "job_id", "index", "published_at"))
     if orphans:
-        waiting = selectors.broker_job_ids([DECODE])
+        waiting = broker.broker_job_ids([DECODE])
         for pk, job_id, index, published_at in orphans:
             if str(job_id) in waiting:
                 continue
@@ -237,5 +221,5 @@ def reap_segments(now=None) -> dict[str, int]:
                 log.warning("reaper: segment %s of job %s had no decode message; re-published", index, job_id)
                 priority = Job.objects.filter(pk=job_id).values_list("priority", flat=True).first() or 0
                 _send_decode(job_id, index, priority)
-                outcomes["republished"] = outcomes.get("republished", 0) + 1
+                outcomes[Outcome.REPUBLISHED] = outcomes.get(Outcome.REPUBLISHED, 0) + 1
     return outcomes

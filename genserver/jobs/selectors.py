@@ -3,13 +3,13 @@ from __future__ import annotations
 
 import json
 import math
-import re
 from dataclasses import dataclass
 from typing import Any, Iterable
 
 from django.db.models import QuerySet
 
-from genserver import policy
+from genserver import deployment
+from genserver.jobs.broker import broker_depth
 from genserver.jobs.models import ACTIVE, Job, JobStatus
 from genserver.redis_client import WORKER_KEY, client as redis_client
 from genserver.scheduling.admission import WorkItem, expected_wait
@@ -66,7 +66,7 @@ class QueueSnapshot:
 
     @classmethod
     def load(cls) -> "QueueSnapshot":
-        return cls(_active_jobs(), policy.layout())
+        return cls(_active_jobs(), deployment.layout())
 
     def _ahead(self, job: Job) -> Iterable[Job]:
         key = (job.priority, job.published_at or job.created_at)
@@ -111,50 +111,9 @@ def live_workers() -> list[dict[str, Any]]:
     return sorted(found, key=lambda w: w.get("name", ""))
 
 
-_UUID = re.compile(rb"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")
-
-
-def queue_keys(queue: str) -> list[str]:
-    """kombu's Redis layout: priority 0 in the list named like the queue, priority p in "queue:p"."""
-    return [queue] + [f"{queue}:{p}" for p in range(1, 10)]
-
-
-def broker_job_ids(queues: Iterable[str]) -> set[str]:
-    """Ids of the jobs that have a message waiting in the broker (read from the task headers' argsrepr)."""
-    r = redis_client()
-    found: set[str] = set()
-    for queue in queues:
-        with r.pipeline() as pipe:
-            for key in queue_keys(queue):
-                pipe.lrange(key, 0, -1)
-            for messages in pipe.execute():
-                for raw in messages:
-                    found.update(m.decode() for m in _UUID.findall(raw))
-    return found
-
-
-def waiting_at_or_before(queues: Iterable[str], priority: int) -> bool:
-    """Whether a message at `priority` or better waits on any of `queues` (a card's yield test)."""
-    r = redis_client()
-    with r.pipeline() as pipe:
-        for queue in queues:
-            for key in queue_keys(queue)[: priority + 1]:
-                pipe.llen(key)
-        return any(int(n) for n in pipe.execute())
-
-
-def broker_depth(queue: str) -> int:
-    """Messages waiting in the broker for `queue`, over all priority lists (kombu's key layout)."""
-    r = redis_client()
-    with r.pipeline() as pipe:
-        for key in queue_keys(queue):
-            pipe.llen(key)
-        return sum(int(n) for n in pipe.execute())
-
-
 def queue_overview() -> list[dict[str, Any]]:
     """Per duration class: depth, backlog, workers, and whether a new job would be accepted now."""
-    layout, thresholds, limits = policy.layout(), policy.thresholds(), policy.limits()
+    layout, thresholds, limits = deployment.layout(), deployment.thresholds(), deployment.limits()
     jobs = _active_jobs()
     items = [_work_item(j, wall=False) for j in jobs]
     try:

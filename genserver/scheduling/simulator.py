@@ -254,8 +254,9 @@ class SimConfig:
         return 50 if seconds >= self.thresholds.medium else 30
 
 
-def our_config(num_gpus: int = 4, *, yield_on_demand: bool = False, **overrides: Any) -> SimConfig:
-    """Our policy with the chosen defaults (docs/BENCHMARKS.md, "Scheduling policy (simulator)").
+def service_policy_config(num_gpus: int = 4, *, yield_on_demand: bool = False, **overrides: Any) -> SimConfig:
+    """The service's scheduling policy as deployed, with its chosen defaults
+    (docs/BENCHMARKS.md, "Scheduling policy (simulator)").
 
     Every card consumes short, medium and long (the image card is lent to
     video), CHUNK_SECONDS = `chunking.DEFAULT_CHUNK_SECONDS`, and under overload
@@ -710,7 +711,7 @@ def simulate_groups(cards: int = 8, load: float = 0.7, arrivals: int = 400, seed
 
 __all__ = [
     "IMAGE", "VIDEO", "KINDS", "SEED_POLICIES", "Request", "seed_workload", "offered_load", "pct",
-    "seed_waits", "seed_simulate", "mixed_layout", "SimConfig", "our_config", "ClassResult",
+    "seed_waits", "seed_simulate", "mixed_layout", "SimConfig", "service_policy_config", "ClassResult",
     "SimResult", "simulate", "simulate_rate", "DEFAULT_CHECKPOINT_SECONDS", "DEFAULT_SWITCH_SECONDS",
     "SEED_VIDEO_SECONDS", "GroupRow", "group_table", "group_layout", "group_layouts", "video_workload",
     "GroupResult", "simulate_groups",

@@ -140,11 +140,11 @@ def test_schema_and_docs_answer_without_auth():
 
 
 def test_a_lane_routes_to_the_card_group_and_is_ignored_where_none_serves_it(api, monkeypatch):
-    from genserver import policy
+    from genserver import deployment
     from genserver.scheduling.pools import default_layout
 
     pooled = default_layout(num_gpus=8, group_cards=4)  # group0 = cards 0-3 on the interactive lane
-    monkeypatch.setattr(policy, "layout", lambda: pooled)
+    monkeypatch.setattr(deployment, "layout", lambda: pooled)
     lane = submit(api, model="wan-sim", lane="interactive").json()
     plain = submit(api, model="wan-sim").json()
     assert (lane["queue"], plain["queue"]) == ("long@interactive", "long")
@@ -161,7 +161,7 @@ def test_a_lane_routes_to_the_card_group_and_is_ignored_where_none_serves_it(api
     assert image.chunk_steps == steps_per_chunk(settings.CHUNK_SECONDS, step / 3.52)
     assert image.chunk_steps > steps_per_chunk(settings.CHUNK_SECONDS, step)
     # A layout without the lane: the job goes to its class queue, as without a lane.
-    monkeypatch.setattr(policy, "layout", lambda: default_layout(num_gpus=4))
+    monkeypatch.setattr(deployment, "layout", lambda: default_layout(num_gpus=4))
     assert submit(api, lane="interactive").json()["queue"] == "short"
     bad = submit(api, lane="Not a lane!")
     assert bad.status_code == 400 and "lane" in bad.json()

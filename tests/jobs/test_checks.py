@@ -5,7 +5,7 @@ import pytest
 from django.core.management import call_command
 from django.core.management.base import SystemCheckError
 
-from genserver import policy
+from genserver import deployment
 from genserver.jobs.checks import registry_checkpoints_exist
 
 
@@ -15,9 +15,9 @@ def registry_with_missing_weights(tmp_path, settings):
     path.write_text('[models.real-sdxl]\nfamily = "unet"\nbackend = "diffusers"\n'
                     f'path = "{tmp_path}/nowhere"\ncost_points = {{ 4096 = 2.9 }}\n')
     settings.REGISTRY_PATH = str(path)
-    policy.registry.cache_clear()
+    deployment.registry.cache_clear()
     yield tmp_path
-    policy.registry.cache_clear()
+    deployment.registry.cache_clear()
 
 
 def test_missing_checkpoint_fails_the_system_check(registry_with_missing_weights):

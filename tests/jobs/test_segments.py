@@ -20,12 +20,12 @@ LONG = {"model": "wan-sim", "width": 832, "height": 480, "num_frames": 241, "ste
 @pytest.fixture
 def sent(monkeypatch):
     """Messages the service would publish: ("decode", job, index) and ("assemble", job)."""
-    from tasks import dispatch
+    from genserver.jobs import broker
 
     calls: list[tuple] = []
-    monkeypatch.setattr(dispatch, "send_segment_decode", lambda job_id, index, p: calls.append(("decode", index)))
-    monkeypatch.setattr(dispatch, "send_assemble", lambda job_id, p: calls.append(("assemble",)))
-    monkeypatch.setattr(dispatch, "send_decode", lambda job_id, p: calls.append(("job-decode",)))
+    monkeypatch.setattr(broker, "send_segment_decode", lambda job_id, index, p: calls.append(("decode", index)))
+    monkeypatch.setattr(broker, "send_assemble", lambda job_id, p: calls.append(("assemble",)))
+    monkeypatch.setattr(broker, "send_decode", lambda job_id, p: calls.append(("job-decode",)))
     return calls
 
 
@@ -110,7 +110,7 @@ def test_the_whole_video_is_assembled_once_every_segment_is_published(video, sen
 @override_settings(MAX_ATTEMPTS=3)
 def test_a_failing_segment_decode_is_retried_then_fails_the_job(video, sent, django_capture_on_commit_callbacks,
                                                                  monkeypatch):
-    monkeypatch.setattr(services, "_after_end", lambda job_id: None)
+    monkeypatch.setattr(segment_service, "after_end", lambda job_id: None)
     denoise_to(video, 20, django_capture_on_commit_callbacks)
     outcomes = []
     for attempt in range(3):
@@ -127,9 +127,9 @@ def test_a_failing_segment_decode_is_retried_then_fails_the_job(video, sent, dja
 def test_reaper_retries_a_dead_decoder_and_republishes_a_lost_message(video, sent,
                                                                        django_capture_on_commit_callbacks,
                                                                        monkeypatch):
-    from genserver.jobs import selectors
+    from genserver.jobs import broker
 
-    monkeypatch.setattr(selectors, "broker_job_ids", lambda queues: set())  # nothing waits in the broker
+    monkeypatch.setattr(broker, "broker_job_ids", lambda queues: set())  # nothing waits in the broker
     for step in (20, 40):
         denoise_to(video, step, django_capture_on_commit_callbacks)
     sent.clear()
@@ -178,7 +178,7 @@ def test_a_video_that_fits_in_one_segment_is_unchanged():
 
 def test_admin_retry_of_a_failed_video_restarts_at_the_first_unpublished_segment(
         video, sent, django_capture_on_commit_callbacks, monkeypatch):
-    monkeypatch.setattr(services, "_after_end", lambda job_id: None)
+    monkeypatch.setattr(segment_service, "after_end", lambda job_id: None)
     for step in (20, 40):
         denoise_to(video, step, django_capture_on_commit_callbacks)
     segment_service.start_segment_decode(video.pk, 0, "dec")
@@ -187,7 +187,7 @@ def test_admin_retry_of_a_failed_video_restarts_at_the_first_unpublished_segment
         segment_service.start_segment_decode(video.pk, 1, "dec")
         assert segment_service.fail_segment_decode(video.pk, 1, "dec", "boom") == "failed"
     sent.clear()
-    monkeypatch.setattr("tasks.dispatch.send_chunk", lambda job_id, step, q, p: sent.append(("chunk", step)))
+    monkeypatch.setattr("genserver.jobs.broker.send_chunk", lambda job_id, step, q, p: sent.append(("chunk", step)))
     assert services.retry_failed(Job.objects.get(pk=video.pk))
     job = Job.objects.get(pk=video.pk)
     assert (job.status, job.checkpoint_step, job.steps_done, job.checkpoint_key) == ("denoising", 20, 20, "")

@@ -34,9 +34,9 @@ def snapshot(job_id) -> tuple:
 def sent():
     """The messages the job service publishes (no broker needed): [(task, args...)]."""
     calls: list[tuple] = []
-    with mock.patch("tasks.dispatch.send_chunk", lambda *a: calls.append(("chunk", *a))), \
-            mock.patch("tasks.dispatch.send_decode", lambda *a: calls.append(("decode", *a))), \
-            mock.patch("tasks.dispatch.send_encode", lambda *a: calls.append(("encode", *a))):
+    with mock.patch("genserver.jobs.broker.send_chunk", lambda *a: calls.append(("chunk", *a))), \
+            mock.patch("genserver.jobs.broker.send_decode", lambda *a: calls.append(("decode", *a))), \
+            mock.patch("genserver.jobs.broker.send_encode", lambda *a: calls.append(("encode", *a))):
         yield calls
 
 

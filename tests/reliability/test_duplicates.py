@@ -40,7 +40,7 @@ def test_every_message_published_twice_runs_each_chunk_once(stack, make_user):
     from django.db import connection
 
     from genserver.jobs.models import JobStatus
-    from tasks import dispatch
+    from genserver.jobs import broker
     from tasks.decode import decode
     from tasks.denoise import run_chunk
     from tasks.encode import encode
@@ -58,13 +58,13 @@ def test_every_message_published_twice_runs_each_chunk_once(stack, make_user):
                 if job.is_terminal:
                     return
                 if job.status in (JobStatus.QUEUED, JobStatus.ENCODING):
-                    dispatch.send_encode(job.pk, job.priority)
+                    broker.send_encode(job.pk, job.priority)
                     outcomes.append(encode.apply(args=[job_id]).get())
                 elif job.status == JobStatus.DENOISING:
-                    dispatch.send_chunk(job.pk, job.checkpoint_step, job.queue, job.priority)
+                    broker.send_chunk(job.pk, job.checkpoint_step, job.queue, job.priority)
                     outcomes.append(run_chunk.apply(args=[job_id, job.checkpoint_step]).get())
                 elif job.status == JobStatus.DECODING:
-                    dispatch.send_decode(job.pk, job.priority)
+                    broker.send_decode(job.pk, job.priority)
                     outcomes.append(decode.apply(args=[job_id]).get())
                 published[0] += 1
                 time.sleep(0.01)

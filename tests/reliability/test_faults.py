@@ -37,7 +37,7 @@ def finished(job_id, timeout: float = 60.0):
 
 
 def waiting_messages(ids) -> set[str]:
-    from genserver.jobs.selectors import broker_job_ids
+    from genserver.jobs.broker import broker_job_ids
     from genserver.scheduling.pools import ALL_QUEUES
 
     return broker_job_ids(ALL_QUEUES) & {str(i) for i in ids}

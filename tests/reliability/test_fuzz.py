@@ -101,13 +101,13 @@ def readable(response) -> str:
 @schema.parametrize()
 @hypothesis.settings(deadline=None, suppress_health_check=list(hypothesis.HealthCheck))
 def test_schema_fuzz_never_500_and_refusals_leave_no_row(case, token, wsgi_request_cycle):
-    from genserver import policy
+    from genserver import deployment
 
     meta = getattr(case, "meta", None)
     positive = meta is not None and not meta.generation.mode.is_negative
     if positive and case.method == "POST" and isinstance(case.body, dict) and "model" in case.body:
         # The schema types `model` as a string; name a real one so generated jobs also get accepted.
-        names = policy.registry().names()
+        names = deployment.registry().names()
         case.body["model"] = names[TALLY["requests"] % len(names)]
     before = Job.objects.count()
     response = case.call(headers={"Authorization": f"Token {token}"})

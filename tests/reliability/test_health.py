@@ -100,7 +100,7 @@ def test_readyz_sees_a_dead_worker_and_the_launcher_restarts_it(stack):
 def test_readyz_knows_the_queues_of_workers_dedicated_to_a_model(monkeypatch):
     """A worker dedicated to a model reads that model's class queues ("short.sdxl-sim"): /readyz checks
     those too, and names one left without a live worker."""
-    from genserver import policy
+    from genserver import deployment
     from genserver.redis_client import WORKER_KEY, client
     from genserver.scheduling.pools import PoolLayout, WorkerSpec
 
@@ -108,7 +108,7 @@ def test_readyz_knows_the_queues_of_workers_dedicated_to_a_model(monkeypatch):
         WorkerSpec("sdxl-card", ("short", "medium", "long"), models=("sdxl-sim",)),
         WorkerSpec("any-card", ("short", "medium", "long")),
         WorkerSpec("enc", ("encode", "control")), WorkerSpec("dec", ("decode",))))
-    monkeypatch.setattr(policy, "layout", lambda: layout)
+    monkeypatch.setattr(deployment, "layout", lambda: layout)
     keys = []
     for spec in layout.workers:
         keys.append(WORKER_KEY.format(name=spec.name))

@@ -131,13 +131,13 @@ def test_disk_full_fails_the_job_at_once_with_a_clear_error(make_user, monkeypat
     """The stage tasks run here, as a worker runs them, with every write under `where` going to
     /dev/full (ENOSPC at the first flush, through the real storage code)."""
     import genserver.storage as storage_module
-    from tasks import dispatch
+    from genserver.jobs import broker
     from tasks.decode import decode
     from tasks.denoise import run_chunk
     from tasks.encode import encode
 
     for name in ("send_encode", "send_chunk", "send_decode"):  # no worker of the stack takes part
-        monkeypatch.setattr(dispatch, name, lambda *args, **kwargs: None)
+        monkeypatch.setattr(broker, name, lambda *args, **kwargs: None)
     real_mkstemp = tempfile.mkstemp
 
     def full_disk_mkstemp(*args, dir=None, **kwargs):

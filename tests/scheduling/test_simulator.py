@@ -13,7 +13,7 @@ from genserver.scheduling import simulator
 from genserver.scheduling.admission import AdmissionLimits, Decision
 from genserver.scheduling.pools import default_layout
 from genserver.scheduling.simulator import (
-    IMAGE, VIDEO, Request, SimConfig, SimResult, mixed_layout, our_config, pct, seed_simulate, seed_waits,
+    IMAGE, VIDEO, Request, SimConfig, SimResult, mixed_layout, service_policy_config, pct, seed_simulate, seed_waits,
     seed_workload, simulate, simulate_rate,
 )
 
@@ -24,7 +24,7 @@ POLICIES = ("ours", "ours+yod")
 
 @lru_cache(maxsize=None)
 def run(policy: str, rate: float) -> SimResult:
-    return simulate_rate(rate, our_config(yield_on_demand=policy == "ours+yod"))
+    return simulate_rate(rate, service_policy_config(yield_on_demand=policy == "ours+yod"))
 
 
 @lru_cache(maxsize=None)
@@ -131,7 +131,7 @@ def test_the_simulator_asks_admission(monkeypatch):
 
 
 def test_simulation_is_deterministic_and_rejects_unsorted_input():
-    assert run("ours", 0.06).summary("delay") == simulate_rate(0.06, our_config()).summary("delay")
+    assert run("ours", 0.06).summary("delay") == simulate_rate(0.06, service_policy_config()).summary("delay")
     with pytest.raises(ValueError):
         simulate([Request(5.0, IMAGE, 2.0), Request(1.0, IMAGE, 2.0)])
 

@@ -10,7 +10,7 @@ from drf_spectacular.utils import extend_schema_field
 from rest_framework import serializers
 from rest_framework.reverse import reverse
 
-from genserver import policy
+from genserver import deployment
 from genserver.jobs.models import Job
 from genserver.registry import RegistryError
 
@@ -69,10 +69,10 @@ class JobCreateSerializer(serializers.Serializer):
 
     def validate_model(self, value: str) -> str:
         try:
-            policy.registry().get(value)
+            deployment.registry().get(value)
         except RegistryError:
             raise serializers.ValidationError(
-                f"Unknown model {value!r}; available: {', '.join(policy.registry().names())}.") from None
+                f"Unknown model {value!r}; available: {', '.join(deployment.registry().names())}.") from None
         return value
 
     def validate_webhook_url(self, value: str) -> str:
@@ -87,7 +87,7 @@ class JobCreateSerializer(serializers.Serializer):
         return value
 
     def validate(self, attrs: dict[str, Any]) -> dict[str, Any]:
-        spec = policy.registry().get(attrs["model"])
+        spec = deployment.registry().get(attrs["model"])
         lim, dflt = spec.limits, spec.defaults
         attrs.setdefault("width", dflt.width)
         attrs.setdefault("height", dflt.height)
@@ -145,7 +145,7 @@ class StepsChangeSerializer(serializers.Serializer):
         return super().to_internal_value(data)
 
     def validate_steps(self, value: int) -> int:
-        spec = policy.registry().get(self.context["model"])
+        spec = deployment.registry().get(self.context["model"])
         if value > spec.limits.max_steps:
             raise serializers.ValidationError(f"At most {spec.limits.max_steps} steps for {spec.name}.")
         return value

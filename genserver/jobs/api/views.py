@@ -11,7 +11,7 @@ from rest_framework.request import Request
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
-from genserver import policy
+from genserver import deployment
 from genserver.jobs import selectors, services
 from genserver.jobs.api import throttling
 from genserver.jobs.api.serializers import JobCreateSerializer, JobSerializer, StepsChangeSerializer
@@ -181,7 +181,7 @@ class JobSegmentView(APIView):
 class ModelListView(APIView):
     @extend_schema(responses=OpenApiTypes.OBJECT)
     def get(self, request: Request) -> Response:
-        reg = policy.registry()
+        reg = deployment.registry()
         return Response([reg.get(name).public() for name in reg.names()])
 
 

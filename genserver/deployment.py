@@ -1,4 +1,4 @@
-"""The scheduling core's objects, built once from settings (the bridge between Django and plain Python)."""
+"""This deployment's scheduling objects, built once from settings: registry, thresholds, limits, layout."""
 from __future__ import annotations
 
 from functools import lru_cache

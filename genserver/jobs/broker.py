@@ -1,0 +1,141 @@
+"""The broker: each task's name and queue (declared once), publishing, and kombu's Redis key layout.
+
+The job service publishes through here; `tasks/` registers its Celery tasks
+with the names below (`@shared_task(name=broker.ENCODE_TASK.name)`), so a
+task name is spelled in one place and the API process never imports
+`tasks` (nor, through it, torch).
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any, Iterable
+from uuid import UUID
+
+from genserver.celery import app
+from genserver.redis_client import client as redis_client
+from genserver.scheduling.pools import CONTROL, DECODE, ENCODE, WEBHOOKS
+
+
+@dataclass(frozen=True)
+class TaskRoute:
+    """A task's registered name and the queue its messages go to ("": the queue is the job's own)."""
+
+    name: str
+    queue: str
+
+
+ENCODE_TASK = TaskRoute("tasks.encode.encode", ENCODE)
+CHUNK_TASK = TaskRoute("tasks.denoise.run_chunk", "")  # the job's class queue (or its lane's)
+DECODE_TASK = TaskRoute("tasks.decode.decode", DECODE)
+SEGMENT_DECODE_TASK = TaskRoute("tasks.segments.decode_segment", DECODE)
+ASSEMBLE_TASK = TaskRoute("tasks.segments.assemble", DECODE)
+WEBHOOK_TASK = TaskRoute("tasks.webhooks.deliver", WEBHOOKS)
+REAP_TASK = TaskRoute("tasks.maintenance.reap", CONTROL)  # Celery beat
+RETAIN_TASK = TaskRoute("tasks.maintenance.retain", CONTROL)  # Celery beat
+PING_TASK = TaskRoute("tasks.probe.ping", "")  # bench/overhead.py picks the queue it measures
+
+
+# --- publishing ----------------------------------------------------------------------
+
+def _send(task: TaskRoute, args: list[Any], priority: int | None = None, queue: str = "") -> None:
+    options: dict[str, Any] = {} if priority is None else {"priority": priority}
+    app.send_task(task.name, args=args, queue=queue or task.queue, **options)
+
+
+def send_encode(job_id: UUID, priority: int) -> None:
+    _send(ENCODE_TASK, [str(job_id)], priority)
+
+
+def send_chunk(job_id: UUID, from_step: int, queue: str, priority: int) -> None:
+    """The next denoise chunk goes to the job's queue (its class, or its model's own class queue)
+    at its current priority band."""
+    _send(CHUNK_TASK, [str(job_id), from_step], priority, queue=queue)
+
+
+def send_decode(job_id: UUID, priority: int) -> None:
+    _send(DECODE_TASK, [str(job_id)], priority)
+
+
+def send_webhook(job_id: UUID, event: str, payload: dict[str, Any]) -> None:
+    """A webhook event goes to its own queue, consumed by a worker that holds no card."""
+    _send(WEBHOOK_TASK, [str(job_id), event, payload])
+
+
+def send_segment_decode(job_id: UUID, index: int, priority: int) -> None:
+    """A long video's segment is decoded on the decode worker while its card denoises the next one."""
+    _send(SEGMENT_DECODE_TASK, [str(job_id), index], priority)
+
+
+def send_assemble(job_id: UUID, priority: int) -> None:
+    """Every segment is published: the whole video is assembled on the decode worker."""
+    _send(ASSEMBLE_TASK, [str(job_id)], priority)
+
+
+def withdraw_chunks(queue: str, job_ids: Iterable[UUID]) -> int:
+    """Take the waiting denoise messages of these jobs off `queue`: they joined a merged batch.
+
+    Left there, each would wake a card only to find its job held (harmless,
+    but a card's yield test would also see them as work waiting ahead of the
+    batch). A message some worker takes meanwhile is simply not found.
+    Returns how many were removed.
+    """
+    wanted = [str(job_id).encode() for job_id in job_ids]
+    if not wanted:
+        return 0
+    r = redis_client()
+    keys = queue_keys(queue)
+    with r.pipeline() as pipe:
+        for key in keys:
+            pipe.lrange(key, 0, -1)
+        listed = pipe.execute()
+    task_name = CHUNK_TASK.name.encode()
+    removed = 0
+    for key, messages in zip(keys, listed):
+        for raw in messages:
+            if task_name in raw and any(job_id in raw for job_id in wanted):
+                removed += int(r.lrem(key, 1, raw))
+    return removed
+
+
+# --- what waits in the broker (kombu's Redis layout) -------------------------------------
+
+_UUID = re.compile(rb"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")
+
+
+def queue_keys(queue: str) -> list[str]:
+    """kombu's Redis layout: priority 0 in the list named like the queue, priority p in "queue:p"."""
+    return [queue] + [f"{queue}:{p}" for p in range(1, 10)]
+
+
+def broker_job_ids(queues: Iterable[str]) -> set[str]:
+    """Ids of the jobs that have a message waiting in the broker (read from the task headers' argsrepr)."""
+    r = redis_client()
+    found: set[str] = set()
+    for queue in queues:
+        with r.pipeline() as pipe:
+            for key in queue_keys(queue):
+                pipe.lrange(key, 0, -1)
+            for messages in pipe.execute():
+                for raw in messages:
+                    found.update(m.decode() for m in _UUID.findall(raw))
+    return found
+
+
+def waiting_at_or_before(queues: Iterable[str], priority: int) -> bool:
+    """Whether a message at `priority` or better waits on any of `queues` (a card's yield test)."""
+    r = redis_client()
+    with r.pipeline() as pipe:
+        for queue in queues:
+            for key in queue_keys(queue)[: priority + 1]:
+                pipe.llen(key)
+        return any(int(n) for n in pipe.execute())
+
+
+def broker_depth(queue: str) -> int:
+    """Messages waiting in the broker for `queue`, over all priority lists (kombu's key layout)."""
+    r = redis_client()
+    with r.pipeline() as pipe:
+        for key in queue_keys(queue):
+            pipe.llen(key)
+        return sum(int(n) for n in pipe.execute())

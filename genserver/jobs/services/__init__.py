@@ -1,0 +1,38 @@
+"""The job service: every write to a Job, and the only code that changes `status`.
+
+Each transition is one conditional UPDATE (compare-and-set on status, lease
+and checkpoint step), so two workers, a redelivered message and the reaper
+can race on a job and exactly one of them wins. Tasks are published only
+after the transaction that made them valid commits.
+
+The modules follow the job's life: `submission` (admission, in-flight
+limits, idempotency, cancel), `estimates` (cost and the online step-time
+correction), `steps` (step changes midway), `transitions` (the worker's
+claims, heartbeats, chunks and decode), `recovery` (failed attempts, the
+reaper, the admin's retry), `retention`; `_common` holds what they and
+segment_service.py share. Callers use the names re-exported here.
+"""
+from __future__ import annotations
+
+from ._common import Outcome, disk_full, publish_or_leave_to_reaper
+from .estimates import Estimate, estimate
+from .recovery import fail_attempt, reap_stale, reprioritise, retry_failed
+from .retention import expire_outputs, retain, sweep_embeddings
+from .steps import STEPS_CHANGEABLE, StepsChangeRefused, change_steps, release_for_new_total
+from .submission import (
+    AdmissionRefused, IdempotencyConflict, InFlightLimitReached, cancel_job, check_in_flight, fingerprint,
+    replayed_job, submit_job, submit_or_replay,
+)
+from .transitions import (
+    claim_chunk, claim_encode_batch, claim_merge_partners, finish_cancelled, finish_chunk, finish_decoding,
+    finish_encoding, heartbeat, record_preview, start_decoding, start_encoding,
+)
+
+__all__ = [
+    "AdmissionRefused", "Estimate", "IdempotencyConflict", "InFlightLimitReached", "Outcome", "STEPS_CHANGEABLE",
+    "StepsChangeRefused", "cancel_job", "change_steps", "check_in_flight", "claim_chunk", "claim_encode_batch",
+    "claim_merge_partners", "disk_full", "estimate", "expire_outputs", "fail_attempt", "fingerprint",
+    "finish_cancelled", "finish_chunk", "finish_decoding", "finish_encoding", "heartbeat", "publish_or_leave_to_reaper",
+    "reap_stale", "record_preview", "release_for_new_total", "replayed_job", "reprioritise", "retain",
+    "retry_failed", "start_decoding", "start_encoding", "submit_job", "submit_or_replay", "sweep_embeddings",
+]

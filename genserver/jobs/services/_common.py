@@ -1,0 +1,118 @@
+"""What every part of the job service shares: leases, the end of a job, events, publishing and disk errors.
+
+A leaf: it imports no other part of the service, so segment_service.py and
+each module of this package import it directly.
+"""
+from __future__ import annotations
+
+import enum
+import errno
+import logging
+import os
+from datetime import datetime, timedelta
+from typing import Any, Callable
+from uuid import UUID
+
+from django.conf import settings
+from django.db import transaction
+from django.db.models import Q
+from django.utils import timezone
+
+from genserver import webhooks
+from genserver.jobs.models import TERMINAL, Job, JobStage, JobStatus
+from genserver.redis_client import CANCEL_KEY, client as redis_client
+from genserver.storage import default_storage
+
+log = logging.getLogger(__name__)
+
+
+
+class Outcome(enum.StrEnum):
+    """How a transition or a task ended (task results, the reaper's counts, the denoise loop's stop reasons)."""
+
+    SUCCEEDED = "succeeded"  # the job (or its assembly) finished
+    SKIPPED = "skipped"  # nothing to do: finished, cancelled, taken elsewhere, or no such job (a redelivery)
+    RETRIED = "retried"  # an attempt failed; the job continues from its checkpoint
+    FAILED = "failed"  # out of attempts, or a full disk
+    IGNORED = "ignored"  # someone else already moved the job on
+    CANCELLED = "cancelled"  # its cancel flag was seen
+    REPUBLISHED = "republished"  # the reaper published a lost message again
+    PUBLISHED = "published"  # a segment's clip is stored
+    LOST = "lost"  # the lease was lost before the result could be recorded
+    SUPERSEDED = "superseded"  # the chunk's step was already recorded, or the job is no longer held
+    LEASE_LOST = "lease-lost"  # the reaper gave the job to another worker mid-chunk
+    STEPS_CHANGED = "steps-changed"  # the job's total changed; the worker handed it back
+    DELIVERED = "delivered"  # a webhook event was accepted
+    REFUSED = "refused"  # the webhook URL is one the service refuses to call
+    GAVE_UP = "gave-up"  # a webhook event failed WEBHOOK_MAX_ATTEMPTS times
+
+
+JobId = UUID | str  # a primary key, as a model gives it or as a task message carries it
+
+
+def lease_free(now: datetime) -> Q:
+    """Nobody holds it, or its holder's lease expired."""
+    return Q(lease_owner="") | Q(lease_expires_at__lt=now)
+
+
+def lease_until() -> datetime:
+    """A lease taken or renewed now lasts LEASE_SECONDS."""
+    return timezone.now() + timedelta(seconds=settings.LEASE_SECONDS)
+
+
+def end_if_cancelled(job: Job) -> bool:
+    """Inside a locked transition: a cancel that arrived while the stage ran ends the job here."""
+    if not job.cancel_requested:
+        return False
+    job.status, job.stage, job.finished_at = JobStatus.CANCELLED, JobStage.CANCELLED, timezone.now()
+    job.lease_owner, job.lease_expires_at = "", None
+    job.save()
+    transaction.on_commit(lambda: after_end(job.pk))
+    return True
+
+
+def after_end(job_id: JobId) -> None:
+    """Once a job is terminal (called after the transition committed): drop its checkpoints and
+    cancel flag, and publish its webhook event (succeeded, failed or cancelled)."""
+    default_storage().delete_prefix(f"checkpoints/{job_id}")
+    try:
+        redis_client().delete(CANCEL_KEY.format(job_id=job_id))
+    except Exception:  # noqa: BLE001
+        pass
+    status = Job.objects.filter(pk=job_id).values_list("status", flat=True).first()
+    if status in TERMINAL:
+        webhooks.emit(job_id, status)
+
+
+def emit_on_commit(job_id: JobId, event: str) -> None:
+    """Publish the job's webhook event once the transition that made it true commits."""
+    transaction.on_commit(lambda: webhooks.emit(job_id, event))
+
+
+def publish_or_leave_to_reaper(send: Callable[..., None], job_id: JobId, *args: Any) -> bool:
+    """Publish a job's message after its row committed; if the broker is down, leave it to the reaper.
+
+    The row is the truth and carries `published_at`: the reaper re-publishes an
+    unheld job whose message is missing once LEASE_SECONDS have passed, so an
+    accepted job is never lost, and the API still answers 201 (not a 500 for a
+    job it did record, which a client would submit again).
+    """
+    try:
+        send(job_id, *args)
+        return True
+    except Exception:  # noqa: BLE001 - kombu's OperationalError, redis' ConnectionError, a timeout...
+        log.warning("broker unavailable: job %s is recorded and the reaper will publish it", job_id, exc_info=True)
+        return False
+
+
+_DISK_FULL = (os.strerror(errno.ENOSPC), os.strerror(errno.EDQUOT))
+
+
+def disk_full(error: str) -> str | None:
+    """The message of a stage's final exception (the last line of its traceback) when it is a full
+    disk or quota (a StorageError from a write, or a bare OSError), else None."""
+    lines = error.strip().splitlines()
+    last = lines[-1] if lines else ""
+    if any(marker in last for marker in _DISK_FULL):
+        return last.split(": ", 1)[-1].strip()
+    return None

@@ -1,0 +1,165 @@
+"""Submission (API side): admission, the per-user in-flight limit, idempotent retries, and cancel."""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+from typing import Any
+
+from django.conf import settings
+from django.db import IntegrityError, transaction
+from django.db.models import Q
+from django.utils import timezone
+
+from genserver import deployment
+from genserver.jobs import broker, selectors
+from genserver.jobs.models import ACTIVE, Job, JobStage, JobStatus
+from genserver.redis_client import CANCEL_KEY, client as redis_client
+from genserver.scheduling.admission import Decision, decide
+
+from ._common import after_end, publish_or_leave_to_reaper
+from .estimates import Estimate, chunked_for_queue, estimate
+
+log = logging.getLogger(__name__)
+
+
+class AdmissionRefused(Exception):
+    def __init__(self, decision: Decision, duration_class: str) -> None:
+        super().__init__(decision.reason)
+        self.decision = decision
+        self.duration_class = duration_class
+
+
+class InFlightLimitReached(Exception):
+    """The user already has MAX_JOBS_IN_FLIGHT unfinished jobs (→ 429 with Retry-After)."""
+
+    def __init__(self, limit: int, in_flight: int, retry_after_seconds: int) -> None:
+        super().__init__(f"You have {in_flight} unfinished jobs; at most {limit} may be queued or running at once. "
+                         "Wait for one to finish or cancel one.")
+        self.limit = limit
+        self.in_flight = in_flight
+        self.retry_after_seconds = retry_after_seconds
+
+
+class IdempotencyConflict(Exception):
+    """The Idempotency-Key was used before for a different request (→ 422)."""
+
+
+def fingerprint(data: dict[str, Any]) -> str:
+    """A stable digest of a validated request (the seed included once it is drawn)."""
+    return hashlib.sha256(json.dumps(data, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def replayed_job(owner: Any, idempotency_key: str, data: dict[str, Any]) -> Job | None:
+    """The job an earlier submit with this key created, or None. Raises IdempotencyConflict when
+    the key came with a different request. A request without a seed matches on everything else."""
+    if not idempotency_key:
+        return None
+    job = Job.objects.filter(owner=owner, idempotency_key=idempotency_key).first()
+    if job is None:
+        return None
+    candidate = {k: v for k, v in data.items() if k != "seed_drawn"}
+    if data.get("seed_drawn"):
+        candidate["seed"] = job.seed  # the retry drew its own seed; the first one's counts
+    if job.request_fingerprint != fingerprint(candidate):
+        raise IdempotencyConflict(f"Idempotency-Key {idempotency_key!r} was used for a different request "
+                                  f"(job {job.pk}); use a new key for a new request.")
+    return job
+
+
+def submit_job(owner: Any, data: dict[str, Any], idempotency_key: str = "") -> Job:
+    """Admit and record a validated request, then publish its encode task.
+
+    Raises AdmissionRefused (→ 429) and writes nothing when the class is over its limit,
+    and InFlightLimitReached (→ 429) when the owner has too many unfinished jobs; an
+    IntegrityError when another submit recorded the same `idempotency_key` first.
+    """
+    spec = deployment.registry().get(data["model"])
+    est = estimate(data)
+    queue = deployment.layout().queue_for(est.duration_class, spec.name, data.get("lane", ""))
+    est = chunked_for_queue(est, queue, data["steps"])
+    decision = decide(queue, est.priority, selectors.backlog_items(), deployment.layout(), deployment.limits())
+    if not decision.accepted:
+        raise AdmissionRefused(decision, est.duration_class)
+    recorded = {k: v for k, v in data.items() if k != "seed_drawn"}
+    with transaction.atomic():
+        check_in_flight(owner)
+        job = _record_job(owner, spec, data, est, queue, idempotency_key, fingerprint(recorded))
+        transaction.on_commit(lambda: publish_or_leave_to_reaper(broker.send_encode, job.id, job.priority))
+    return job
+
+
+def submit_or_replay(owner: Any, data: dict[str, Any], idempotency_key: str = "") -> tuple[Job, bool]:
+    """(the job, whether it is a replay): a submit that a client may safely retry with the same key."""
+    replay = replayed_job(owner, idempotency_key, data)
+    if replay is not None:
+        return replay, True
+    try:
+        return submit_job(owner, data, idempotency_key), False
+    except IntegrityError:
+        replay = replayed_job(owner, idempotency_key, data)  # a concurrent retry committed first
+        if replay is None:
+            raise
+        return replay, True
+
+
+def _record_job(owner: Any, spec: Any, data: dict[str, Any], est: Estimate, queue: str, idempotency_key: str,
+                request_fingerprint: str) -> Job:
+    return Job.objects.create(
+        owner=owner, model=spec.name, family=spec.family, kind=spec.kind, backend=spec.backend,
+        prompt=data["prompt"], negative_prompt=data.get("negative_prompt", ""),
+        width=data["width"], height=data["height"], num_frames=data["num_frames"],
+        steps=data["steps"], guidance_scale=data["guidance_scale"], seed=data["seed"],
+        num_outputs=data["num_outputs"], preview_every=data.get("preview_every", 0),
+        webhook_url=data.get("webhook_url", ""),
+        estimated_seconds=est.seconds, clock_scale=est.clock_scale,
+        duration_class=est.duration_class, queue=queue, priority=est.priority, chunk_steps=est.chunk_steps,
+        segment_frames=est.segment_frames, segment_count=est.segment_count,
+        published_at=timezone.now(), idempotency_key=idempotency_key, request_fingerprint=request_fingerprint,
+    )
+
+
+def check_in_flight(owner: Any) -> None:
+    """Inside submit_job's transaction: refuse a user's job beyond MAX_JOBS_IN_FLIGHT unfinished ones.
+
+    The owner's row is locked first (SELECT ... FOR UPDATE on PostgreSQL; SQLite's
+    IMMEDIATE transactions serialise writers anyway), so two concurrent submits
+    cannot both take the last place.
+    """
+    limit = settings.MAX_JOBS_IN_FLIGHT
+    if limit <= 0:
+        return
+    list(type(owner).objects.select_for_update().filter(pk=owner.pk).values_list("pk", flat=True))
+    active = list(Job.objects.filter(owner=owner, status__in=ACTIVE)
+                  .values_list("estimated_seconds", "steps", "steps_done", "clock_scale", "segment_count"))
+    if len(active) < limit:
+        return
+    # The soonest any of them can finish: its remaining work (all its segments), in wall seconds.
+    soonest = min(est * max(0, steps * n - done) / (steps * n) * scale if steps else 0.0
+                  for est, steps, done, scale, n in active)
+    raise InFlightLimitReached(limit, len(active), max(1, math.ceil(soonest)))
+
+
+def cancel_job(job: Job) -> Job:
+    """Ask a job to stop. Idempotent; a finished job stays as it is.
+
+    A job no worker holds ends `cancelled` at once (its queued message finds it
+    terminal and does nothing); a running one sees the flag before its next
+    step and ends itself, skipping decode.
+    """
+    if job.is_terminal:
+        return job
+    try:
+        redis_client().set(CANCEL_KEY.format(job_id=job.id), "1", ex=7 * 24 * 3600)
+    except Exception:  # noqa: BLE001 - the DB flag is the truth; workers also check it per chunk
+        log.warning("could not mirror the cancel flag of job %s in Redis", job.id)
+    now = timezone.now()
+    Job.objects.filter(pk=job.pk, status__in=ACTIVE).update(cancel_requested=True)
+    unheld = Q(lease_owner="") | Q(lease_expires_at__lt=now)
+    ended = Job.objects.filter(unheld, pk=job.pk, status__in=ACTIVE).update(
+        status=JobStatus.CANCELLED, stage=JobStage.CANCELLED, finished_at=now, lease_owner="", lease_expires_at=None)
+    if ended:
+        after_end(job.pk)
+    job.refresh_from_db()
+    return job

@@ -1,0 +1,210 @@
+"""The worker's transitions: claim a stage, renew its lease, record chunks and previews, finish it.
+
+Each is one compare-and-set on status, lease and checkpoint step, so two
+workers or a redelivered message race and exactly one wins.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from django.db import transaction
+from django.db.models import F
+from django.utils import timezone
+
+from genserver import deployment
+from genserver.jobs import broker, segment_service
+from genserver.jobs.models import ACTIVE, Job, JobStage, JobStatus
+from genserver.scheduling.classes import priority_for
+
+from ._common import after_end, emit_on_commit, end_if_cancelled, lease_free, lease_until
+from .estimates import learn_step_time, rescale_to_total
+
+log = logging.getLogger(__name__)
+
+
+def start_encoding(job_id, worker: str) -> Job | None:
+    """Take the job's encode stage. None when it was cancelled, finished or is held elsewhere."""
+    now = timezone.now()
+    taken = Job.objects.filter(lease_free(now), pk=job_id, cancel_requested=False,
+                               status__in=(JobStatus.QUEUED, JobStatus.ENCODING)).update(
+        status=JobStatus.ENCODING, stage=JobStage.ENCODING, lease_owner=worker, lease_expires_at=lease_until())
+    return Job.objects.get(pk=job_id) if taken else None
+
+
+def claim_encode_batch(job: Job, worker: str, limit: int) -> list[Job]:
+    """More queued jobs of `job`'s model for the same text-encoder call, best priority first.
+
+    Each is taken with the same compare-and-set as `start_encoding`, so its own
+    encode message later finds it taken and does nothing.
+    """
+    if limit <= 0:
+        return []
+    candidates = (Job.objects.filter(model=job.model, status=JobStatus.QUEUED, lease_owner="",
+                                     cancel_requested=False).exclude(pk=job.pk)
+                  .order_by("priority", "created_at").values_list("pk", flat=True)[:limit])
+    return [taken for pk in list(candidates) if (taken := start_encoding(pk, worker)) is not None]
+
+
+def finish_encoding(job_id, worker: str, embeddings_key: str) -> bool:
+    with transaction.atomic():
+        job = Job.objects.select_for_update().filter(pk=job_id, lease_owner=worker,
+                                                     status=JobStatus.ENCODING).first()
+        if job is None:
+            return False
+        job.embeddings_key = embeddings_key
+        job.lease_owner, job.lease_expires_at = "", None
+        if end_if_cancelled(job):
+            return True
+        job.status, job.stage, job.published_at = JobStatus.DENOISING, JobStage.WAITING, timezone.now()
+        job.save()
+        transaction.on_commit(lambda: broker.send_chunk(job.id, job.checkpoint_step,
+                                                          job.queue, job.priority))
+    return True
+
+
+def claim_chunk(job_id, worker: str, from_step: int) -> Job | None:
+    """Take the chunk that starts at `from_step`. None when it already ran, runs elsewhere, or must not run."""
+    now = timezone.now()
+    taken = Job.objects.filter(lease_free(now), pk=job_id, status=JobStatus.DENOISING,
+                               checkpoint_step=from_step, cancel_requested=False).update(
+        stage=JobStage.DENOISING, lease_owner=worker, lease_expires_at=lease_until(), chunks_run=F("chunks_run") + 1)
+    return Job.objects.get(pk=job_id) if taken else None
+
+
+def claim_merge_partners(job: Job, worker: str, max_rows: int) -> list[Job]:
+    """Other jobs waiting to denoise with `job`'s shape at its step, to run as one batch with it.
+
+    The shape is the merge key (model, size, frames, steps, guidance) and the
+    step must match, so every member takes the same timestep. Candidates wait
+    on the same queue (this worker consumes it) in priority order; their rows
+    (outputs) together with `job`'s stay within `max_rows`. Each is taken with
+    `claim_chunk`'s compare-and-set, so its own chunk message later finds it
+    held and does nothing (their waiting messages are withdrawn from the
+    broker, so the batch's yield test doesn't see them as work ahead of it;
+    any that was missed does nothing). A job that failed once (attempts > 0) is never
+    merged, neither way, so a poison job retries alone and cannot use up its
+    batch mates' attempts.
+    """
+    rows = max_rows - job.num_outputs
+    if rows <= 0 or job.attempts:
+        return []
+    now = timezone.now()
+    candidates = (Job.objects.filter(lease_free(now), status=JobStatus.DENOISING, cancel_requested=False,
+                                     attempts=0, queue=job.queue, model=job.model, width=job.width,
+                                     height=job.height, num_frames=job.num_frames, steps=job.steps,
+                                     guidance_scale=job.guidance_scale, checkpoint_step=job.checkpoint_step,
+                                     num_outputs__lte=rows)
+                  .exclude(pk=job.pk).order_by("priority", "created_at")
+                  .values_list("pk", "num_outputs")[:rows])
+    partners = []
+    for pk, outputs in list(candidates):
+        if outputs > rows:
+            continue
+        taken = claim_chunk(pk, worker, job.checkpoint_step)
+        if taken is not None:
+            partners.append(taken)
+            rows -= taken.num_outputs
+    if partners:
+        try:
+            # The lead's own duplicates too (a redelivery, a reaper re-publish): no-ops that the
+            # yield test would count as work waiting ahead of the batch.
+            broker.withdraw_chunks(job.queue, [job.pk, *(p.pk for p in partners)])
+        except Exception:  # noqa: BLE001 - a message left behind only wakes a card for nothing
+            log.warning("could not withdraw the merged jobs' messages", exc_info=True)
+    return partners
+
+
+def heartbeat(job_id, worker: str, steps_done: int | None = None) -> bool:
+    """Renew the lease and record progress (steps_done=0: the first step begins, `started_at`).
+
+    False when the lease was lost (the reaper gave the job to another worker): stop working.
+    """
+    now = timezone.now()
+    fields: dict[str, Any] = {"lease_expires_at": lease_until()}
+    if steps_done is not None:
+        fields["steps_done"] = steps_done
+    renewed = Job.objects.filter(pk=job_id, lease_owner=worker, status__in=ACTIVE).update(**fields)
+    if renewed and steps_done == 0:
+        if Job.objects.filter(pk=job_id, started_at__isnull=True).update(started_at=now):
+            emit_on_commit(job_id, "started")  # once: a resumed job does not start again
+    return bool(renewed)
+
+
+def record_preview(job_id, worker: str, key: str, step: int) -> None:
+    if Job.objects.filter(pk=job_id, lease_owner=worker).update(preview_key=key, preview_step=step):
+        emit_on_commit(job_id, "preview")
+
+
+def finish_chunk(job_id, worker: str, step: int, checkpoint_key: str, step_seconds: float | None,
+                 keep_lease: bool = False) -> bool:
+    """Record a saved checkpoint; then either keep the card (`keep_lease`: the worker runs the next
+    chunk in-process) or publish what comes next (the next chunk, or decode) and let it go.
+
+    False when this worker no longer holds the job or the step was already recorded.
+    """
+    with transaction.atomic():
+        job = Job.objects.select_for_update().filter(pk=job_id, lease_owner=worker,
+                                                     status=JobStatus.DENOISING).first()
+        if job is None or job.checkpoint_step >= step:
+            return False
+        job.checkpoint_step = job.steps_done = step
+        job.checkpoint_key = checkpoint_key
+        job.measured_step_seconds = step_seconds
+        job.chunks_run += 1 if keep_lease else 0  # an in-process chunk counts like a claimed one
+        if end_if_cancelled(job):
+            return True
+        if job.segment_count <= 1 and step > job.steps:  # the total was lowered below what this chunk did
+            rescale_to_total(job, step)  # the job stops here
+        if job.segment_count > 1 and step % job.steps == 0:
+            segment_service.record_denoised(job, step // job.steps - 1, checkpoint_key)  # its decode overlaps
+        if step < job.total_steps:
+            job.priority = priority_for(job.duration_class, job.remaining_seconds, True, deployment.thresholds())
+        if keep_lease and step < job.total_steps:
+            job.lease_expires_at = lease_until()
+            job.save()
+        else:
+            job.lease_owner, job.lease_expires_at = "", None
+            job.published_at = timezone.now()
+            if step >= job.total_steps:
+                job.status, job.stage = JobStatus.DECODING, JobStage.WAITING
+                job.save()
+                if job.segment_count <= 1:  # a segmented job is assembled once its last segment is decoded
+                    transaction.on_commit(lambda: broker.send_decode(job.id, job.priority))
+            else:
+                job.stage = JobStage.WAITING
+                job.save()
+                transaction.on_commit(lambda: broker.send_chunk(job.id, step, job.queue, job.priority))
+    if step_seconds:
+        # The correction learns single-card step times: a step on a group of k cards counts k × eff.
+        spec = deployment.layout().worker(worker.split("@", 1)[0])
+        learn_step_time(job, step_seconds * (spec.speedup if spec is not None else 1.0))
+    return True
+
+
+def start_decoding(job_id, worker: str) -> Job | None:
+    now = timezone.now()
+    taken = Job.objects.filter(lease_free(now), pk=job_id, status=JobStatus.DECODING,
+                               cancel_requested=False).update(
+        stage=JobStage.DECODING, lease_owner=worker, lease_expires_at=lease_until())
+    return Job.objects.get(pk=job_id) if taken else None
+
+
+def finish_decoding(job_id, worker: str, outputs: list[dict[str, str]]) -> bool:
+    now = timezone.now()
+    done = Job.objects.filter(pk=job_id, lease_owner=worker, status=JobStatus.DECODING).update(
+        status=JobStatus.SUCCEEDED, stage=JobStage.DONE, outputs=outputs, finished_at=now,
+        lease_owner="", lease_expires_at=None)
+    if done:
+        after_end(job_id)
+    return bool(done)
+
+
+def finish_cancelled(job_id, worker: str) -> bool:
+    """The worker holding a job saw its cancel flag and stopped."""
+    done = Job.objects.filter(pk=job_id, lease_owner=worker, status__in=ACTIVE).update(
+        status=JobStatus.CANCELLED, stage=JobStage.CANCELLED, finished_at=timezone.now(),
+        lease_owner="", lease_expires_at=None)
+    if done:
+        after_end(job_id)
+    return bool(done)

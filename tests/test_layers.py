@@ -1,0 +1,31 @@
+"""Layers import downward only: the import contracts in .importlinter hold, and the API never loads torch."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_import_contracts_hold():
+    """`lint-imports` reads .importlinter at the repository root (function-level imports included)."""
+    lint_imports = Path(sys.executable).with_name("lint-imports")
+    done = subprocess.run([str(lint_imports), "--no-cache"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, f"lint-imports found a broken contract:\n{done.stdout}\n{done.stderr}"
+    assert "0 broken" in done.stdout, done.stdout
+
+
+def test_the_api_does_not_import_torch():
+    """A fresh process that loads the API's URLconf (every view, serializer and the job service) has no torch."""
+    program = (
+        "import sys, django; django.setup(); import genserver.urls; "
+        "loaded = sorted(m for m in sys.modules if m == 'torch' or m.split('.')[0] in ('torch', 'tasks', 'workers')); "
+        "print(' '.join(loaded) or 'clean')"
+    )
+    env = os.environ | {"DJANGO_SETTINGS_MODULE": "genserver.settings"}
+    done = subprocess.run([sys.executable, "-c", program], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "clean", f"importing genserver.urls loaded: {done.stdout.strip()}"
