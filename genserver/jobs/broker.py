@@ -8,8 +8,9 @@ task name is spelled in one place and the API process never imports
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import Any
 from uuid import UUID
 
 from genserver.celery import app

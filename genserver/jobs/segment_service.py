@@ -24,7 +24,8 @@ taken or published and does nothing.
 from __future__ import annotations
 
 import logging
-from datetime import timedelta
+from datetime import datetime, timedelta
+from typing import Any
 
 from django.conf import settings
 from django.db import transaction
@@ -35,7 +36,14 @@ from genserver import deployment
 from genserver.jobs import broker
 from genserver.jobs.models import ACTIVE, Job, JobSegment, JobStage, JobStatus, SegmentStatus
 from genserver.jobs.services._common import (
-    Outcome, after_end, disk_full, emit_on_commit, lease_free, lease_until, publish_or_leave_to_reaper,
+    JobId,
+    Outcome,
+    after_end,
+    disk_full,
+    emit_on_commit,
+    lease_free,
+    lease_until,
+    publish_or_leave_to_reaper,
 )
 from genserver.scheduling.pools import DECODE
 from genserver.scheduling.segments import Segment, segment_plan
@@ -70,13 +78,13 @@ def record_denoised(job: Job, index: int, checkpoint_key: str) -> None:
     transaction.on_commit(lambda: _send_decode(job.pk, index, job.priority))
 
 
-def _send_decode(job_id, index: int, priority: int) -> None:
+def _send_decode(job_id: JobId, index: int, priority: int) -> None:
     publish_or_leave_to_reaper(broker.send_segment_decode, job_id, index, priority)
 
 
 # --- the decode worker's side ------------------------------------------------------------------
 
-def start_segment_decode(job_id, index: int, worker: str) -> tuple[Job, JobSegment] | None:
+def start_segment_decode(job_id: JobId, index: int, worker: str) -> tuple[Job, JobSegment] | None:
     """Take segment `index`'s decode. None when it is published, held elsewhere, or the job is
     cancelled or finished (a redelivered message does nothing)."""
     now = timezone.now()
@@ -89,12 +97,12 @@ def start_segment_decode(job_id, index: int, worker: str) -> tuple[Job, JobSegme
     return Job.objects.get(pk=job_id), JobSegment.objects.get(job_id=job_id, index=index)
 
 
-def renew_segment_lease(job_id, index: int, worker: str) -> bool:
+def renew_segment_lease(job_id: JobId, index: int, worker: str) -> bool:
     return bool(JobSegment.objects.filter(job_id=job_id, index=index, lease_owner=worker,
                                           status=SegmentStatus.DECODING).update(lease_expires_at=lease_until()))
 
 
-def finish_segment_decode(job_id, index: int, worker: str, key: str, poster_key: str) -> bool:
+def finish_segment_decode(job_id: JobId, index: int, worker: str, key: str, poster_key: str) -> bool:
     """Publish the segment's clip on the job (compare-and-set on the segment's lease). A clip that
     finishes after a cancel is still kept: it is stored, and the user may want it."""
     with transaction.atomic():
@@ -108,7 +116,7 @@ def finish_segment_decode(job_id, index: int, worker: str, key: str, poster_key:
     return bool(done)
 
 
-def fail_segment_decode(job_id, index: int, worker: str | None, error: str) -> str:
+def fail_segment_decode(job_id: JobId, index: int, worker: str | None, error: str) -> Outcome:
     """A segment decode raised (or its worker died: `worker` None, the reaper). Retried like any
     stage; after MAX_ATTEMPTS (or on a full disk) the segment and its job fail."""
     now = timezone.now()
@@ -149,7 +157,7 @@ def _all_published(job: Job) -> bool:
     return JobSegment.objects.filter(job=job, status=SegmentStatus.PUBLISHED).count() >= job.segment_count
 
 
-def check_assembly(job_id) -> bool:
+def check_assembly(job_id: JobId) -> bool:
     """Publish the whole video's assembly once the last segment is denoised and every segment is
     published (called after each segment publishes; a duplicate assembly message does nothing)."""
     job = Job.objects.filter(pk=job_id, status=JobStatus.DECODING, cancel_requested=False).first()
@@ -159,7 +167,7 @@ def check_assembly(job_id) -> bool:
     return publish_or_leave_to_reaper(broker.send_assemble, job.pk, job.priority)
 
 
-def start_assembly(job_id, worker: str) -> tuple[Job, list[JobSegment]] | None:
+def start_assembly(job_id: JobId, worker: str) -> tuple[Job, list[JobSegment]] | None:
     """Take the job's final decode stage (the whole video) once every segment is published."""
     now = timezone.now()
     with transaction.atomic():
@@ -172,7 +180,7 @@ def start_assembly(job_id, worker: str) -> tuple[Job, list[JobSegment]] | None:
     return job, list(JobSegment.objects.filter(job=job, status=SegmentStatus.PUBLISHED).order_by("index"))
 
 
-def retry_fields(job: Job) -> dict:
+def retry_fields(job: Job) -> dict[str, Any]:
     """An admin retry of a failed long video: published segments stay; denoising starts again at the
     first segment not published, from its seed (the failed job's checkpoints are gone); the rows of
     unpublished segments are dropped (they are recorded again when their denoising ends)."""
@@ -195,7 +203,7 @@ def republish_decodes(job: Job) -> None:
     check_assembly(job.pk)
 
 
-def reap_segments(now=None) -> dict[str, int]:
+def reap_segments(now: datetime | None = None) -> dict[str, int]:
     """Reaper: a segment decode whose worker died (lease expired) is a failed attempt, retried; one
     whose message is gone (nothing waits in the broker for its job) is published again."""
     now = now or timezone.now()

@@ -20,12 +20,28 @@ from .recovery import fail_attempt, reap_stale, reprioritise, retry_failed
 from .retention import expire_outputs, retain, sweep_embeddings
 from .steps import STEPS_CHANGEABLE, StepsChangeRefused, change_steps, release_for_new_total
 from .submission import (
-    AdmissionRefused, IdempotencyConflict, InFlightLimitReached, cancel_job, check_in_flight, fingerprint,
-    replayed_job, submit_job, submit_or_replay,
+    AdmissionRefused,
+    IdempotencyConflict,
+    InFlightLimitReached,
+    cancel_job,
+    check_in_flight,
+    fingerprint,
+    replayed_job,
+    submit_job,
+    submit_or_replay,
 )
 from .transitions import (
-    claim_chunk, claim_encode_batch, claim_merge_partners, finish_cancelled, finish_chunk, finish_decoding,
-    finish_encoding, heartbeat, record_preview, start_decoding, start_encoding,
+    claim_chunk,
+    claim_encode_batch,
+    claim_merge_partners,
+    finish_cancelled,
+    finish_chunk,
+    finish_decoding,
+    finish_encoding,
+    heartbeat,
+    record_preview,
+    start_decoding,
+    start_encoding,
 )
 
 __all__ = [

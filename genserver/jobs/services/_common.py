@@ -9,8 +9,9 @@ import enum
 import errno
 import logging
 import os
+from collections.abc import Callable
 from datetime import datetime, timedelta
-from typing import Any, Callable
+from typing import Any
 from uuid import UUID
 
 from django.conf import settings
@@ -20,7 +21,8 @@ from django.utils import timezone
 
 from genserver import webhooks
 from genserver.jobs.models import TERMINAL, Job, JobStage, JobStatus
-from genserver.redis_client import CANCEL_KEY, client as redis_client
+from genserver.redis_client import CANCEL_KEY
+from genserver.redis_client import client as redis_client
 from genserver.storage import default_storage
 
 log = logging.getLogger(__name__)
@@ -101,7 +103,7 @@ def publish_or_leave_to_reaper(send: Callable[..., None], job_id: JobId, *args: 
     try:
         send(job_id, *args)
         return True
-    except Exception:  # noqa: BLE001 - kombu's OperationalError, redis' ConnectionError, a timeout...
+    except Exception:
         log.warning("broker unavailable: job %s is recorded and the reaper will publish it", job_id, exc_info=True)
         return False
 

@@ -9,7 +9,8 @@ from django.conf import settings
 
 from genserver import deployment
 from genserver.jobs.models import Job
-from genserver.redis_client import CORRECTION_KEY, client as redis_client
+from genserver.redis_client import CORRECTION_KEY
+from genserver.redis_client import client as redis_client
 from genserver.scheduling.chunking import steps_per_chunk
 from genserver.scheduling.classes import priority_for
 from genserver.scheduling.cost import JobShape, StepTimeCorrection, estimate_job_seconds
@@ -98,5 +99,5 @@ def learn_step_time(job: Job, measured_step_seconds: float) -> None:
                                                 settings.EFFECTIVE_TFLOPS) / job.steps
         r.hset(CORRECTION_KEY, key, correction.observe(job.model, shape.bucket(), uncorrected_step,
                                                         measured_step_seconds))
-    except Exception:  # noqa: BLE001 - learning is best effort
+    except Exception:
         log.warning("could not record step time of job %s", job.id, exc_info=True)

@@ -15,12 +15,12 @@ from genserver.jobs.models import ACTIVE, Job, JobStage, JobStatus
 from genserver.scheduling.pools import ALL_QUEUES, WEBHOOKS
 from genserver.storage import default_storage
 
-from ._common import Outcome, after_end, disk_full, end_if_cancelled
+from ._common import JobId, Outcome, after_end, disk_full, end_if_cancelled
 
 log = logging.getLogger(__name__)
 
 
-def fail_attempt(job_id, worker: str | None, error: str) -> str:
+def fail_attempt(job_id: JobId, worker: str | None, error: str) -> Outcome:
     """A run of the job failed (an exception, or its worker died). Retry from the checkpoint or give up.
 
     `worker` None means the reaper, acting on an expired lease. Returns the outcome:
@@ -102,8 +102,8 @@ def reap_stale() -> dict[str, int]:
                 log.warning("reaper: job %s had no message in the broker; re-published", job.pk)
                 republish(job)
                 outcomes[Outcome.REPUBLISHED] = outcomes.get(Outcome.REPUBLISHED, 0) + 1
-    for outcome, n in segment_service.reap_segments(now).items():
-        outcomes[f"segments {outcome}"] = n
+    for segment_outcome, n in segment_service.reap_segments(now).items():
+        outcomes[f"segments {segment_outcome}"] = n
     return outcomes
 
 

@@ -9,11 +9,12 @@ from django.utils import timezone
 from genserver import deployment
 from genserver.jobs import broker, selectors
 from genserver.jobs.models import Job, JobStage, JobStatus
-from genserver.redis_client import STEPS_KEY, client as redis_client
+from genserver.redis_client import STEPS_KEY
+from genserver.redis_client import client as redis_client
 from genserver.scheduling.admission import decide
 from genserver.scheduling.classes import priority_for
 
-from ._common import end_if_cancelled, publish_or_leave_to_reaper
+from ._common import JobId, end_if_cancelled, publish_or_leave_to_reaper
 from .estimates import rescale_to_total
 from .submission import AdmissionRefused
 
@@ -101,14 +102,14 @@ def _admit_added_work(job: Job, added_seconds: float) -> None:
         raise AdmissionRefused(decision, job.duration_class)
 
 
-def _mirror_steps(job_id, steps: int) -> None:
+def _mirror_steps(job_id: JobId, steps: int) -> None:
     try:
         redis_client().set(STEPS_KEY.format(job_id=job_id), str(steps), ex=7 * 24 * 3600)
     except Exception:  # noqa: BLE001 - the DB is the truth; finish_chunk applies it at the chunk's end
         log.warning("could not mirror the new step count of job %s in Redis", job_id)
 
 
-def release_for_new_total(job_id, worker: str, step: int, checkpoint_key: str) -> bool:
+def release_for_new_total(job_id: JobId, worker: str, step: int, checkpoint_key: str) -> bool:
     """The worker holding a denoising job saw its total change, saved its state at `step` (key "": no
     step since the last checkpoint) and stops: record it, let the job go, and publish what comes
     next with the new total: decode when the steps done reach it (the job stopped early; `steps`

@@ -15,7 +15,8 @@ from django.utils import timezone
 from genserver import deployment
 from genserver.jobs import broker, selectors
 from genserver.jobs.models import ACTIVE, Job, JobStage, JobStatus
-from genserver.redis_client import CANCEL_KEY, client as redis_client
+from genserver.redis_client import CANCEL_KEY
+from genserver.redis_client import client as redis_client
 from genserver.scheduling.admission import Decision, decide
 
 from ._common import after_end, publish_or_leave_to_reaper

@@ -17,13 +17,13 @@ from genserver.jobs import broker, segment_service
 from genserver.jobs.models import ACTIVE, Job, JobStage, JobStatus
 from genserver.scheduling.classes import priority_for
 
-from ._common import after_end, emit_on_commit, end_if_cancelled, lease_free, lease_until
+from ._common import JobId, after_end, emit_on_commit, end_if_cancelled, lease_free, lease_until
 from .estimates import learn_step_time, rescale_to_total
 
 log = logging.getLogger(__name__)
 
 
-def start_encoding(job_id, worker: str) -> Job | None:
+def start_encoding(job_id: JobId, worker: str) -> Job | None:
     """Take the job's encode stage. None when it was cancelled, finished or is held elsewhere."""
     now = timezone.now()
     taken = Job.objects.filter(lease_free(now), pk=job_id, cancel_requested=False,
@@ -46,7 +46,7 @@ def claim_encode_batch(job: Job, worker: str, limit: int) -> list[Job]:
     return [taken for pk in list(candidates) if (taken := start_encoding(pk, worker)) is not None]
 
 
-def finish_encoding(job_id, worker: str, embeddings_key: str) -> bool:
+def finish_encoding(job_id: JobId, worker: str, embeddings_key: str) -> bool:
     with transaction.atomic():
         job = Job.objects.select_for_update().filter(pk=job_id, lease_owner=worker,
                                                      status=JobStatus.ENCODING).first()
@@ -63,7 +63,7 @@ def finish_encoding(job_id, worker: str, embeddings_key: str) -> bool:
     return True
 
 
-def claim_chunk(job_id, worker: str, from_step: int) -> Job | None:
+def claim_chunk(job_id: JobId, worker: str, from_step: int) -> Job | None:
     """Take the chunk that starts at `from_step`. None when it already ran, runs elsewhere, or must not run."""
     now = timezone.now()
     taken = Job.objects.filter(lease_free(now), pk=job_id, status=JobStatus.DENOISING,
@@ -110,12 +110,12 @@ def claim_merge_partners(job: Job, worker: str, max_rows: int) -> list[Job]:
             # The lead's own duplicates too (a redelivery, a reaper re-publish): no-ops that the
             # yield test would count as work waiting ahead of the batch.
             broker.withdraw_chunks(job.queue, [job.pk, *(p.pk for p in partners)])
-        except Exception:  # noqa: BLE001 - a message left behind only wakes a card for nothing
+        except Exception:
             log.warning("could not withdraw the merged jobs' messages", exc_info=True)
     return partners
 
 
-def heartbeat(job_id, worker: str, steps_done: int | None = None) -> bool:
+def heartbeat(job_id: JobId, worker: str, steps_done: int | None = None) -> bool:
     """Renew the lease and record progress (steps_done=0: the first step begins, `started_at`).
 
     False when the lease was lost (the reaper gave the job to another worker): stop working.
@@ -131,7 +131,7 @@ def heartbeat(job_id, worker: str, steps_done: int | None = None) -> bool:
     return bool(renewed)
 
 
-def record_preview(job_id, worker: str, key: str, step: int) -> None:
+def record_preview(job_id: JobId, worker: str, key: str, step: int) -> None:
     """A preview taken after `step` steps: it is the job's progress too (heartbeats record steps only
     every few seconds, so without this a poll or the preview event would still say step 0)."""
     if Job.objects.filter(pk=job_id, lease_owner=worker).update(preview_key=key, preview_step=step,
@@ -139,7 +139,7 @@ def record_preview(job_id, worker: str, key: str, step: int) -> None:
         emit_on_commit(job_id, "preview")
 
 
-def finish_chunk(job_id, worker: str, step: int, checkpoint_key: str, step_seconds: float | None,
+def finish_chunk(job_id: JobId, worker: str, step: int, checkpoint_key: str, step_seconds: float | None,
                  keep_lease: bool = False) -> bool:
     """Record a saved checkpoint; then either keep the card (`keep_lease`: the worker runs the next
     chunk in-process) or publish what comes next (the next chunk, or decode) and let it go.
@@ -185,7 +185,7 @@ def finish_chunk(job_id, worker: str, step: int, checkpoint_key: str, step_secon
     return True
 
 
-def start_decoding(job_id, worker: str) -> Job | None:
+def start_decoding(job_id: JobId, worker: str) -> Job | None:
     now = timezone.now()
     taken = Job.objects.filter(lease_free(now), pk=job_id, status=JobStatus.DECODING,
                                cancel_requested=False).update(
@@ -193,7 +193,7 @@ def start_decoding(job_id, worker: str) -> Job | None:
     return Job.objects.get(pk=job_id) if taken else None
 
 
-def finish_decoding(job_id, worker: str, outputs: list[dict[str, str]]) -> bool:
+def finish_decoding(job_id: JobId, worker: str, outputs: list[dict[str, str]]) -> bool:
     now = timezone.now()
     done = Job.objects.filter(pk=job_id, lease_owner=worker, status=JobStatus.DECODING).update(
         status=JobStatus.SUCCEEDED, stage=JobStage.DONE, outputs=outputs, finished_at=now,
@@ -203,7 +203,7 @@ def finish_decoding(job_id, worker: str, outputs: list[dict[str, str]]) -> bool:
     return bool(done)
 
 
-def finish_cancelled(job_id, worker: str) -> bool:
+def finish_cancelled(job_id: JobId, worker: str) -> bool:
     """The worker holding a job saw its cancel flag and stopped."""
     done = Job.objects.filter(pk=job_id, lease_owner=worker, status__in=ACTIVE).update(
         status=JobStatus.CANCELLED, stage=JobStage.CANCELLED, finished_at=timezone.now(),
