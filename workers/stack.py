@@ -167,7 +167,7 @@ def main() -> None:
     print(f"""
 genserver is up.
   API        {api}/api/v1/   (docs: {api}/api/docs/)
-  Admin      {api}/admin/    (python manage.py createsuperuser for a login)
+  Admin      {api}/admin/    (.venv/bin/python manage.py createsuperuser for a login)
   Flower     http://127.0.0.1:{flower_port}/
   Token      {token}   (user "demo")
 
