@@ -35,9 +35,10 @@ def embedded_redis_port(port: int) -> int:
             probe.bind(("127.0.0.1", port))
         except OSError as exc:
             raise SystemExit(
-                f"Port {port} on 127.0.0.1 is taken ({exc.strerror}), probably by another genserver stack's "
-                f"Redis. Set GENSERVER_EMBEDDED_REDIS_PORT to a free port (or give this stack its own "
-                f"GENSERVER_DATA_DIR, which picks its own port), or stop what listens on {port}.") from None
+                f"Port {port} on 127.0.0.1 is taken ({exc.strerror}): another genserver stack's Redis, or one "
+                f"left running by a stack that was killed. Set GENSERVER_EMBEDDED_REDIS_PORT to a free port "
+                f"(or give this stack its own GENSERVER_DATA_DIR, which derives its own port), or stop what "
+                f"listens on {port}.") from None
     return port
 
 
