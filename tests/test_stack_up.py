@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import socket
 import sqlite3
@@ -98,6 +99,7 @@ def two_stacks():
     finally:
         for stack in stacks:
             stack.stop()
+            shutil.rmtree(stack.data_dir, ignore_errors=True)
 
 
 def test_two_stacks_keep_their_own_redis_and_ctrl_c_stops_in_order_without_traceback(two_stacks):
