@@ -22,9 +22,10 @@ import pytest
 from django.test import Client
 
 from bench import chaos_probe
+from tests.reliability.conftest import TcpProxy, bundled_redis_pid, revive, using_postgres
 from tests.support.api import submit
 from tests.support.waits import finished, job_row, wait_for
-from tests.reliability.conftest import TcpProxy, bundled_redis_pid, revive, using_postgres
+from workers.local_workers import wait_until_live
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.stack]
 
@@ -153,7 +154,7 @@ def test_database_outage_answers_503_and_work_resumes(stack, user_with_token):
         for spec in stack.layout.workers:
             proxied.add(f"worker {spec.name}", worker_argv(spec, "ERROR"),
                         worker_env(spec) | {"DATABASE_URL": proxied_url})
-        _wait_live({w.name for w in stack.layout.workers})
+        wait_until_live(stack.names, 90.0)
         connection.close()
         connection.settings_dict.update(HOST="127.0.0.1", PORT=str(proxy.port))
         response = submit(client, **LONG_VIDEO)
@@ -206,9 +207,3 @@ def lease_expired(database: dict, job_id) -> bool:
         row = conn.execute("SELECT lease_expires_at IS NULL OR lease_expires_at < now() FROM jobs_job"
                            " WHERE id = %s", [str(job_id)]).fetchone()
     return bool(row and row[0])
-
-
-def _wait_live(names: set[str], timeout: float = 90.0) -> None:
-    from genserver.jobs.selectors import live_workers
-
-    wait_for(lambda: names <= {w["name"] for w in live_workers()}, timeout, interval=0.3, what=f"workers {names}")
