@@ -16,6 +16,8 @@ from genserver.scheduling.cost import FAMILY_GEOMETRY
 
 BACKENDS = ("simulated", "diffusers")
 KINDS = ("image", "video")
+DTYPES = ("bfloat16", "float16", "float32")
+ENCODE_DEVICES = ("", "cpu")  # "": the worker's device
 DEFAULT_REGISTRY_PATH = Path(__file__).with_name("registry.toml")
 
 
@@ -61,6 +63,19 @@ class ModelSpec:
     scheduler: str = "euler"
     fault_at_step: int = 0  # simulated backend only: raise at this step every time (poison-job drills)
     segment_frames: int = 0  # video: longer requests run as segments of this many frames (0: never)
+    # Precision and speed (docs/CONFIGURATION.md, "Precision and speed"). dtype "": bfloat16 on
+    # CUDA, float32 on CPU. variant: the weight files' suffix (e.g. "fp16": *.fp16.safetensors).
+    dtype: str = ""
+    variant: str = ""
+    compile: bool = False  # torch.compile the denoiser (per repeated block where diffusers can), warmed up
+    attention: str = ""  # a diffusers attention backend (set_attention_backend), "" = the default
+    encode_device: str = ""  # "cpu": text encoders on the CPU, for cards too small to keep them
+
+    def resolved_dtype(self, device: str) -> str:
+        """The dtype name weights and latents run in on `device` ("cuda…" or "cpu")."""
+        if self.dtype:
+            return self.dtype
+        return "bfloat16" if str(device).startswith("cuda") else "float32"
 
     def resolved_path(self, data_dir: Path) -> Path:
         return Path(self.path.replace("{data_dir}", str(data_dir))).expanduser()
@@ -109,11 +124,23 @@ def _spec_from(name: str, raw: dict[str, Any]) -> ModelSpec:
     if segment_frames and (kind != "video" or segment_frames < 1 or (segment_frames - 1) % limits.frames_step):
         raise RegistryError(f"{where}: segment_frames must be 1 + a multiple of frames_step "
                             f"({limits.frames_step}) on a video model, got {segment_frames}")
+    dtype, variant = str(raw.get("dtype", "")), str(raw.get("variant", ""))
+    if dtype and dtype not in DTYPES:
+        raise RegistryError(f"{where}: dtype must be one of {DTYPES} (or absent: bfloat16 on CUDA, float32 "
+                            f"on CPU), got {dtype!r}")
+    compile_denoiser = raw.get("compile", False)
+    if not isinstance(compile_denoiser, bool):
+        raise RegistryError(f"{where}: compile must be true or false, got {compile_denoiser!r}")
+    encode_device = str(raw.get("encode_device", ""))
+    if encode_device not in ENCODE_DEVICES:
+        raise RegistryError(f"{where}: encode_device must be \"cpu\" (or absent: the worker's device), "
+                            f"got {encode_device!r}")
     return ModelSpec(name=name, family=family, kind=kind, backend=backend, cost_points=points,
                      path=str(raw.get("path", "")), description=str(raw.get("description", "")),
                      max_batch=int(raw.get("max_batch", 1)), max_merge=max_merge, limits=limits, defaults=defaults,
                      scheduler=str(raw.get("scheduler", "euler")), fault_at_step=int(raw.get("fault_at_step", 0)),
-                     segment_frames=segment_frames)
+                     segment_frames=segment_frames, dtype=dtype, variant=variant, compile=compile_denoiser,
+                     attention=str(raw.get("attention", "")), encode_device=encode_device)
 
 
 @dataclass(frozen=True)

@@ -6,6 +6,8 @@ import threading
 from contextlib import contextmanager
 from typing import Callable, Iterator
 
+from celery.signals import worker_init, worker_process_init
+
 from genserver import policy
 from genserver.jobs.models import Job
 from genserver.storage import default_storage
@@ -26,12 +28,14 @@ def request_of(job: Job) -> GenerationRequest:
     )
 
 
-def family_of(job: Job) -> Family:
-    return model_cache().get(policy.registry().get(job.model))
+def family_of(job: Job, stage: str) -> Family:
+    """The job's model with `stage`'s components loaded ("encode", "denoise" or "decode")."""
+    return model_cache().get(policy.registry().get(job.model), stage)
 
 
-def preload(job_id: str) -> bool:
-    """Load the job's model before taking its lease: a slow load must not look like a dead worker.
+def preload(job_id: str, stage: str) -> bool:
+    """Load the job's model (the components of `stage`) before taking its lease: a slow load must not
+    look like a dead worker.
 
     False when there is no such job (a message for a deleted job)."""
     from genserver.jobs.selectors import model_of
@@ -39,8 +43,27 @@ def preload(job_id: str) -> bool:
     model = model_of(job_id)
     if model is None:
         return False
-    model_cache().get(policy.registry().get(model))
+    model_cache().get(policy.registry().get(model), stage)
     return True
+
+
+def _warm_up_compiled_models() -> None:
+    """Compile and run once the denoisers of `compile = true` entries (workers/runtime/speed.py) in the
+    process that will run the jobs, before this worker takes one."""
+    from workers.runtime.speed import warm_up_worker
+
+    warm_up_worker(policy.registry(), lambda spec: model_cache().get(spec, "denoise"))
+
+
+@worker_init.connect
+def warm_up_in_main_process(**kwargs) -> None:
+    if os.environ.get("GENSERVER_WORKER_POOL", "solo") in ("solo", "threads"):  # tasks run in this process
+        _warm_up_compiled_models()
+
+
+@worker_process_init.connect
+def warm_up_in_pool_process(**kwargs) -> None:
+    _warm_up_compiled_models()  # prefork: each child runs jobs
 
 
 storage = default_storage

@@ -69,7 +69,7 @@ class _Member:
 @shared_task(name="tasks.denoise.run_chunk", bind=True)
 def run_chunk(self, job_id: str, from_step: int) -> str:
     worker = worker_id(self)
-    if not preload(job_id):
+    if not preload(job_id, "denoise"):
         return "skipped"
     job = services.claim_chunk(job_id, worker, from_step)
     if job is None:
@@ -116,7 +116,7 @@ def _denoise(members: list[_Member], worker: str) -> str:
         member = by_id[job_id_of(state.request)]
         services.record_preview(member.job.pk, worker, key, member.cursor.offset + step)
 
-    family, store = family_of(lead), storage()
+    family, store = family_of(lead, "denoise"), storage()
     try:
         for m in members:
             m.state = m.cursor.load_state(family, store, m.job.checkpoint_step, m.job.checkpoint_key)

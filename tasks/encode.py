@@ -21,14 +21,14 @@ from .common import family_of, preload, request_of, storage, worker_id
 @shared_task(name="tasks.encode.encode", bind=True)
 def encode(self, job_id: str) -> str:
     worker = worker_id(self)
-    if not preload(job_id):
+    if not preload(job_id, "encode"):
         return "skipped"
     job = services.start_encoding(job_id, worker)
     if job is None:
         return "skipped"  # cancelled, finished, or another worker has it: a redelivery does nothing
     batch = [job] + services.claim_encode_batch(job, worker, settings.ENCODE_BATCH - 1)
     try:
-        results = stages.encode(family_of(job), storage(), [request_of(j) for j in batch])
+        results = stages.encode(family_of(job, "encode"), storage(), [request_of(j) for j in batch])
     except Exception:  # noqa: BLE001 - recorded on the jobs, retried from the database
         error = traceback.format_exc()
         return ",".join(services.fail_attempt(j.pk, worker, error) for j in batch)

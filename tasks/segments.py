@@ -81,7 +81,7 @@ class SegmentCursor:
 @shared_task(name="tasks.segments.decode_segment", bind=True)
 def decode_segment(self, job_id: str, index: int) -> str:
     worker = worker_id(self)
-    if not preload(job_id):
+    if not preload(job_id, "decode"):
         return "skipped"
     taken = segment_service.start_segment_decode(job_id, index, worker)
     if taken is None:
@@ -90,7 +90,7 @@ def decode_segment(self, job_id: str, index: int) -> str:
     try:
         with renewing(lambda: segment_service.renew_segment_lease(job_id, index, worker)):
             key, poster_key = runtime_segments.decode_segment(
-                family_of(job), storage(), segment_request(job, index), job_id=str(job.pk), index=index,
+                family_of(job, "decode"), storage(), segment_request(job, index), job_id=str(job.pk), index=index,
                 frames=segment.frames, embeddings_ref=job.embeddings_key, checkpoint_ref=segment.checkpoint_key)
     except Exception:  # noqa: BLE001 - recorded on the segment, retried
         return segment_service.fail_segment_decode(job_id, index, worker, traceback.format_exc())

@@ -10,7 +10,12 @@ stop after any step and continue in another process:
     4. checkpoint / restore   everything needed to continue exactly
        (reschedule: continue a restored state on a schedule for another total)
     5. preview   a cheap latent → RGB picture
-    6. decode    VAE decode → PIL images (one per output; video: frames)
+    6. decode    VAE decode → per output a PIL image (video: a list of PIL frames)
+
+A family instance holds the weights of the stages it was built for (`stages`:
+encode → text encoders, denoise → the denoiser, decode → the VAE; see
+components.py); steps 2-5 need the denoise stage, and a decode worker also runs
+`restore` (configs only, no denoiser weights).
 """
 from __future__ import annotations
 
@@ -21,6 +26,8 @@ from pathlib import Path
 from typing import Any
 
 from genserver.registry import ModelSpec
+
+STAGES = ("encode", "denoise", "decode")  # = components.STAGES (kept here: base.py imports no torch)
 
 
 @dataclass(frozen=True)
@@ -60,10 +67,46 @@ class DenoiseState:
 class Family(ABC):
     """One loaded model. Instances are cached per worker process (see cache.py)."""
 
-    def __init__(self, spec: ModelSpec, device: str, data_dir: Path) -> None:
+    def __init__(self, spec: ModelSpec, device: str, data_dir: Path, stages: tuple[str, ...] = STAGES) -> None:
+        unknown = [s for s in stages if s not in STAGES]
+        if unknown:
+            raise ValueError(f"unknown stages {unknown}; stages are {STAGES}")
         self.spec = spec
         self.device = device
         self.data_dir = data_dir
+        self.stages = tuple(stages)
+        self.components: dict[str, Any] = {}  # what build_stage loaded, by component folder
+
+    def load_components(self, weights: str = "checkpoint") -> dict[str, Any]:
+        """Build this instance's stages (components.build_stage: weights "checkpoint", "random" or
+        "meta"), each on its device: the text encoders on the CPU where the entry says
+        `encode_device = "cpu"`; then the speed options (speed.py)."""
+        from .components import build_stage
+        from .speed import apply_speed_options
+
+        for stage in self.stages:
+            device = "cpu" if stage == "encode" and self.spec.encode_device == "cpu" else self.device
+            self.components |= build_stage(self.spec, stage, device=device, weights=weights,
+                                           data_dir=self.data_dir)
+        apply_speed_options(self)
+        return self.components
+
+    @property
+    def encode_device(self) -> str:
+        return "cpu" if self.spec.encode_device == "cpu" else self.device
+
+    def component(self, name: str) -> Any:
+        """A loaded component, or an error naming the stage that would have loaded it."""
+        try:
+            return self.components[name]
+        except KeyError:
+            raise RuntimeError(f"model {self.spec.name!r}: {name} is not loaded in this worker, which holds "
+                               f"the {'/'.join(self.stages)} stage(s) (components.py)") from None
+
+    @property
+    def denoiser(self) -> Any:
+        """The UNet or transformer (None where this instance holds no denoise stage)."""
+        return self.components.get("unet", self.components.get("transformer"))
 
     @property
     def encoder_identity(self) -> str:
@@ -108,11 +151,32 @@ class Family(ABC):
 
     @abstractmethod
     def decode(self, state: DenoiseState) -> list[Any]:
-        """Final PIL images, one per output."""
+        """One entry per output: a PIL image (image families) or a list of PIL frames (video families)."""
 
     def memory_bytes(self) -> int:
-        """Approximate resident size, for the model cache's budget."""
-        return 0
+        """Resident bytes of the loaded components (parameters + buffers), for the model cache's budget."""
+        from .components import component_bytes
+
+        return sum(component_bytes(module) for module in self.components.values())
+
+    def memory_by_component(self) -> dict[str, dict[str, int]]:
+        """{component: {dtype: bytes}} of what this instance holds."""
+        from .components import bytes_by_dtype
+
+        return bytes_by_dtype(self.components)
+
+    def blank_embeddings(self) -> dict[str, Any]:
+        """Zero embeddings of the shapes `encode` makes (no text encoder needed)."""
+        raise NotImplementedError(f"{type(self).__name__} has no blank embeddings")
+
+    def warm_up(self) -> None:
+        """One step at the entry's default shape on blank embeddings: what a compiled denoiser compiles
+        on (speed.py), run before the worker takes a job."""
+        d = self.spec.defaults
+        request = GenerationRequest(job_id="warm-up", model=self.spec.name, prompt="", negative_prompt="",
+                                    width=d.width, height=d.height, num_frames=d.num_frames, steps=d.steps,
+                                    guidance_scale=d.guidance_scale, seed=0)
+        self.step(self.prepare(request, self.blank_embeddings()))
 
     def checkpoint_fields(self, state: DenoiseState, checkpoint_format: str) -> dict[str, Any]:
         """What every family's checkpoint holds: position, latents, scheduler index and RNG (CPU copies)."""

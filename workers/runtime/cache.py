@@ -1,4 +1,10 @@
-"""The per-process model cache: load lazily, keep under a byte budget, evict least recently used."""
+"""The per-process model cache: load lazily, keep under a byte budget, evict least recently used.
+
+Keyed by (model, stage): an encode task loads the model's text encoders, a denoise
+task its UNet or transformer, a decode task its VAE (components.py), so a worker
+that serves all three holds each component once. The budget counts real bytes
+(parameters + buffers × element size) of what is loaded.
+"""
 from __future__ import annotations
 
 import importlib
@@ -10,7 +16,7 @@ from pathlib import Path
 from genserver.registry import ModelSpec
 
 from . import group
-from .base import Family
+from .base import STAGES, Family
 
 log = logging.getLogger(__name__)
 
@@ -37,43 +43,55 @@ class ModelCache:
         self._loaded: OrderedDict[str, Family] = OrderedDict()
         self.pid = os.getpid()
 
-    def get(self, spec: ModelSpec) -> Family:
-        family = self._loaded.get(spec.name)
+    def get(self, spec: ModelSpec, stage: str | None = None) -> Family:
+        """The model with `stage`'s components loaded (None: every stage in one instance)."""
+        if stage is not None and stage not in STAGES:
+            raise ValueError(f"unknown stage {stage!r}; stages are {STAGES}")
+        key = (spec.name, stage or "all")
+        family = self._loaded.get(key)
         if family is not None:
-            self._loaded.move_to_end(spec.name)
+            self._loaded.move_to_end(key)
             return family
-        family = self._load(spec)
-        self._loaded[spec.name] = family
-        self._evict(keep=spec.name)
+        family = self._load(spec, STAGES if stage is None else (stage,))
+        self._loaded[key] = family
+        self._evict(keep=key)
         return family
 
-    def _load(self, spec: ModelSpec) -> Family:
+    def _load(self, spec: ModelSpec, stages: tuple[str, ...]) -> Family:
         if spec.backend == "simulated":
             from .simulated import SimulatedFamily
 
             return SimulatedFamily(spec, "cpu", self.data_dir, time_scale=self.time_scale,
                                    effective_tflops=self.effective_tflops)
         module_name, class_name = FAMILY_ADAPTERS[spec.family].split(":")
-        log.info("loading %s (%s) from %s", spec.name, spec.family, spec.resolved_path(self.data_dir))
+        log.info("loading %s (%s, %s) from %s", spec.name, spec.family, "/".join(stages),
+                 spec.resolved_path(self.data_dir))
         adapter = getattr(importlib.import_module(module_name), class_name)
-        family = adapter(spec, default_device(), self.data_dir)
-        # A card group's worker (GENSERVER_GROUP_SIZE=k): the transformer over its k cards where
-        # diffusers has context parallelism for the family and CUDA is there; else one device.
-        group.maybe_parallelize(family)
+        family = adapter(spec, default_device(), self.data_dir, stages)
+        if "denoise" in stages:
+            # A card group's worker (GENSERVER_GROUP_SIZE=k): the transformer over its k cards where
+            # diffusers has context parallelism for the family and CUDA is there; else one device.
+            group.maybe_parallelize(family)
         return family
 
-    def _evict(self, keep: str) -> None:
+    def _evict(self, keep: tuple[str, str]) -> None:
         while self.used_bytes() > self.budget_bytes and len(self._loaded) > 1:
-            name = next(n for n in self._loaded if n != keep)
-            log.info("model cache over budget: unloading %s", name)
-            del self._loaded[name]
-            group.release(name)
+            key = next(k for k in self._loaded if k != keep)
+            log.info("model cache over budget: unloading %s (%s)", *key)
+            del self._loaded[key]
+            if key[1] in ("denoise", "all"):
+                group.release(key[0])
 
     def used_bytes(self) -> int:
         return sum(f.memory_bytes() for f in self._loaded.values())
 
+    def memory(self) -> dict[str, dict[str, dict[str, int]]]:
+        """{"model/stage": {component: {dtype: bytes}}} of everything loaded."""
+        return {f"{name}/{stage}": family.memory_by_component() for (name, stage), family in self._loaded.items()}
+
     def loaded(self) -> list[str]:
-        return list(self._loaded)
+        """The models with at least one stage loaded, least recently used first."""
+        return list(dict.fromkeys(name for name, _ in self._loaded))
 
 
 _cache: ModelCache | None = None

@@ -15,6 +15,9 @@ The flow is FluxPipeline's (diffusers 0.42), cut at step boundaries:
                    latent→RGB projection, no VAE
     6. decode      unpack, latents / scaling_factor + shift_factor, VAE decode
 
+Each stage builds only its own components (components.py): encode CLIP + T5,
+denoise the transformer, decode the VAE.
+
 The negative prompt is not used: FLUX has no unconditional pass (the pipeline's
 optional "true CFG" doubles the cost and is not offered; the cost model counts
 one pass per step for this family). Its guidance_scale feeds the guidance
@@ -30,14 +33,17 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import json
+
 import numpy as np
 import torch
 from PIL import Image
 
 from genserver.registry import ModelSpec
-from workers.runtime.base import DenoiseState, Family, GenerationRequest
-from workers.runtime.unet import (CheckpointMissingError, check_checkpoint_dir, last_denoised, latent_preview,
-                                  module_bytes, resumed_state, scheduler_class, scheduler_history)
+from workers.runtime.base import STAGES, DenoiseState, Family, GenerationRequest
+from workers.runtime.common import (CheckpointMissingError, check_checkpoint_dir, last_denoised, latent_preview,
+                                    pil_images, resumed_state, scheduler_class, scheduler_history)
+from workers.runtime.components import read_config, torch_dtype
 
 __all__ = ["FluxFamily", "CheckpointMissingError", "CHECKPOINT_FORMAT", "FLUX_SCHEDULERS"]
 
@@ -118,40 +124,38 @@ class FluxFamily(Family):
     on `device`; embeddings, checkpoints and the random generator stay on the CPU.
     """
 
-    def __init__(self, spec: ModelSpec, device: str, data_dir: Path) -> None:
-        super().__init__(spec, device, data_dir)
-        from diffusers import AutoencoderKL, FluxTransformer2DModel
-        from diffusers.utils import is_accelerate_available
-        from transformers import CLIPTextModel, CLIPTokenizer, T5EncoderModel, T5Tokenizer
-
+    def __init__(self, spec: ModelSpec, device: str, data_dir: Path, stages: tuple[str, ...] = STAGES, *,
+                 weights: str = "checkpoint") -> None:
+        super().__init__(spec, device, data_dir, stages)
         self.path = spec.resolved_path(data_dir)
-        check_checkpoint_dir(spec, self.path, COMPONENTS)
+        check_checkpoint_dir(spec, self.path, tuple(c for c in COMPONENTS
+                                                    if weights == "checkpoint" or "tokenizer" not in c))
         # Fail before loading weights.
         self.scheduler_class, self.scheduler_settings = scheduler_class("flux", FLUX_SCHEDULERS, spec.scheduler)
-        # float32: exact resumption is easy to reason about, and the tiny model is cheap.
-        # (Real FLUX on a GPU would want bf16 here.)
-        self.dtype = torch.float32
-        diffusers_load = {"local_files_only": True, "torch_dtype": self.dtype,
-                          "low_cpu_mem_usage": is_accelerate_available()}
-        self.tokenizer = CLIPTokenizer.from_pretrained(self.path / "tokenizer", local_files_only=True)
-        self.text_encoder = CLIPTextModel.from_pretrained(self.path / "text_encoder", local_files_only=True,
-                                                          dtype=self.dtype)
-        # transformers 5's T5Tokenizer is the tokenizers-backed one (formerly T5TokenizerFast).
-        self.tokenizer_2 = T5Tokenizer.from_pretrained(self.path / "tokenizer_2", local_files_only=True)
-        self.text_encoder_2 = T5EncoderModel.from_pretrained(self.path / "text_encoder_2", local_files_only=True,
-                                                             dtype=self.dtype)
-        self.transformer = FluxTransformer2DModel.from_pretrained(self.path / "transformer", **diffusers_load)
-        self.vae = AutoencoderKL.from_pretrained(self.path / "vae", **diffusers_load)
-        for module in self._modules():
-            module.to(self.device).eval().requires_grad_(False)
-        self.vae_scale_factor = 2 ** (len(self.vae.config.block_out_channels) - 1)
-        self.latent_channels = self.transformer.config.in_channels // 4  # packed 2×2
-        self.max_sequence_length = min(MAX_SEQUENCE_LENGTH, self.tokenizer_2.model_max_length)
+        self.dtype = torch_dtype(spec, device)
+        # Shapes from the configs (no weights): every stage knows them, whichever it loads.
+        self.transformer_config = read_config(self.path, "transformer")
+        self.vae_scale_factor = 2 ** (len(read_config(self.path, "vae")["block_out_channels"]) - 1)
+        self.latent_channels = self.transformer_config["in_channels"] // 4  # packed 2×2
+        self.max_sequence_length = min(MAX_SEQUENCE_LENGTH, self._t5_max_length())
         if self.scheduler_class.__name__ == "DPMSolverMultistepScheduler":
             self.scheduler_settings.update(self._dpm_flow_settings())
+        components = self.load_components(weights)
+        self.tokenizer, self.text_encoder = components.get("tokenizer"), components.get("text_encoder")
+        self.tokenizer_2, self.text_encoder_2 = components.get("tokenizer_2"), components.get("text_encoder_2")
+        self.transformer, self.vae = components.get("transformer"), components.get("vae")
 
-    def _modules(self) -> list[torch.nn.Module]:
-        return [self.text_encoder, self.text_encoder_2, self.transformer, self.vae]
+    def _t5_max_length(self) -> int:
+        config = self.path / "tokenizer_2" / "tokenizer_config.json"
+        length = json.loads(config.read_text()).get("model_max_length") if config.is_file() else None
+        return int(length) if isinstance(length, (int, float)) and length < 10**6 else MAX_SEQUENCE_LENGTH
+
+    def blank_embeddings(self) -> dict[str, Any]:
+        """Zero embeddings of the real shapes (the compile warm-up; benchmarks without tokenizers)."""
+        config = self.transformer_config
+        return {"prompt_embeds": torch.zeros(1, self.max_sequence_length, config["joint_attention_dim"],
+                                             dtype=self.dtype),
+                "pooled_embeds": torch.zeros(1, config["pooled_projection_dim"], dtype=self.dtype)}
 
     def _dpm_flow_settings(self) -> dict[str, Any]:
         """DPM++ on FLUX's schedule: its `flow_shift` is the flow scheduler's static `shift`;
@@ -172,14 +176,14 @@ class FluxFamily(Family):
             return []
         texts = [p for p, _ in prompts]
         # CLIP: only the pooled output (FluxPipeline._get_clip_prompt_embeds).
-        clip_ids = self.tokenizer(texts, padding="max_length", max_length=self.tokenizer.model_max_length,
+        clip_ids = self.component("tokenizer")(texts, padding="max_length", max_length=self.tokenizer.model_max_length,
                                   truncation=True, return_tensors="pt").input_ids
-        pooled = self.text_encoder(clip_ids.to(self.device), output_hidden_states=False).pooler_output
+        pooled = self.text_encoder(clip_ids.to(self.encode_device), output_hidden_states=False).pooler_output
         # T5: every token's last hidden state, padded to 512, no attention mask
         # (FluxPipeline._get_t5_prompt_embeds).
-        t5_ids = self.tokenizer_2(texts, padding="max_length", max_length=self.max_sequence_length,
+        t5_ids = self.component("tokenizer_2")(texts, padding="max_length", max_length=self.max_sequence_length,
                                   truncation=True, return_tensors="pt").input_ids
-        embeds = self.text_encoder_2(t5_ids.to(self.device), output_hidden_states=False)[0]
+        embeds = self.text_encoder_2(t5_ids.to(self.encode_device), output_hidden_states=False)[0]
         embeds, pooled = embeds.to("cpu"), pooled.to("cpu")
         return [{"prompt_embeds": embeds[i:i + 1].clone(), "pooled_embeds": pooled[i:i + 1].clone()}
                 for i in range(len(prompts))]
@@ -247,7 +251,7 @@ class FluxFamily(Family):
             "img_ids": latent_image_ids(h, w).to(self.device, self.dtype),
             # FLUX.1-dev's distilled guidance: a number the transformer embeds, one pass.
             "guidance": (torch.full([n], request.guidance_scale, device=self.device, dtype=torch.float32)
-                         if self.transformer.config.guidance_embeds else None),
+                         if self.transformer_config.get("guidance_embeds") else None),
         }
         state.extra["conditioning"] = conditioning
         return conditioning
@@ -268,7 +272,7 @@ class FluxFamily(Family):
         # The transformer takes t in [0, 1] (FluxPipeline: timestep / 1000).
         timestep = torch.cat([state.scheduler.timesteps[state.step].expand(state.latents.shape[0])
                               for state in states]).to(latents.dtype) / 1000
-        velocities = self.transformer(hidden_states=latents, timestep=timestep, return_dict=False,
+        velocities = self.component("transformer")(hidden_states=latents, timestep=timestep, return_dict=False,
                                       **batch)[0].split(self.rows(states))
         for state, velocity in zip(states, velocities):
             scheduler, latents = state.scheduler, state.latents
@@ -322,15 +326,9 @@ class FluxFamily(Family):
 
     @torch.no_grad()
     def decode(self, state: DenoiseState) -> list[Image.Image]:
+        vae = self.component("vae")
         h, w = self._latent_size(state.request)
-        latents = unpack_latents(self.final_latents(state).to(self.device, self.dtype), h, w)
-        config = self.vae.config
-        latents = latents / config.scaling_factor + (config.shift_factor or 0.0)
-        self.set_vae_tiling(self.vae, state.request.width, state.request.height)
-        pixels = self.vae.decode(latents).sample  # [n, 3, H, W] in [-1, 1]
-        pixels = ((pixels / 2 + 0.5).clamp(0, 1) * 255).round().to(torch.uint8)
-        arrays = pixels.permute(0, 2, 3, 1).cpu().numpy()
-        return [Image.fromarray(array) for array in arrays]  # uint8 [H, W, 3] → RGB
-
-    def memory_bytes(self) -> int:
-        return module_bytes(*self._modules())
+        latents = unpack_latents(self.final_latents(state).to(self.device, vae.dtype), h, w)
+        latents = latents / vae.config.scaling_factor + (vae.config.shift_factor or 0.0)
+        self.set_vae_tiling(vae, state.request.width, state.request.height)
+        return pil_images(vae.decode(latents).sample)  # [n, 3, H, W] in [-1, 1] → RGB

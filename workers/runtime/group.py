@@ -125,12 +125,12 @@ def _load(source: tuple[str, str, str]) -> Any:
     """A transformer from (class "module:Name", directory, dtype name), as the family loads it."""
     import torch
 
-    from .wan import _load_model  # from_pretrained, or config + safetensors where accelerate is missing
+    from .components import load_pretrained
 
     class_path, directory, dtype = source
     module, name = class_path.split(":")
     cls = getattr(importlib.import_module(module), name)
-    return _load_model(cls, Path(directory), getattr(torch, dtype)).eval()
+    return load_pretrained(cls, Path(directory), getattr(torch, dtype)).eval()
 
 
 def _device(backend: str, rank: int) -> Any:

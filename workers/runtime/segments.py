@@ -15,7 +15,8 @@ from PIL import Image
 from genserver.storage import LocalStorage
 
 from .base import Family, GenerationRequest
-from .stages import _png, load_state
+from .common import png_bytes
+from .stages import load_state
 from .video import DEFAULT_FPS, encode_mp4, poster
 
 
@@ -49,7 +50,7 @@ def decode_segment(family: Family, storage: LocalStorage, request: GenerationReq
     results = family.decode(state)
     clip = _frames_of(results[0], frames)
     key = storage.put(clip_key(job_id, index), encode_mp4(clip, fps=DEFAULT_FPS))
-    poster_key = storage.put(f"outputs/{job_id}/segments/{index:03d}.poster.png", _png(poster(clip)))
+    poster_key = storage.put(f"outputs/{job_id}/segments/{index:03d}.poster.png", png_bytes(poster(clip)))
     return key, poster_key
 
 
@@ -89,5 +90,5 @@ def assemble(storage: LocalStorage, job_id: str, clip_keys: list[str]) -> list[d
                 raise ValueError(f"job {job_id}: the segments hold no frames")
             out.mux(stream.encode())
         key = storage.put(f"outputs/{job_id}/0.mp4", path.read_bytes())
-    poster_key = storage.put(f"outputs/{job_id}/0.poster.png", _png(first))
+    poster_key = storage.put(f"outputs/{job_id}/0.poster.png", png_bytes(first))
     return [{"key": key, "content_type": "video/mp4"}, {"key": poster_key, "content_type": "image/png"}]

@@ -18,6 +18,7 @@ import torch
 from genserver.storage import LocalStorage
 
 from .base import DenoiseState, Family, GenerationRequest
+from .common import png_bytes
 
 
 def _to_bytes(obj: Any) -> bytes:
@@ -28,12 +29,6 @@ def _to_bytes(obj: Any) -> bytes:
 
 def _from_bytes(data: bytes) -> Any:
     return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)  # tensors and plain values only
-
-
-def _png(image: Any) -> bytes:
-    buf = io.BytesIO()
-    image.save(buf, format="PNG")
-    return buf.getvalue()
 
 
 def checkpoint_key(job_id: str, step: int) -> str:
@@ -145,7 +140,7 @@ def run_merged_chunk(family: Family, storage: LocalStorage, states: list[Denoise
         for state in active:
             if preview_every and state.step % preview_every == 0 and state.step < state.request.steps:
                 key = f"previews/{state.request.job_id}/preview.png"
-                storage.put(key, _png(family.preview(state)))
+                storage.put(key, png_bytes(family.preview(state)))
                 on_preview(state, key, state.step)
     elapsed = time.perf_counter() - started
     for state in active:
@@ -177,9 +172,9 @@ def decode(family: Family, storage: LocalStorage, request: GenerationRequest, *,
 
             key = storage.put(f"outputs/{request.job_id}/{index}.mp4", encode_mp4(result, fps=DEFAULT_FPS))
             outputs.append({"key": key, "content_type": "video/mp4"})
-            key = storage.put(f"outputs/{request.job_id}/{index}.poster.png", _png(poster(result)))
+            key = storage.put(f"outputs/{request.job_id}/{index}.poster.png", png_bytes(poster(result)))
             outputs.append({"key": key, "content_type": "image/png"})
         else:
-            key = storage.put(f"outputs/{request.job_id}/{index}.png", _png(result))
+            key = storage.put(f"outputs/{request.job_id}/{index}.png", png_bytes(result))
             outputs.append({"key": key, "content_type": "image/png"})
     return outputs

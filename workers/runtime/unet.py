@@ -20,9 +20,9 @@ prompt (`force_zeros_for_empty_prompt`), SDXL's empty negative prompt is zeros,
 not the encoding of "". The scheduler is the registry entry's `scheduler`
 (UNET_SCHEDULERS), configured from the checkpoint's scheduler/ folder.
 
-The helpers at the top (CheckpointMissingError, check_checkpoint_dir,
-scheduler_history / restore_scheduler_history, latent_preview) are shared with
-the other families (flux.py).
+Each stage builds only its own components (components.py): encode the CLIP
+tokenizers and encoders, denoise the UNet, decode the VAE; every stage reads the
+others' config.json files for shapes. Shared helpers live in common.py.
 """
 from __future__ import annotations
 
@@ -30,12 +30,16 @@ import json
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 from PIL import Image
 
 from genserver.registry import ModelSpec
-from workers.runtime.base import DenoiseState, Family, GenerationRequest
+from workers.runtime.base import STAGES, DenoiseState, Family, GenerationRequest
+from workers.runtime.common import (CheckpointMissingError, check_checkpoint_dir, last_denoised, latent_preview,
+                                    pil_images, resumed_state, scheduler_class, scheduler_history)
+from workers.runtime.components import read_config, torch_dtype
+
+__all__ = ["UNetFamily", "CheckpointMissingError", "CHECKPOINT_FORMAT", "UNET_SCHEDULERS"]
 
 # unet/2 added the multistep history (`scheduler_history`, `scheduler_model_outputs`);
 # a unet/1 checkpoint has none, which is exact for the schedulers unet/1 knew (Euler, Euler a).
@@ -59,7 +63,6 @@ SDXL_LATENT_RGB = torch.tensor([
     [-0.3165, -0.2492, -0.2188],
 ])
 SDXL_LATENT_RGB_BIAS = torch.tensor([0.1084, -0.0175, -0.0011])
-PREVIEW_MAX_SIDE = 64
 
 # Registry `scheduler` name → (diffusers class, settings on top of the checkpoint's
 # scheduler config). The checkpoint's config keeps the model's noise schedule
@@ -73,126 +76,6 @@ UNET_SCHEDULERS: dict[str, tuple[str, dict[str, Any]]] = {
 }
 
 
-class CheckpointMissingError(FileNotFoundError):
-    """The model's local checkpoint directory (or one of its components) is missing."""
-
-
-def check_checkpoint_dir(spec: ModelSpec, path: Path, components: tuple[str, ...]) -> None:
-    """Raise CheckpointMissingError naming the path, what lacks, and how to make the tiny models."""
-    missing = [c for c in components if not (path / c).is_dir()]
-    if missing:
-        what = "does not exist" if not path.is_dir() else "lacks " + ", ".join(f"{c}/" for c in missing)
-        raise CheckpointMissingError(
-            f"model {spec.name!r}: checkpoint directory {path} {what}. "
-            f"For the tiny test models run `python manage.py make_tiny_models`; otherwise "
-            f"put a diffusers checkpoint there (or fix `path` in the registry)."
-        )
-
-
-def scheduler_class(family: str, table: dict[str, tuple[str, dict[str, Any]]],
-                    name: str) -> tuple[type, dict[str, Any]]:
-    """The diffusers class and settings that the registry's `scheduler = name` stands for."""
-    import diffusers
-
-    try:
-        class_name, settings = table[name]
-    except KeyError:
-        raise ValueError(f"{family} family: unknown scheduler {name!r}; known: {sorted(table)}") from None
-    return getattr(diffusers, class_name), dict(settings)
-
-
-# Multistep solvers (DPM-Solver++) keep a history besides their position: the last
-# `solver_order` converted model outputs (x0 predictions) and how many lower-order
-# warm-up steps they have taken. The position itself is `step_index`, restored
-# through the public `set_begin_index`. Single-step schedulers (Euler, Euler a,
-# flow-matching Euler) have no history; their dict is empty.
-def scheduler_history(scheduler: Any) -> dict[str, Any]:
-    """The multistep history as checkpoint entries: plain values + one stacked CPU tensor."""
-    if not hasattr(scheduler, "model_outputs"):
-        return {}
-    outputs = list(scheduler.model_outputs)
-    present = [o is not None for o in outputs]
-    first = next((o for o in outputs if o is not None), None)
-    stacked = (torch.stack([o if o is not None else torch.zeros_like(first) for o in outputs])
-               if first is not None else torch.zeros(0))
-    return {
-        # Plain values: which history slots are filled, the warm-up count.
-        "scheduler_history": {"model_outputs_present": present,
-                              "lower_order_nums": int(scheduler.lower_order_nums)},
-        # One tensor, [solver_order, *latent shape]; empty slots are zeros.
-        "scheduler_model_outputs": stacked.detach().to("cpu", copy=True),
-    }
-
-
-def restore_scheduler_history(scheduler: Any, data: dict[str, Any], device: str, dtype: torch.dtype) -> None:
-    """Put back what `scheduler_history` saved, on a scheduler fresh from set_timesteps."""
-    history = data.get("scheduler_history")
-    if not hasattr(scheduler, "model_outputs"):
-        if history:
-            raise ValueError(f"checkpoint has a multistep history, {type(scheduler).__name__} keeps none")
-        return
-    if history is None:
-        raise ValueError(f"checkpoint lacks the multistep history that {type(scheduler).__name__} needs")
-    present = history["model_outputs_present"]
-    if len(present) != len(scheduler.model_outputs):
-        raise ValueError(f"checkpoint's solver order {len(present)} != the scheduler's "
-                         f"{len(scheduler.model_outputs)}")
-    stacked = data["scheduler_model_outputs"]
-    scheduler.model_outputs = [stacked[i].to(device, dtype) if filled else None
-                               for i, filled in enumerate(present)]
-    scheduler.lower_order_nums = int(history["lower_order_nums"])
-
-
-def latent_preview(latent: torch.Tensor, factors: torch.Tensor, bias: torch.Tensor | None = None) -> Image.Image:
-    """A small RGB picture of one [C, h, w] latent by a linear C→3 projection, upscaled to ~64 px."""
-    latent = latent.detach().to("cpu", torch.float32)
-    rgb = torch.einsum("chw,cr->rhw", latent[:factors.shape[0]], factors)
-    if bias is not None:
-        rgb = rgb + bias[:, None, None]
-    rgb = ((rgb + 1) / 2).clamp(0, 1)
-    image = Image.fromarray((rgb.permute(1, 2, 0).numpy() * 255).round().astype(np.uint8))
-    h, w = latent.shape[-2:]
-    scale = max(1, PREVIEW_MAX_SIDE // max(h, w))
-    return image.resize((w * scale, h * scale), Image.NEAREST) if scale > 1 else image
-
-
-def resumed_state(scheduler: Any, data: dict[str, Any], request: GenerationRequest, embeddings: dict[str, Any],
-                  device: str, dtype: torch.dtype) -> DenoiseState:
-    """The tail of every restore: the scheduler's history, the RNG and the latents back in place."""
-    if type(scheduler).__name__ != data["scheduler_class"]:
-        raise ValueError(f"checkpoint used {data['scheduler_class']}, the model now uses {type(scheduler).__name__}")
-    restore_scheduler_history(scheduler, data, device, dtype)
-    generator = torch.Generator("cpu")
-    generator.set_state(data["generator_state"])
-    state = DenoiseState(request=request, step=int(data["step"]), latents=data["latents"].to(device, dtype),
-                         embeddings=embeddings, scheduler=scheduler, generator=generator)
-    restore_denoised(state, data, device, dtype)
-    return state
-
-
-def restore_denoised(state: DenoiseState, data: dict[str, Any], device: str, dtype: torch.dtype) -> None:
-    """The checkpoint's x0 estimate back in `state.extra` (older checkpoints have none: a multistep
-    history's newest prediction stands in, as in `last_denoised`)."""
-    denoised = data.get("denoised")
-    if denoised is not None:
-        state.extra["denoised"] = denoised.to(device, dtype)
-    elif (fallback := last_denoised(state)) is not None:
-        state.extra["denoised"] = fallback
-
-
-def last_denoised(state: DenoiseState) -> torch.Tensor | None:
-    """The latest x0 estimate: from the last step, or a restored multistep history's last prediction."""
-    denoised = state.extra.get("denoised")
-    outputs = getattr(state.scheduler, "model_outputs", None)
-    if denoised is None and outputs and outputs[-1] is not None:
-        denoised = outputs[-1]
-    return denoised
-
-
-def module_bytes(*modules: torch.nn.Module) -> int:
-    return sum(t.numel() * t.element_size() for m in modules for t in [*m.parameters(), *m.buffers()])
-
-
 class UNetFamily(Family):
     """An SD-1.5- or SDXL-style model: CLIP text encoder(s), UNet2DConditionModel, AutoencoderKL.
 
@@ -201,49 +84,34 @@ class UNetFamily(Family):
     so a job's randomness doesn't depend on the card it happens to run on.
     """
 
-    def __init__(self, spec: ModelSpec, device: str, data_dir: Path) -> None:
-        super().__init__(spec, device, data_dir)
-        from diffusers import AutoencoderKL, UNet2DConditionModel
-        from diffusers.utils import is_accelerate_available
-        from transformers import CLIPTextModel, CLIPTextModelWithProjection, CLIPTokenizer
-
+    def __init__(self, spec: ModelSpec, device: str, data_dir: Path, stages: tuple[str, ...] = STAGES, *,
+                 weights: str = "checkpoint") -> None:
+        super().__init__(spec, device, data_dir, stages)
         self.path = spec.resolved_path(data_dir)
         # SDXL if either second-encoder folder is there (then both must be).
         self.is_sdxl = any((self.path / c).exists() for c in SDXL_COMPONENTS)
-        check_checkpoint_dir(spec, self.path, COMPONENTS + (SDXL_COMPONENTS if self.is_sdxl else ()))
+        required = COMPONENTS + (SDXL_COMPONENTS if self.is_sdxl else ())
+        check_checkpoint_dir(spec, self.path, tuple(c for c in required
+                                                    if weights == "checkpoint" or "tokenizer" not in c))
         # Fail before loading weights.
         self.scheduler_class, self.scheduler_settings = scheduler_class("unet", UNET_SCHEDULERS, spec.scheduler)
-        # float32 everywhere: the tiny model is cheap anyway, and exact resumption
-        # is easier to reason about. (Real SD on a GPU would want fp16/bf16 here.)
-        self.dtype = torch.float32
-        # dtype at load time (not .to(dtype) later), so modules a model keeps in fp32 stay so;
-        # low_cpu_mem_usage only where accelerate can do it (else diffusers warns on every load).
-        diffusers_load = {"local_files_only": True, "torch_dtype": self.dtype,
-                          "low_cpu_mem_usage": is_accelerate_available()}
-        self.tokenizer = CLIPTokenizer.from_pretrained(self.path / "tokenizer", local_files_only=True)
-        self.text_encoder = CLIPTextModel.from_pretrained(self.path / "text_encoder", local_files_only=True,
-                                                          dtype=self.dtype)
-        self.unet = UNet2DConditionModel.from_pretrained(self.path / "unet", **diffusers_load)
-        self.vae = AutoencoderKL.from_pretrained(self.path / "vae", **diffusers_load)
-        self.tokenizer_2 = self.text_encoder_2 = None
+        self.dtype = torch_dtype(spec, device)
+        # Shapes from the configs (no weights): every stage knows them, whichever it loads.
+        self.unet_config = read_config(self.path, "unet")
+        self.vae_scale_factor = 2 ** (len(read_config(self.path, "vae")["block_out_channels"]) - 1)
+        self.latent_channels = self.unet_config["in_channels"]
         if self.is_sdxl:
-            # SDXL: a second CLIP (OpenCLIP bigG) whose projected pooled output and the
-            # 6 time ids make the UNet's `text_time` added conditioning.
-            self.tokenizer_2 = CLIPTokenizer.from_pretrained(self.path / "tokenizer_2", local_files_only=True)
-            self.text_encoder_2 = CLIPTextModelWithProjection.from_pretrained(
-                self.path / "text_encoder_2", local_files_only=True, dtype=self.dtype)
             self._check_sdxl_dims()
         # SDXL zeroes an empty negative prompt (StableDiffusionXLPipeline's
         # `force_zeros_for_empty_prompt`, stored in model_index.json) instead of encoding "".
         self.force_zeros_for_empty_prompt = self.is_sdxl and self._model_index().get(
             "force_zeros_for_empty_prompt", True)
-        for module in self._modules():
-            module.to(self.device).eval().requires_grad_(False)
-        self.vae_scale_factor = 2 ** (len(self.vae.config.block_out_channels) - 1)
-        self.latent_channels = self.unet.config.in_channels
-
-    def _modules(self) -> list[torch.nn.Module]:
-        return [m for m in (self.text_encoder, self.text_encoder_2, self.unet, self.vae) if m is not None]
+        components = self.load_components(weights)
+        self.tokenizer, self.text_encoder = components.get("tokenizer"), components.get("text_encoder")
+        # SDXL: a second CLIP (OpenCLIP bigG) whose projected pooled output and the
+        # 6 time ids make the UNet's `text_time` added conditioning.
+        self.tokenizer_2, self.text_encoder_2 = components.get("tokenizer_2"), components.get("text_encoder_2")
+        self.unet, self.vae = components.get("unet"), components.get("vae")
 
     def _model_index(self) -> dict[str, Any]:
         index = self.path / "model_index.json"
@@ -251,15 +119,29 @@ class UNetFamily(Family):
 
     def _check_sdxl_dims(self) -> None:
         """The UNet's added embedding must take 6 time ids + the pooled projection (as the pipeline checks)."""
-        config = self.unet.config
-        if config.addition_embed_type != "text_time":
+        config = self.unet_config
+        if config.get("addition_embed_type") != "text_time":
             raise ValueError(f"model {self.spec.name!r}: has text_encoder_2/ but its UNet's addition_embed_type "
-                             f"is {config.addition_embed_type!r}, not 'text_time' (SDXL)")
-        passed = config.addition_time_embed_dim * 6 + self.text_encoder_2.config.projection_dim
-        expected = self.unet.add_embedding.linear_1.in_features
+                             f"is {config.get('addition_embed_type')!r}, not 'text_time' (SDXL)")
+        passed = config["addition_time_embed_dim"] * 6 + self.pooled_dim
+        expected = config["projection_class_embeddings_input_dim"]
         if passed != expected:
             raise ValueError(f"model {self.spec.name!r}: UNet expects an added embedding of {expected}, "
                              f"6 time ids + pooled text give {passed}")
+
+    @property
+    def pooled_dim(self) -> int:
+        """SDXL's pooled text width: the second encoder's projection."""
+        return int(read_config(self.path, "text_encoder_2")["projection_dim"])
+
+    def blank_embeddings(self) -> dict[str, Any]:
+        """Zero embeddings of the real shapes (the compile warm-up; benchmarks without tokenizers)."""
+        tokens = int(read_config(self.path, "text_encoder").get("max_position_embeddings", 77))
+        embeds = torch.zeros(1, tokens, self.unet_config["cross_attention_dim"], dtype=self.dtype)
+        out = {"prompt_embeds": embeds, "negative_embeds": embeds}
+        if self.is_sdxl:
+            out["pooled_embeds"] = out["negative_pooled_embeds"] = torch.zeros(1, self.pooled_dim, dtype=self.dtype)
+        return out
 
     # 1. encode ---------------------------------------------------------------
 
@@ -269,7 +151,7 @@ class UNetFamily(Family):
             return []
         # One text-encoder call (per encoder) for all prompts and negatives: [p0..pn-1, n0..nn-1].
         texts = [p for p, _ in prompts] + [n for _, n in prompts]
-        embeds, pooled = self._encode_texts(texts)
+        embeds, pooled = self._encode_texts(texts)  # needs the encode stage
         embeds = embeds.to("cpu")
         pooled = pooled.to("cpu") if pooled is not None else None
         n = len(prompts)
@@ -288,20 +170,21 @@ class UNetFamily(Family):
     def _encode_texts(self, texts: list[str]) -> tuple[torch.Tensor, torch.Tensor | None]:
         """([len(texts), 77, D] hidden states, [len(texts), P] pooled or None), like the pipelines."""
         if not self.is_sdxl:
-            tokens = self._tokens(self.tokenizer, texts)
+            tokens = self._tokens(self.component("tokenizer"), texts)
             # SD 1.5: last hidden states; no attention mask (padding is attended to, as in training).
             return self.text_encoder(tokens)[0], None
         # SDXL: the penultimate hidden states of both encoders, side by side; the
         # pooled projection of the second (its output [0] is the 2-D `text_embeds`).
         hidden = []
-        for tokenizer, encoder in ((self.tokenizer, self.text_encoder), (self.tokenizer_2, self.text_encoder_2)):
+        for tokenizer, encoder in ((self.component("tokenizer"), self.text_encoder),
+                                   (self.component("tokenizer_2"), self.text_encoder_2)):
             output = encoder(self._tokens(tokenizer, texts), output_hidden_states=True)
             hidden.append(output.hidden_states[-2])
         return torch.cat(hidden, dim=-1), output[0]
 
     def _tokens(self, tokenizer: Any, texts: list[str]) -> torch.Tensor:
         return tokenizer(texts, padding="max_length", max_length=tokenizer.model_max_length, truncation=True,
-                         return_tensors="pt").input_ids.to(self.device)
+                         return_tensors="pt").input_ids.to(self.encode_device)
 
     # 2. prepare --------------------------------------------------------------
 
@@ -389,8 +272,9 @@ class UNetFamily(Family):
             model_input, timestep = torch.cat([model_input] * 2), torch.cat([timestep] * 2)
         added = ({"text_embeds": self.guidance_batch(text_embeds, cfg), "time_ids": self.guidance_batch(time_ids, cfg)}
                  if text_embeds else None)
-        noise_pred = self.unet(model_input, timestep, encoder_hidden_states=self.guidance_batch(hidden, cfg),
-                               added_cond_kwargs=added).sample
+        unet = self.component("unet")
+        noise_pred = unet(model_input, timestep, encoder_hidden_states=self.guidance_batch(hidden, cfg),
+                          added_cond_kwargs=added).sample
         halves = [part.split(rows) for part in noise_pred.chunk(2)] if cfg else [noise_pred.split(rows)]
         for i, state in enumerate(states):
             pred = halves[0][i] + state.request.guidance_scale * (halves[1][i] - halves[0][i]) if cfg else halves[0][i]
@@ -446,12 +330,8 @@ class UNetFamily(Family):
 
     @torch.no_grad()
     def decode(self, state: DenoiseState) -> list[Image.Image]:
-        latents = self.final_latents(state).to(self.device, self.dtype) / self.vae.config.scaling_factor
-        self.set_vae_tiling(self.vae, state.request.width, state.request.height)
-        pixels = self.vae.decode(latents).sample  # [n, 3, H, W] in [-1, 1]
-        pixels = ((pixels / 2 + 0.5).clamp(0, 1) * 255).round().to(torch.uint8)
-        arrays = pixels.permute(0, 2, 3, 1).cpu().numpy()
-        return [Image.fromarray(array) for array in arrays]  # uint8 [H, W, 3] → RGB
-
-    def memory_bytes(self) -> int:
-        return module_bytes(*self._modules())
+        vae = self.component("vae")
+        # In the VAE's dtype: float32 where a float16 entry's VAE says force_upcast (components.py).
+        latents = self.final_latents(state).to(self.device, vae.dtype) / vae.config.scaling_factor
+        self.set_vae_tiling(vae, state.request.width, state.request.height)
+        return pil_images(vae.decode(latents).sample)  # [n, 3, H, W] in [-1, 1] → RGB

@@ -24,6 +24,10 @@ Schedulers (the registry entry's `scheduler`), all with Wan's flow-matching sett
 The multistep solvers keep a history (previous model outputs, their timesteps, the
 warm-up counter, the corrector's last sample and order); it is saved in the checkpoint
 with the position, so a job resumed in another process continues exactly.
+
+Each stage builds only its own components (components.py): encode the UMT5
+encoder, denoise the transformer, decode the VAE. Latents stay float32 (as
+WanPipeline keeps them); the transformer runs in the entry's dtype.
 """
 from __future__ import annotations
 
@@ -31,12 +35,16 @@ import inspect
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 from PIL import Image
 
 from genserver.registry import ModelSpec
-from workers.runtime.base import DenoiseState, Family, GenerationRequest
+from workers.runtime.base import STAGES, DenoiseState, Family, GenerationRequest
+from workers.runtime.common import (CheckpointMissingError, check_checkpoint_dir, latent_preview,
+                                    scheduler_attributes, to_device, to_uint8)
+from workers.runtime.components import read_config, torch_dtype
+
+__all__ = ["WanFamily", "CheckpointMissingError", "CHECKPOINT_FORMAT", "SCHEDULERS"]
 
 CHECKPOINT_FORMAT = "wan/1"
 COMPONENTS = ("transformer", "vae", "text_encoder", "tokenizer", "scheduler")
@@ -64,14 +72,9 @@ WAN21_LATENT_RGB = torch.tensor([
     [0.1984, 0.0913, 0.1861],
 ])
 WAN21_LATENT_RGB_BIAS = torch.tensor([-0.1835, -0.0868, -0.3360])
-PREVIEW_MAX_SIDE = 64
 
 
 SCHEDULERS = ("dpmpp_2m", "flow_euler", "unipc")  # the registry's `scheduler` values
-
-
-class CheckpointMissingError(FileNotFoundError):
-    """The model's local checkpoint directory (or one of its components) is missing."""
 
 
 def _new_scheduler_of(name: str, config: dict[str, Any]) -> Any:
@@ -94,38 +97,6 @@ def _new_scheduler_of(name: str, config: dict[str, Any]) -> Any:
     raise ValueError(f"wan family: unknown scheduler {name!r}; known: {sorted(SCHEDULERS)}")
 
 
-def _load_model(cls: type, directory: Path, dtype: torch.dtype) -> Any:
-    """A diffusers model from a local directory, with or without `accelerate`.
-
-    diffusers refuses `from_pretrained` for a model with `_keep_in_fp32_modules`
-    (WanTransformer3DModel) unless it can load with low_cpu_mem_usage, which needs
-    `accelerate`. Without it, build the model from its config and load the
-    safetensors weights (all shards) strictly — the same result in float32.
-    """
-    from diffusers.utils import is_accelerate_available
-
-    if is_accelerate_available() or not getattr(cls, "_keep_in_fp32_modules", None):
-        return cls.from_pretrained(directory, local_files_only=True, torch_dtype=dtype,
-                                   low_cpu_mem_usage=is_accelerate_available())
-    from safetensors.torch import load_file
-
-    files = sorted(directory.glob("diffusion_pytorch_model*.safetensors"))
-    if not files:
-        raise CheckpointMissingError(f"{directory} holds no diffusion_pytorch_model*.safetensors")
-    model = cls.from_config(cls.load_config(directory))
-    state: dict[str, torch.Tensor] = {}
-    for file in files:
-        state.update(load_file(file))
-    model.load_state_dict(state, strict=True)
-    if dtype != torch.float32:
-        # As from_pretrained would: cast all but the modules the model keeps in float32.
-        keep = cls._keep_in_fp32_modules
-        for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
-            if not any(part in keep for part in name.split(".")):
-                tensor.data = tensor.data.to(dtype)
-    return model
-
-
 class WanFamily(Family):
     """A Wan-2.1-style text-to-video model: UMT5 encoder, WanTransformer3DModel, AutoencoderKLWan.
 
@@ -134,49 +105,35 @@ class WanFamily(Family):
     so a job's randomness doesn't depend on the card it happens to run on.
     """
 
-    def __init__(self, spec: ModelSpec, device: str, data_dir: Path) -> None:
-        super().__init__(spec, device, data_dir)
-        from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanTransformer3DModel
-        from diffusers.utils import is_accelerate_available
-        from transformers import AutoTokenizer, UMT5EncoderModel
-
+    def __init__(self, spec: ModelSpec, device: str, data_dir: Path, stages: tuple[str, ...] = STAGES, *,
+                 weights: str = "checkpoint") -> None:
+        super().__init__(spec, device, data_dir, stages)
         self.path = spec.resolved_path(data_dir)
-        self._check_checkpoint()
+        check_checkpoint_dir(spec, self.path, tuple(c for c in COMPONENTS
+                                                    if weights == "checkpoint" or "tokenizer" not in c))
         if spec.scheduler not in SCHEDULERS:  # fail before loading weights
             raise ValueError(f"wan family: unknown scheduler {spec.scheduler!r}; known: {sorted(SCHEDULERS)}")
-        # float32 everywhere: the tiny model is cheap anyway, and exact resumption is
-        # easier to reason about. (Real Wan on a GPU would want bf16 transformer/encoder.)
-        self.dtype = torch.float32
-        self.tokenizer = AutoTokenizer.from_pretrained(self.path / "tokenizer", local_files_only=True)
-        self.text_encoder = UMT5EncoderModel.from_pretrained(self.path / "text_encoder", local_files_only=True,
-                                                             dtype=self.dtype)
-        self.transformer = _load_model(WanTransformer3DModel, self.path / "transformer", self.dtype)
-        self.vae = AutoencoderKLWan.from_pretrained(self.path / "vae", local_files_only=True,
-                                                    torch_dtype=self.dtype,
-                                                    low_cpu_mem_usage=is_accelerate_available())
-        for module in (self.text_encoder, self.transformer, self.vae):
-            module.to(self.device).eval().requires_grad_(False)
+        self.dtype = torch_dtype(spec, device)
+        # Shapes and settings from the configs (no weights): every stage knows them.
         # The checkpoint's scheduler settings (flow_shift, ...), whatever class it names.
-        self.scheduler_config = dict(UniPCMultistepScheduler.load_config(self.path / "scheduler",
-                                                                         local_files_only=True))
-        self.vae_scale_spatial = int(self.vae.config.scale_factor_spatial)
-        self.vae_scale_temporal = int(self.vae.config.scale_factor_temporal)
-        self.patch = tuple(self.transformer.config.patch_size)  # (t, h, w)
-        self.latent_channels = int(self.transformer.config.in_channels)
-        z = int(self.vae.config.z_dim)
-        self.latents_mean = torch.tensor(self.vae.config.latents_mean, dtype=torch.float32).view(1, z, 1, 1, 1)
-        self.latents_std = torch.tensor(self.vae.config.latents_std, dtype=torch.float32).view(1, z, 1, 1, 1)
+        self.scheduler_config = read_config(self.path, "scheduler")
+        vae_config, self.transformer_config = read_config(self.path, "vae"), read_config(self.path, "transformer")
+        self.vae_scale_spatial = int(vae_config["scale_factor_spatial"])
+        self.vae_scale_temporal = int(vae_config["scale_factor_temporal"])
+        self.patch = tuple(self.transformer_config["patch_size"])  # (t, h, w)
+        self.latent_channels = int(self.transformer_config["in_channels"])
+        z = int(vae_config["z_dim"])
+        self.latents_mean = torch.tensor(vae_config["latents_mean"], dtype=torch.float32).view(1, z, 1, 1, 1)
+        self.latents_std = torch.tensor(vae_config["latents_std"], dtype=torch.float32).view(1, z, 1, 1, 1)
         self._step_takes_generator: dict[type, bool] = {}
+        components = self.load_components(weights)
+        self.tokenizer, self.text_encoder = components.get("tokenizer"), components.get("text_encoder")
+        self.transformer, self.vae = components.get("transformer"), components.get("vae")
 
-    def _check_checkpoint(self) -> None:
-        missing = [c for c in COMPONENTS if not (self.path / c).is_dir()]
-        if missing:
-            what = "does not exist" if not self.path.is_dir() else "lacks " + ", ".join(f"{c}/" for c in missing)
-            raise CheckpointMissingError(
-                f"model {self.spec.name!r}: checkpoint directory {self.path} {what}. "
-                f"For the tiny test models run `python manage.py make_tiny_models`; otherwise "
-                f"put a diffusers Wan checkpoint there (or fix `path` in the registry)."
-            )
+    def blank_embeddings(self) -> dict[str, Any]:
+        """Zero embeddings of the real shapes (the compile warm-up; benchmarks without tokenizers)."""
+        embeds = torch.zeros(1, MAX_TEXT_TOKENS, self.transformer_config["text_dim"])
+        return {"prompt_embeds": embeds, "negative_embeds": embeds}
 
     # 1. encode ---------------------------------------------------------------
 
@@ -195,11 +152,12 @@ class WanFamily(Family):
         """WanPipeline._get_t5_prompt_embeds, less the padding: one [1, L_i, D] CPU tensor per text."""
         from diffusers.pipelines.wan.pipeline_wan import prompt_clean
 
-        tokens = self.tokenizer([prompt_clean(t) for t in texts], padding="max_length",
+        tokens = self.component("tokenizer")([prompt_clean(t) for t in texts], padding="max_length",
                                 max_length=MAX_TEXT_TOKENS, truncation=True, add_special_tokens=True,
                                 return_attention_mask=True, return_tensors="pt")
         mask = tokens.attention_mask
-        hidden = self.text_encoder(tokens.input_ids.to(self.device), mask.to(self.device)).last_hidden_state
+        device = self.encode_device
+        hidden = self.text_encoder(tokens.input_ids.to(device), mask.to(device)).last_hidden_state
         hidden = hidden.to("cpu", torch.float32)
         lengths = mask.gt(0).sum(dim=1).tolist()
         # Kept trimmed (a real UMT5-XXL embedding padded to 512 is 8 MB); _conditioning
@@ -286,7 +244,7 @@ class WanFamily(Family):
                               for state in states])
         if cfg:  # Classifier-free guidance: [uncond, cond] in one transformer call.
             model_input, timestep = torch.cat([model_input] * 2), torch.cat([timestep] * 2)
-        velocity = self.transformer(hidden_states=model_input.to(self.dtype), timestep=timestep,
+        velocity = self.component("transformer")(hidden_states=model_input.to(self.dtype), timestep=timestep,
                                     encoder_hidden_states=self.guidance_batch(
                                         [self._conditioning(state) for state in states], cfg),
                                     return_dict=False)[0]
@@ -306,9 +264,7 @@ class WanFamily(Family):
     # 4. checkpoint / restore -------------------------------------------------
 
     def checkpoint(self, state: DenoiseState) -> dict[str, Any]:
-        scheduler = state.scheduler
-        history = {name: _to_cpu(getattr(scheduler, name))
-                   for name in SCHEDULER_HISTORY if hasattr(scheduler, name)}
+        history = scheduler_attributes(state.scheduler, SCHEDULER_HISTORY)
         return self.checkpoint_fields(state, CHECKPOINT_FORMAT) | {"scheduler_history": history}
 
     def restore(self, request: GenerationRequest, embeddings: dict[str, Any],
@@ -320,7 +276,7 @@ class WanFamily(Family):
                              f"{type(scheduler).__name__}")
         # After set_timesteps (which resets the history): put the saved history back.
         for name, value in data["scheduler_history"].items():
-            setattr(scheduler, name, _to_device(value, self.device))
+            setattr(scheduler, name, to_device(value, self.device))
         generator = torch.Generator("cpu")
         generator.set_state(data["generator_state"])
         latents = data["latents"].to(self.device, torch.float32)
@@ -348,52 +304,20 @@ class WanFamily(Family):
             # latents are a (1-σ)·x0 + σ·noise mix, already in range.
             latents = state.latents
         frames = latents.shape[2]
-        latent = latents[0, :, frames // 2].detach().to("cpu", torch.float32)  # [C, h, w]
-        rgb = torch.einsum("chw,cr->rhw", latent[:16], WAN21_LATENT_RGB) + WAN21_LATENT_RGB_BIAS.view(3, 1, 1)
-        rgb = ((rgb + 1) / 2).clamp(0, 1)
-        image = Image.fromarray((rgb.permute(1, 2, 0).numpy() * 255).round().astype(np.uint8))
-        h, w = latent.shape[-2:]
-        scale = max(1, PREVIEW_MAX_SIDE // max(h, w))
-        return image.resize((w * scale, h * scale), Image.NEAREST) if scale > 1 else image
+        return latent_preview(latents[0, :, frames // 2], WAN21_LATENT_RGB, WAN21_LATENT_RGB_BIAS)  # [C, h, w]
 
     # 6. decode ---------------------------------------------------------------
 
     @torch.no_grad()
     def decode(self, state: DenoiseState) -> list[list[Image.Image]]:
-        """Per output, its `num_frames` RGB frames (width × height)."""
+        """Per output, its `num_frames` RGB frames (width × height): Family.decode's video form."""
+        vae = self.component("vae")
         videos = []
         mean, std = self.latents_mean.to(self.device), self.latents_std.to(self.device)
         # One output at a time: a video decode is the memory peak of the whole job.
-        self.set_vae_tiling(self.vae, state.request.width, state.request.height)
+        self.set_vae_tiling(vae, state.request.width, state.request.height)
         for latent in self.final_latents(state).to(self.device, torch.float32).split(1):
-            pixels = self.vae.decode((latent * std + mean).to(self.dtype), return_dict=False)[0]  # [1, 3, F, H, W]
-            pixels = ((pixels / 2 + 0.5).clamp(0, 1) * 255).round().to(torch.uint8)
-            arrays = pixels[0].permute(1, 2, 3, 0).cpu().numpy()  # [F, H, W, 3]
-            videos.append([Image.fromarray(array) for array in arrays])
+            pixels = vae.decode((latent * std + mean).to(vae.dtype), return_dict=False)[0]  # [1, 3, F, H, W]
+            frames = to_uint8(pixels)[0]  # [F, H, W, 3]
+            videos.append([Image.fromarray(frame) for frame in frames])
         return videos
-
-    def memory_bytes(self) -> int:
-        modules = (self.text_encoder, self.transformer, self.vae)
-        return sum(t.numel() * t.element_size()
-                   for m in modules for t in [*m.parameters(), *m.buffers()])
-
-
-def _to_cpu(value: Any) -> Any:
-    """Scheduler history → CPU tensor copies and plain values (lists stay lists)."""
-    if isinstance(value, torch.Tensor):
-        return value.detach().to("cpu", copy=True)
-    if isinstance(value, (list, tuple)):
-        return [_to_cpu(v) for v in value]
-    if isinstance(value, np.integer):
-        return int(value)
-    if isinstance(value, np.floating):
-        return float(value)
-    return value
-
-
-def _to_device(value: Any, device: str) -> Any:
-    if isinstance(value, torch.Tensor):
-        return value.to(device)
-    if isinstance(value, list):
-        return [_to_device(v, device) for v in value]
-    return value
