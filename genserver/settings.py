@@ -121,7 +121,7 @@ WHITENOISE_USE_FINDERS = True  # serve admin/docs assets without a collectstatic
 # (genserver.transitions: job id, user, model, class, from → to, step, worker, node, seconds) go to the
 # process's real stderr through their own handler, so inside a Celery worker they keep this format;
 # Celery's own lines (the `celery` loggers) keep Celery's format in either case.
-LOG_FORMAT = env_choice("GENSERVER_LOG_FORMAT", "json", ("json", "text"))
+LOG_FORMAT = env_choice("GENSERVER_LOG_FORMAT", "text", ("json", "text"))  # production: json
 LOG_LEVEL = env_choice("GENSERVER_LOG_LEVEL", "INFO", LOG_LEVELS)
 LOGGING = {
     "version": 1,
