@@ -132,7 +132,8 @@ def check_in_flight(owner: Any) -> None:
     limit = settings.MAX_JOBS_IN_FLIGHT
     if limit <= 0:
         return
-    list(type(owner).objects.select_for_update().filter(pk=owner.pk).values_list("pk", flat=True))
+    # owner._meta.model, not type(owner): a session-authenticated request.user is a lazy proxy (the web page).
+    list(owner._meta.model.objects.select_for_update().filter(pk=owner.pk).values_list("pk", flat=True))
     active = list(Job.objects.filter(owner=owner, status__in=ACTIVE)
                   .values_list("estimated_seconds", "steps", "steps_done", "clock_scale", "segment_count"))
     if len(active) < limit:
