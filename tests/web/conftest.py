@@ -28,6 +28,12 @@ def _chromium() -> tuple[str, str]:
     return browser, driver
 
 
+@pytest.fixture(autouse=True)
+def _fast_passwords(settings) -> None:
+    """People here sign in with passwords; a cheap hasher keeps that from costing seconds on a busy machine."""
+    settings.PASSWORD_HASHERS = ["django.contrib.auth.hashers.MD5PasswordHasher"]
+
+
 @pytest.fixture(scope="session")
 def screenshots(tmp_path_factory) -> Path:
     """Where the tests save what the browser showed (printed at the end of the session)."""

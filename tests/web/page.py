@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from selenium.common.exceptions import TimeoutException
 from selenium.webdriver.common.by import By
 from selenium.webdriver.remote.webdriver import WebDriver
 from selenium.webdriver.support import expected_conditions as ec
@@ -19,14 +20,21 @@ class Page:
 
     # --- waiting -------------------------------------------------------------------------------
     def until(self, condition, timeout: float = PAGE_SECONDS, what: str = ""):
-        return WebDriverWait(self.driver, timeout, poll_frequency=0.05).until(condition, message=what)
+        """Wait for `condition`; on a timeout, a screenshot and the page's live job go into the failure."""
+        try:
+            return WebDriverWait(self.driver, timeout, poll_frequency=0.05).until(condition)
+        except TimeoutException:
+            shot = self.shot("timeout")
+            state = self.driver.execute_script("return typeof liveJob === 'undefined' ? null : liveJob")
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}; screenshot {shot}; "
+                                 f"the page's live job: {state}") from None
 
     def text_of(self, element_id: str) -> str:
         return self.driver.find_element(By.ID, element_id).text
 
     def until_text(self, element_id: str, wanted: str, timeout: float = PAGE_SECONDS) -> None:
         self.until(ec.text_to_be_present_in_element((By.ID, element_id), wanted), timeout,
-                   f"#{element_id} to show {wanted!r} (it shows {self.text_of(element_id)!r})")
+                   f"#{element_id} to show {wanted!r}")
 
     def image_loaded(self, css: str):
         """A condition: an <img> matching `css` is displayed and its picture decoded."""
@@ -81,4 +89,4 @@ class Page:
 
     def until_status(self, wanted: str, timeout: float = JOB_SECONDS) -> None:
         self.until(lambda d: d.find_element(By.ID, "live-status").get_attribute("data-status") == wanted, timeout,
-                   f"the live job to be {wanted} (it is {self.text_of('live-status')!r})")
+                   f"the live job to be {wanted}")

@@ -18,8 +18,8 @@ def test_sign_in_submit_watch_the_preview_and_get_the_images(stack, page, make_p
     assert page.text_of("whoami") == "alice"
     assert not page.driver.find_elements(By.ID, "queues-panel")  # not staff
 
-    # 256² × 50 steps with a preview every step: a few seconds of denoising to watch.
-    page.fill("tiny-sd", "a lighthouse at dusk, oil painting", width=256, height=256, steps=50, preview_every=1,
+    # 128² × 50 steps with a preview every step: a second or more of denoising to watch.
+    page.fill("tiny-sd", "a lighthouse at dusk, oil painting", width=128, height=128, steps=50, preview_every=1,
               num_outputs=2, seed=7)
     page.submit()
     job_id = page.live_job_id()
@@ -47,14 +47,14 @@ def test_sign_in_submit_watch_the_preview_and_get_the_images(stack, page, make_p
 
     job = job_row(job_id)
     assert job.status == "succeeded" and len(job.outputs) == 2 and job.owner.username == "alice"
-    assert job.preview_every == 1 and job.seed == 7 and (job.width, job.height) == (256, 256)
+    assert job.preview_every == 1 and job.seed == 7 and (job.width, job.height) == (128, 128)
 
     # Re-run with the same settings: a second job, same seed and size.
     item.find_element(By.CSS_SELECTOR, "button.rerun").click()
     rerun_id = page.until(lambda d: (h := d.execute_script("return location.hash")) != f"#job={job_id}" and h[5:],
                           what="the re-run to open")
     rerun = finished(rerun_id)
-    assert (rerun.seed, rerun.width, rerun.steps, rerun.num_outputs) == (7, 256, 50, 2)
+    assert (rerun.seed, rerun.width, rerun.steps, rerun.num_outputs) == (7, 128, 50, 2)
     assert rerun.status == "succeeded"
 
     page.sign_out()

@@ -4,7 +4,7 @@
 
 const API = "/api/v1";
 const TERMINAL = new Set(["succeeded", "failed", "cancelled", "expired"]);
-const POLL_MS = 400;
+const POLL_MS = 250;  // until the event stream: a job's state, four times a second
 const $ = (id) => document.getElementById(id);
 
 // ---- 1. Talking to the API ------------------------------------------------------------------
