@@ -8,6 +8,7 @@ the jobs run on the `stack` fixture's real workers.
 from __future__ import annotations
 
 import shutil
+import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -35,9 +36,13 @@ def _fast_passwords(settings) -> None:
 
 
 @pytest.fixture(scope="session")
-def screenshots(tmp_path_factory) -> Path:
-    """Where the tests save what the browser showed (printed at the end of the session)."""
-    folder = tmp_path_factory.mktemp("web-screenshots")
+def screenshots() -> Path:
+    """Where the tests save what the browser showed (printed at the end of the session).
+
+    A folder of its own, not pytest's tmp_path: pytest keeps only its last three
+    base folders, and the screenshots should outlive the next runs.
+    """
+    folder = Path(tempfile.mkdtemp(prefix="genserver-web-screenshots-"))
     yield folder
     print(f"\nbrowser screenshots: {folder}")
 

@@ -38,9 +38,10 @@ function describeRefusal(result) {
   if (typeof text !== "string") text = JSON.stringify(text);
   const retry = result.retryAfter || body.retry_after;
   if (result.status === 429 || result.status === 503) {
-    const what = body.duration_class ? `The ${body.duration_class} queue is full right now` : "Refused";
-    text = `${what}: ${text}`;
-    if (retry) text += ` Retry in ${retry} s.`;
+    // What it is and when to come back first, then the server's own words.
+    let what = body.duration_class ? `The ${body.duration_class} queue is full right now` : "Refused";
+    if (result.status === 503) what = "The service is unavailable";
+    text = `${what}${retry ? `, retry in ${retry} s` : ""}. (${text})`;
   }
   return text;
 }
