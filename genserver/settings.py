@@ -61,6 +61,8 @@ INSTALLED_APPS = [
     "drf_spectacular",
     "drf_spectacular_sidecar",
     "genserver.jobs",
+    # --- The web page (genserver/web) ---
+    "genserver.web",
 ]
 
 MIDDLEWARE = [
@@ -77,6 +79,11 @@ MIDDLEWARE = [
 
 ROOT_URLCONF = "genserver.urls"
 WSGI_APPLICATION = "genserver.wsgi.application"
+
+# --- The web page: Django's session login (the admin's users) --------------------
+LOGIN_URL = "web-login"
+LOGIN_REDIRECT_URL = "web-index"
+LOGOUT_REDIRECT_URL = "web-login"
 TEMPLATES = [{
     "BACKEND": "django.template.backends.django.DjangoTemplates",
     "DIRS": [],

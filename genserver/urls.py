@@ -1,4 +1,4 @@
-"""Top-level routes: the API, its schema and docs, the admin, the health probes."""
+"""Top-level routes: the API, its schema and docs, the admin, the health probes, the web page."""
 from django.contrib import admin
 from django.urls import include, path
 from drf_spectacular.views import SpectacularAPIView, SpectacularRedocView, SpectacularSwaggerView
@@ -13,6 +13,8 @@ urlpatterns = [
     path("admin/", admin.site.urls),
     path("healthz", health.healthz, name="healthz"),
     path("readyz", health.readyz, name="readyz"),
+    # --- The web page (genserver/web): `/`, sign in, sign out ---
+    path("", include("genserver.web.urls")),
 ]
 
 # Prometheus (docs/METRICS.md): a staff session or the bearer token GENSERVER_METRICS_TOKEN.

@@ -143,7 +143,8 @@ def check_in_flight(owner: Any) -> None:
     limit = settings.MAX_JOBS_IN_FLIGHT
     if limit <= 0:
         return
-    list(type(owner).objects.select_for_update().filter(pk=owner.pk).values_list("pk", flat=True))
+    # owner._meta.model, not type(owner): a session-authenticated request.user is a lazy proxy (the web page).
+    list(owner._meta.model.objects.select_for_update().filter(pk=owner.pk).values_list("pk", flat=True))
     counted = Job.objects.filter(owner=owner, status__in=ACTIVE, cancel_requested=False)
     in_flight = counted.count()
     if in_flight < limit:
