@@ -142,6 +142,8 @@ def _serve(key: str, content_type: str, *, delivery: str = "stream") -> HttpResp
     try:
         if delivery == "presigned":
             url = storage.presigned_url(key, settings.OUTPUT_URL_TTL_SECONDS, content_type)
+            if url is not None and not storage.exists(key):  # signing asks the store nothing: ask it here
+                raise StorageError(f"storage key {key!r} does not exist")
             if url is not None:
                 redirect = HttpResponseRedirect(url)
                 redirect["Cache-Control"] = "private, no-store"  # the URL is a bearer credential until it expires
