@@ -21,7 +21,7 @@ def test_a_jobs_files_live_in_the_store_and_retention_clears_them(storage_backen
     response = submit(api, model="tiny-sd", prompt=f"kept then expired {uuid.uuid4().hex}", steps=4,
                       preview_every=2)
     assert response.status_code == 201, response.content
-    job = finished(response.json()["id"], timeout=120)
+    job = finished(response.json()["id"])
     assert job.status == "succeeded", job.error
     storage = default_storage()
     written = [job.embeddings_key, job.preview_key, *(out["key"] for out in job.outputs)]
