@@ -72,6 +72,20 @@ def test_tiny_model_job_goes_through_every_stage_to_a_png(storage_backend, stack
         from django.conf import settings
 
         assert not (settings.STORAGE_DIR / "outputs" / str(job_id)).exists()
+    # Retention, as beat runs it, clears the job's files in that store once their TTLs have passed.
+    from datetime import timedelta
+
+    from django.utils import timezone
+
+    from genserver.jobs import services
+
+    job = job_row(job_id)
+    written = [job.embeddings_key, job.preview_key, *(out["key"] for out in job.outputs)]
+    assert all(default_storage().exists(key) for key in written), written
+    swept = services.retain(timezone.now() + timedelta(days=8))  # past OUTPUT_TTL (7 d) and EMBEDDINGS_TTL
+    assert swept["outputs_expired"] >= 1 and swept["embeddings_deleted"] >= 1, swept
+    assert not any(default_storage().exists(key) for key in written)
+    assert api.get(body["outputs"][0]["url"]).status_code == 404
 
 
 def test_cancel_while_queued_never_starts(stack, api):
