@@ -190,7 +190,7 @@ def live_names() -> set[str]:
     from genserver.jobs.selectors import live_workers
 
     try:
-        return {w["name"] for w in live_workers()}
+        return {w.get("worker") or w["name"] for w in live_workers()}  # pool entries: one node here
     except Exception:  # noqa: BLE001 - Redis down during a drill means no live worker is visible
         return set()
 

@@ -263,3 +263,19 @@ def card_gib() -> float | None:
 def vae_tile_above_pixels() -> int:
     """Pixels per frame above which the VAE decodes in tiles (0: always tile)."""
     return env_int("GENSERVER_VAE_TILE_ABOVE_PIXELS", 768 * 768, minimum=0)
+
+
+# --- Nodes (issue 12) --------------------------------------------------------------------------
+_NODE_NAME_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789.-_")
+
+
+def node() -> str:
+    """This machine's name in the cluster (GENSERVER_NODE, default the host name): it qualifies every
+    worker's Celery hostname, liveness key, lease owner and heartbeat, so two nodes' `gpu0` stay apart."""
+    import socket
+
+    name = env_str("GENSERVER_NODE", "") or socket.gethostname().split(".")[0] or "localhost"
+    if not set(name) <= _NODE_NAME_CHARS or len(name) > 64:
+        raise SettingsError("GENSERVER_NODE", f"{name!r} is not a node name",
+                            "up to 64 letters, digits, '.', '-' and '_' (it becomes part of Celery hostnames)")
+    return name

@@ -23,9 +23,16 @@ from genserver.scheduling.pools import PoolLayout, WorkerSpec
 from .supervise import Supervisor, python
 
 
-def worker_argv(spec: WorkerSpec, loglevel: str = "INFO") -> list[str]:
+def worker_hostname(spec: WorkerSpec | str, node: str | None = None) -> str:
+    """The worker's name in the cluster, `gpu0@NODE`: its Celery hostname, liveness key, heartbeat and
+    lease owner (GENSERVER_NODE, default the host name), so two nodes' `gpu0` never collide."""
+    name = spec if isinstance(spec, str) else spec.name
+    return f"{name}@{node or config.node()}"
+
+
+def worker_argv(spec: WorkerSpec, loglevel: str = "INFO", node: str | None = None) -> list[str]:
     return [python(), "-m", "celery", "-A", "genserver", "worker",
-            "--hostname", f"{spec.name}@%h", "--queues", ",".join(spec.consumed_queues()),
+            "--hostname", worker_hostname(spec, node), "--queues", ",".join(spec.consumed_queues()),
             "--concurrency", "1", "--pool", config.worker_pool(),
             "--prefetch-multiplier", "1",
             "--without-gossip", "--without-mingle", "--task-events", "--loglevel", loglevel]

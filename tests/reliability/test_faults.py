@@ -145,7 +145,7 @@ def test_database_outage_answers_503_and_work_resumes(stack, user_with_token):
         for spec in stack.layout.workers:
             proxied.add(f"worker {spec.name}", worker_argv(spec, "ERROR"),
                         worker_env(spec) | {"DATABASE_URL": proxied_url})
-        _wait_live({w.name for w in stack.layout.workers})
+        _wait_live(stack.names)
         connection.close()
         connection.settings_dict.update(HOST="127.0.0.1", PORT=str(proxy.port))
         response = submit(client, **LONG_VIDEO)
@@ -185,7 +185,7 @@ def test_database_outage_answers_503_and_work_resumes(stack, user_with_token):
         from genserver.redis_client import WORKER_KEY, client as redis_client
 
         for spec in stack.layout.workers:  # the stopped stand-ins' liveness keys would outlive them
-            redis_client().delete(WORKER_KEY.format(name=spec.name))
+            redis_client().delete(WORKER_KEY.format(name=stack.hostname(spec.name)))
         revive(stack)
 
 
