@@ -1,6 +1,8 @@
 """One thin view per endpoint: parse, call a service or selector, render."""
 from __future__ import annotations
 
+import math
+
 from django.http import FileResponse, Http404
 from django.shortcuts import get_object_or_404
 from drf_spectacular.types import OpenApiTypes
@@ -128,7 +130,9 @@ def _overloaded(refused: services.AdmissionRefused) -> Response:
     """429 with Retry-After for work admission refused (a submit, or steps added to a job)."""
     d = refused.decision
     return Response({"detail": d.reason, "reason": "overloaded", "duration_class": refused.duration_class,
-                     "expected_wait_seconds": round(d.expected_wait_seconds, 1),
+                     # None: no live card serves the queue (every node with one is down)
+                     "expected_wait_seconds": (round(d.expected_wait_seconds, 1)
+                                               if math.isfinite(d.expected_wait_seconds) else None),
                      "limit_seconds": d.limit_seconds, "retry_after": d.retry_after_seconds},
                     status=status.HTTP_429_TOO_MANY_REQUESTS, headers={"Retry-After": str(d.retry_after_seconds)})
 
