@@ -19,19 +19,30 @@ INTERVAL_SECONDS = 5.0
 _stop = threading.Event()
 
 
+def timing() -> tuple[float, float]:
+    """(seconds between heartbeats, the key's time to live): three beats, and never longer than a job
+    lease (GENSERVER_LEASE_SECONDS), so a dead node's cards stop counting within the lease."""
+    from django.conf import settings
+
+    lease = float(settings.LEASE_SECONDS)
+    interval = min(INTERVAL_SECONDS, lease / 3)
+    return interval, min(interval * 3, lease)
+
+
 def _beat(name: str, queues: list[str]) -> None:
     from genserver.redis_client import WORKER_KEY, client
     from workers.runtime.cache import loaded_models
 
     worker, _, node = name.partition("@")
+    interval, ttl = timing()
     while not _stop.is_set():
         payload = json.dumps({"name": name, "node": node, "worker": worker, "queues": queues, "pid": os.getpid(),
                               "devices": os.environ.get("CUDA_VISIBLE_DEVICES", ""), "models": loaded_models()})
         try:
-            client().set(WORKER_KEY.format(name=name), payload, ex=int(INTERVAL_SECONDS * 3))
+            client().set(WORKER_KEY.format(name=name), payload, px=int(ttl * 1000))
         except Exception:
             log.debug("worker heartbeat failed", exc_info=True)
-        _stop.wait(INTERVAL_SECONDS)
+        _stop.wait(interval)
 
 
 @worker_init.connect

@@ -103,5 +103,40 @@ class LocalWorkers:
         # Not live from now, not once its heartbeat expires.
         client().delete(WORKER_KEY.format(name=self.hostname(worker)))
 
+    def suspend_workers(self) -> None:
+        """Stop this node's workers (warm shutdown, no restart; beat keeps running) and drop their
+        liveness keys: the cluster drill (tests/test_two_nodes.py) runs its own nodes meanwhile."""
+        from genserver.redis_client import WORKER_KEY, client
+
+        workers = [c for c in self.supervisor.children if c.name.startswith("worker ")]
+        for child in workers:
+            child.restart = False
+            if child.process is not None and child.process.poll() is None:
+                os.killpg(child.process.pid, signal.SIGTERM)
+        for child in workers:
+            if child.process is not None:
+                child.process.wait()
+        client().delete(*[WORKER_KEY.format(name=name) for name in self.names])
+
+    def resume_workers(self, timeout: float = BOOT_SECONDS) -> None:
+        """Start the workers `suspend_workers` stopped, and wait until each heartbeats."""
+        for child in self.supervisor.children:
+            if child.name.startswith("worker ") and not child.restart:
+                child.restart = True
+                self.supervisor._start(child)
+        self.wait_ready(timeout)
+
+    def kill_node(self) -> None:
+        """SIGKILL every process this node started (each worker's group: main process and pool child),
+        as a machine that loses power: nothing is restarted, and the liveness keys stay until they
+        expire (within the lease), as a dead machine's do."""
+        for child in self.supervisor.children:
+            child.restart = False
+            if child.process is not None and child.process.poll() is None:
+                os.killpg(child.process.pid, signal.SIGKILL)
+        for child in self.supervisor.children:
+            if child.process is not None:
+                child.process.wait()
+
     def stop(self) -> None:
         self.supervisor.stop()

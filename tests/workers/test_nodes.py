@@ -118,3 +118,18 @@ def test_admission_and_etas_use_the_live_cards(api, clean_heartbeats):
     refused = submit(api, model="wan-sim")
     assert refused.status_code == 429 and "no worker serves" in refused.json()["detail"]
     assert submit(api).status_code == 201
+
+
+def test_a_node_prints_its_workers_as_systemd_units_and_procfile_lines(tmp_path):
+    from workers.units import procfile, systemd_units
+
+    layout = default_layout(num_gpus=2)
+    units = systemd_units(layout, "gpu-box-7", "INFO", tmp_path)
+    for spec in layout.workers:
+        assert f"# --- genserver-worker-{spec.name}.service" in units
+        assert f"--hostname {spec.name}@gpu-box-7" in units
+    assert 'Environment="GENSERVER_NODE=gpu-box-7"' in units and "Restart=always" in units
+    assert "Wants=genserver-worker-gpu0.service genserver-worker-gpu1.service" in units
+    lines = procfile(layout, "gpu-box-7", "INFO").splitlines()
+    assert [line.split(":")[0] for line in lines] == [spec.name for spec in layout.workers]
+    assert "CUDA_VISIBLE_DEVICES=1" in lines[1] and "--hostname gpu1@gpu-box-7" in lines[1]

@@ -1,0 +1,112 @@
+"""The two-node drill: two launchers as two nodes share only Redis, the database and the object store.
+
+The test process is the control host: the API, and the session stack's beat
+(the one reaper of the cluster; the session stack's own workers are suspended
+for the drill). Each node is a launcher (workers/local_workers.py) with its own
+GENSERVER_NODE and its own scratch directory (GENSERVER_DATA_DIR); the storage
+directory is the one shared store, standing in for the object store. A tiny-wan
+video runs on one node, that node's whole process tree is SIGKILLed mid-denoise,
+and the other node resumes the job from its checkpoint in the shared store:
+it succeeds with the bytes of an undisturbed run of the same seed, and
+/api/v1/queues/ stops counting the dead node's cards within the lease. A third
+node then joins, counts, and takes work.
+"""
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.support.api import download, submit
+from tests.support.waits import finished, job_row, wait_for
+from workers.local_workers import LocalWorkers
+
+pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.stack]
+
+VIDEO = {"model": "tiny-wan", "prompt": "two nodes, one video", "seed": 4321, "width": 128, "height": 128,
+         "num_frames": 17, "steps": 60}
+
+
+def node_env(name: str, scratch: Path) -> dict[str, str]:
+    """A node's own files under `scratch`; the database, Redis and the store are the cluster's."""
+    from django.conf import settings
+
+    data = scratch / name
+    data.mkdir(parents=True)
+    (data / "models").symlink_to(settings.MODELS_DIR, target_is_directory=True)  # the node's installed weights
+    env = {"GENSERVER_DATA_DIR": str(data), "GENSERVER_STORAGE_DIR": str(settings.STORAGE_DIR)}
+    if not os.environ.get("DATABASE_URL"):  # the session's SQLite file, not one in the node's directory
+        env["DATABASE_URL"] = f"sqlite:///{settings.DATABASES['default']['NAME']}"
+    return env
+
+
+def start_node(name: str, scratch: Path) -> LocalWorkers:
+    return LocalWorkers(loglevel="WARNING", node=name, env=node_env(name, scratch), beat=False)
+
+
+def long_cards(api) -> dict[str, int]:
+    """GET /api/v1/queues/: the live cards serving the long class, per node."""
+    queues = {q["name"]: q for q in api.get("/api/v1/queues/").json()}
+    assert queues["long"]["capacity_source"] == "live"
+    return queues["long"]["cards_by_node"]
+
+
+@pytest.fixture
+def cluster_nodes(stack, tmp_path) -> Iterator[dict[str, LocalWorkers]]:
+    """Nodes "north" and "south"; the session stack's workers step aside meanwhile (its beat stays)."""
+    stack.suspend_workers()
+    nodes: dict[str, LocalWorkers] = {}
+    try:
+        for name in ("north", "south"):
+            nodes[name] = start_node(name, tmp_path)
+        yield nodes
+    finally:
+        for node in nodes.values():
+            node.stop()
+        stack.resume_workers()
+
+
+def test_a_node_dies_mid_video_and_another_resumes_it_byte_for_byte(cluster_nodes, api, tmp_path):
+    from django.conf import settings
+
+    from genserver.redis_client import WORKER_KEY, client
+
+    # 1. Two launchers with the same layout, side by side: every worker of both is live under its node.
+    live = {w["name"] for w in api.get("/api/v1/workers/").json()["workers"]}
+    assert cluster_nodes["north"].names | cluster_nodes["south"].names <= live
+    assert long_cards(api) == {"north": 1, "south": 1}
+
+    # 2. A video starts on one node (call it the victim); kill that node's whole process tree mid-denoise.
+    killed = submit(api, **VIDEO).json()["id"]
+    running = wait_for(lambda: (j := job_row(killed)).checkpoint_step >= 5 and "@" in j.lease_owner and j, 120,
+                       what="five checkpointed steps")
+    victim = running.lease_owner.split(":")[0].partition("@")[2]
+    survivor = ({"north", "south"} - {victim}).pop()
+    ttls = [client().pttl(WORKER_KEY.format(name=n)) for n in cluster_nodes[victim].names]
+    cluster_nodes[victim].kill_node()
+    at_kill = job_row(killed)
+    assert at_kill.steps_done < at_kill.steps, "the video ended before the kill; give it more steps"
+    # The dead node's liveness keys expire within the lease: its card stops counting.
+    assert all(0 < ttl <= settings.LEASE_SECONDS * 1000 for ttl in ttls), ttls
+    wait_for(lambda: long_cards(api) == {survivor: 1}, 60, interval=0.2, what=f"{victim}'s card to stop counting")
+
+    # 3. The survivor resumes it from the checkpoint in the shared store: the bytes of an undisturbed run.
+    job = finished(killed)
+    assert job.status == "succeeded", job.error
+    assert job.attempts >= 1 and job.chunks_run > 1
+    clean = finished(submit(api, **VIDEO).json()["id"])
+    assert clean.status == "succeeded" and clean.attempts == 0
+    first = [download(api, o["url"]) for o in api.get(f"/api/v1/jobs/{killed}/").json()["outputs"]]
+    second = [download(api, o["url"]) for o in api.get(f"/api/v1/jobs/{clean.pk}/").json()["outputs"]]
+    assert first and first == second, "the resumed job's outputs differ from an undisturbed run's"
+
+    # 4. A third node joins: it counts from its first heartbeat, and takes work (alone once the survivor stops).
+    cluster_nodes["east"] = start_node("east", tmp_path)
+    wait_for(lambda: long_cards(api) == {survivor: 1, "east": 1}, 30, interval=0.2, what="east's card to count")
+    cluster_nodes[survivor].stop()
+    client().delete(*[WORKER_KEY.format(name=n) for n in cluster_nodes[survivor].names])  # a clean leave
+    assert long_cards(api) == {"east": 1}
+    third = finished(submit(api, **VIDEO | {"seed": 99}).json()["id"])
+    assert third.status == "succeeded", third.error
