@@ -26,7 +26,7 @@ from workers.local_workers import LocalWorkers
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.stack]
 
 VIDEO = {"model": "tiny-wan", "prompt": "two nodes, one video", "seed": 4321, "width": 128, "height": 128,
-         "num_frames": 17, "steps": 60}
+         "num_frames": 33, "steps": 50}  # tiny-wan's largest: about 50 chunks, time to kill one mid-way
 
 
 def node_env(name: str, scratch: Path) -> dict[str, str]:
@@ -79,7 +79,9 @@ def test_a_node_dies_mid_video_and_another_resumes_it_byte_for_byte(cluster_node
     assert long_cards(api) == {"north": 1, "south": 1}
 
     # 2. A video starts on one node (call it the victim); kill that node's whole process tree mid-denoise.
-    killed = submit(api, **VIDEO).json()["id"]
+    response = submit(api, **VIDEO)
+    assert response.status_code == 201, response.content
+    killed = response.json()["id"]
     running = wait_for(lambda: (j := job_row(killed)).checkpoint_step >= 5 and "@" in j.lease_owner and j, 120,
                        what="five checkpointed steps")
     victim = running.lease_owner.split(":")[0].partition("@")[2]
