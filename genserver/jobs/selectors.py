@@ -148,6 +148,16 @@ def live_capacity(workers: list[dict[str, Any]] | None = None) -> PoolLayout:
     return capacity_of(workers) if workers else deployment.layout()
 
 
+def nodes_overview(workers: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Per live node: its workers' names and the denoising cards they are (GET /api/v1/workers/)."""
+    nodes: dict[str, dict[str, Any]] = {}
+    for spec in capacity_of(workers).workers:
+        entry = nodes.setdefault(spec.name.partition("@")[2], {"workers": [], "cards": 0})
+        entry["workers"].append(spec.name)
+        entry["cards"] += spec.group_size if spec.denoises else 0
+    return nodes
+
+
 def _cards(capacity: PoolLayout, duration_class: str) -> tuple[int, dict[str, int]]:
     """The cards serving a class (any of its queues: plain, a model's, a lane's), in all and per node."""
     by_node: dict[str, int] = {}

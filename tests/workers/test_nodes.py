@@ -92,6 +92,8 @@ def test_queues_count_the_cards_alive_on_every_node_and_drop_a_dead_one(api, cle
     assert "cpu1@node-a" in queues["long"]["workers"] and "cpu1@node-b" in queues["long"]["workers"]
     workers = api.get("/api/v1/workers/").json()["workers"]
     assert {(w["node"], w["worker"]) for w in workers} >= {("node-a", "cpu0"), ("node-b", "decode")}
+    nodes = api.get("/api/v1/workers/").json()["nodes"]
+    assert nodes["node-a"]["cards"] == nodes["node-b"]["cards"] == 2 and len(nodes["node-a"]["workers"]) == 4
 
     def short_cards() -> int:
         return {q["name"]: q for q in api.get("/api/v1/queues/").json()}["short"]["cards"]

@@ -192,12 +192,13 @@ class ModelListView(APIView):
 class WorkerListView(APIView):
     @extend_schema(responses=OpenApiTypes.OBJECT)
     def get(self, request: Request) -> Response:
-        """Live workers: their queues, cards and the models each one holds; the embedding cache; merged
-        denoise batches."""
+        """Live workers (`gpu0@NODE`): their node, queues, cards and the models each one holds; per node its
+        workers and denoising cards; the embedding cache; merged denoise batches."""
         from genserver.metrics import embedding_cache_counts, merged_counts
 
-        return Response({"workers": selectors.live_workers(), "embedding_cache": embedding_cache_counts(),
-                         "merged_denoise": merged_counts()})
+        workers = selectors.live_workers()
+        return Response({"workers": workers, "nodes": selectors.nodes_overview(workers),
+                         "embedding_cache": embedding_cache_counts(), "merged_denoise": merged_counts()})
 
 
 class QueueListView(APIView):
