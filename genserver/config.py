@@ -265,6 +265,52 @@ def vae_tile_above_pixels() -> int:
     return env_int("GENSERVER_VAE_TILE_ABOVE_PIXELS", 768 * 768, minimum=0)
 
 
+# --- Object storage (issue 12): where job data lives -----------------------------------------
+# Read by genserver.storage at call time (workers and the API alike), and once by settings.py.
+STORAGE_BACKENDS = ("local", "s3")
+OUTPUT_DELIVERIES = ("stream", "presigned")
+
+
+def storage_backend() -> str:
+    """`local`: a directory (GENSERVER_STORAGE_DIR); `s3`: an S3-compatible bucket shared by every node."""
+    return env_choice("GENSERVER_STORAGE", "local", STORAGE_BACKENDS)
+
+
+def storage_dir() -> Path:
+    """The local backend's directory (default: storage/ under GENSERVER_DATA_DIR)."""
+    return env_path("GENSERVER_STORAGE_DIR", data_dir() / "storage")
+
+
+def s3_bucket() -> str:
+    """The bucket of the s3 backend; required when GENSERVER_STORAGE=s3."""
+    bucket = env_str("GENSERVER_S3_BUCKET", "")
+    if not bucket and storage_backend() == "s3":
+        raise SettingsError("GENSERVER_S3_BUCKET", "is unset but GENSERVER_STORAGE=s3",
+                            "the name of an existing bucket, such as genserver-data")
+    return bucket
+
+
+def s3_prefix() -> str:
+    """Key prefix inside the bucket (no leading or trailing slash; "" puts keys at the bucket's root)."""
+    return env_str("GENSERVER_S3_PREFIX", "").strip("/")
+
+
+def s3_endpoint_url() -> str:
+    """The S3 API's URL for MinIO, R2, Ceph or a test server ("" → AWS's own endpoint for the region)."""
+    return env_url("GENSERVER_S3_ENDPOINT_URL", "")
+
+
+def output_delivery() -> str:
+    """How an output reaches its owner after the API's owner check: streamed through the API, or a
+    redirect to a short-lived presigned URL of the object store (s3 only; local always streams)."""
+    return env_choice("GENSERVER_OUTPUT_DELIVERY", "stream", OUTPUT_DELIVERIES)
+
+
+def output_url_ttl_seconds() -> int:
+    """How long a presigned output URL stays valid."""
+    return env_int("GENSERVER_OUTPUT_URL_TTL", 300, minimum=1, maximum=7 * 24 * 3600)
+
+
 # --- Nodes (issue 12) --------------------------------------------------------------------------
 _NODE_NAME_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789.-_")
 

@@ -22,7 +22,6 @@ from genserver.config import (
     env_float,
     env_int,
     env_optional_int,
-    env_path,
     env_pools,
     env_registry,
     env_str,
@@ -35,7 +34,7 @@ BASE_DIR = config.BASE_DIR
 # Everything the service writes (SQLite database, storage, checkpoints, tiny
 # models, beat schedule, the bundled Redis) goes under one directory.
 DATA_DIR = config.data_dir()
-STORAGE_DIR = env_path("GENSERVER_STORAGE_DIR", DATA_DIR / "storage")
+STORAGE_DIR = config.storage_dir()  # the local backend's directory; see "Object storage" below
 MODELS_DIR = DATA_DIR / "models"
 try:
     DATA_DIR.mkdir(parents=True, exist_ok=True)  # SQLite needs its directory before the first connection
@@ -112,6 +111,24 @@ STORAGES = {
     "default": {"BACKEND": "django.core.files.storage.FileSystemStorage"},
     "staticfiles": {"BACKEND": "whitenoise.storage.CompressedStaticFilesStorage"},
 }
+
+# --- Object storage (issue 12) -----------------------------------------------------
+# Job data (checkpoints, embeddings, previews, outputs, segments) goes through
+# genserver.storage, which reads the same variables through genserver.config at
+# call time (the Django-free runtime does too); read once here so a bad value
+# stops start-up. On s3, Django's own default file storage (django-storages)
+# points at the same bucket, under <prefix>/django, for any FileField.
+STORAGE_BACKEND = config.storage_backend()
+S3_BUCKET = config.s3_bucket()
+S3_PREFIX = config.s3_prefix()
+S3_ENDPOINT_URL = config.s3_endpoint_url()
+OUTPUT_DELIVERY = config.output_delivery()
+OUTPUT_URL_TTL_SECONDS = config.output_url_ttl_seconds()
+if STORAGE_BACKEND == "s3":
+    STORAGES["default"] = {"BACKEND": "storages.backends.s3.S3Storage", "OPTIONS": {
+        "bucket_name": S3_BUCKET, "location": f"{S3_PREFIX}/django".lstrip("/"),
+        "endpoint_url": S3_ENDPOINT_URL or None, "addressing_style": "path" if S3_ENDPOINT_URL else None,
+        "querystring_expire": OUTPUT_URL_TTL_SECONDS, "file_overwrite": False}}
 WHITENOISE_USE_FINDERS = True  # serve admin/docs assets without a collectstatic step
 
 LOGGING = {

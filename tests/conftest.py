@@ -4,6 +4,7 @@ Helpers live in tests/support/; the stack boot in workers/local_workers.py (shar
 """
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterator
 
 import pytest
@@ -11,6 +12,7 @@ from django.core.management import call_command
 
 from tests.support.api import submit  # noqa: F401 - re-exported: tests import these from here too
 from tests.support.isolation import settle_stack
+from tests.support.s3 import MotoServer
 from tests.support.waits import job_row, wait_for  # noqa: F401 - re-exported
 from workers.local_workers import LocalWorkers
 
@@ -36,12 +38,92 @@ def redis_conn():
     return conn
 
 
+class _StackOnBackend:
+    """The one stack of the session, on the storage backend the current test needs (rebooted on a change:
+    the s3 variants of stack tests run last, so that happens at most once)."""
+
+    def __init__(self) -> None:
+        self.workers: LocalWorkers | None = None
+        self.backend = ""
+
+    def on(self, backend: str, env: dict[str, str]) -> LocalWorkers:
+        if self.workers is not None and self.backend != backend:
+            self.stop()
+        if self.workers is None:
+            self.workers = LocalWorkers(loglevel="WARNING")  # its children copy os.environ (storage_backend's)
+            for child in self.workers.supervisor.children:  # and so do their restarts, after this test too
+                child.env.update(env)
+            self.backend = backend
+        return self.workers
+
+    def stop(self) -> None:
+        if self.workers is not None:
+            self.workers.stop()
+            self.workers = None
+
+
 @pytest.fixture(scope="session")
-def stack(django_db_setup, redis_conn) -> Iterator[LocalWorkers]:
-    """The launcher's workers and beat (workers/local_workers.py, the boot bench/ uses too)."""
-    workers = LocalWorkers(loglevel="WARNING")
-    yield workers
-    workers.stop()
+def _stack_on_backend(django_db_setup, redis_conn) -> Iterator[_StackOnBackend]:
+    stacks = _StackOnBackend()
+    yield stacks
+    stacks.stop()
+
+
+@pytest.fixture
+def stack(_stack_on_backend, request) -> LocalWorkers:
+    """The launcher's workers and beat (workers/local_workers.py, the boot bench/ uses too), on the local
+    storage backend, or on the test's `storage_backend` when it asks for one."""
+    backend, env = "local", {}
+    if "storage_backend" in request.fixturenames:
+        backend = request.getfixturevalue("storage_backend")
+        env = request.getfixturevalue("storage_env")
+    return _stack_on_backend.on(backend, env)
+
+
+# --- Storage backends (issue 12): the local directory, and S3 through moto's server over HTTP ----------
+S3_TEST_BUCKET = "genserver-test"
+
+
+@pytest.fixture(scope="session")
+def s3_server() -> Iterator[MotoServer]:
+    """moto's standalone S3 server on 127.0.0.1 (tests/support/s3.py), with the test bucket."""
+    with MotoServer() as server:
+        server.create_bucket(S3_TEST_BUCKET)
+        yield server
+
+
+@pytest.fixture(params=["local", "s3"])
+def storage_backend(request) -> str:
+    """Run the test on each storage backend: the test process (and a stack it uses) stores through it."""
+    return request.param
+
+
+@pytest.fixture
+def storage_env(storage_backend, request, monkeypatch) -> dict[str, str]:
+    """The variables that select `storage_backend`, set in this process for the test; {} for local."""
+    if storage_backend != "s3":
+        monkeypatch.setenv("GENSERVER_STORAGE", "local")
+        return {}
+    env = request.getfixturevalue("s3_server").env(S3_TEST_BUCKET, prefix=f"session-{os.getpid()}")
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    return env
+
+
+@pytest.fixture(autouse=True)
+def _storage_env_set(request) -> None:
+    """A test on a storage backend has its variables set before its other fixtures run."""
+    if "storage_backend" in request.fixturenames:
+        request.getfixturevalue("storage_env")
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Stack tests on s3 run after every other test: the session's stack reboots onto s3 once, not per test."""
+    def on_s3_stack(item: pytest.Item) -> bool:
+        params = getattr(getattr(item, "callspec", None), "params", {})
+        return params.get("storage_backend") == "s3" and "stack" in getattr(item, "fixturenames", ())
+
+    items.sort(key=on_s3_stack)  # stable: the order within each group stays
 
 
 @pytest.fixture(autouse=True)

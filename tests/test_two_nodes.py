@@ -105,7 +105,8 @@ def test_a_node_dies_mid_video_and_another_resumes_it_byte_for_byte(cluster_node
     killed = response.json()["id"]
     try:
         running = wait_for(lambda: (j := job_row(killed)).is_terminal and j
-                           or j.checkpoint_step >= 5 and "@" in j.lease_owner and j, 180, what="five checkpointed steps")
+                           or j.checkpoint_step >= 5 and "@" in j.lease_owner and j, 180,
+                           what="five checkpointed steps")
     except AssertionError as exc:
         j = job_row(killed)
         raise AssertionError(f"{exc}: {j.status} step {j.steps_done}/{j.steps}, checkpoint {j.checkpoint_step}, "

@@ -131,7 +131,7 @@ def test_retention_is_a_beat_task(settings):
 def test_disk_full_fails_the_job_at_once_with_a_clear_error(make_user, monkeypatch, stage, where):
     """The stage tasks run here, as a worker runs them, with every write under `where` going to
     /dev/full (ENOSPC at the first flush, through the real storage code)."""
-    import genserver.storage as storage_module
+    import genserver.storage.local as storage_module
     from tasks.decode import decode
     from tasks.denoise import run_chunk
     from tasks.encode import encode

@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 from PIL import Image
 
-from genserver.storage import LocalStorage
+from genserver.storage import Storage
 
 from .base import Family, GenerationRequest
 from .common import png_bytes
@@ -43,7 +43,7 @@ def _frames_of(result: Any, frames: int) -> list[Image.Image]:
     return out
 
 
-def decode_segment(family: Family, storage: LocalStorage, request: GenerationRequest, *, job_id: str, index: int,
+def decode_segment(family: Family, storage: Storage, request: GenerationRequest, *, job_id: str, index: int,
                    frames: int, embeddings_ref: str, checkpoint_ref: str) -> tuple[str, str]:
     """Decode a segment's final latents into its MP4 clip (`frames` frames) and poster; (clip, poster) keys."""
     state = load_state(family, storage, request, embeddings_ref, checkpoint_ref)
@@ -54,7 +54,7 @@ def decode_segment(family: Family, storage: LocalStorage, request: GenerationReq
     return key, poster_key
 
 
-def assemble(storage: LocalStorage, job_id: str, clip_keys: list[str]) -> list[dict[str, str]]:
+def assemble(storage: Storage, job_id: str, clip_keys: list[str]) -> list[dict[str, str]]:
     """The whole video: every segment's frames in order, re-encoded as one MP4, and its poster.
 
     Streamed clip by clip and frame by frame (a 60 s 720p video would be gigabytes of frames in memory)."""

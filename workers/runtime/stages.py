@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from genserver.storage import LocalStorage
+from genserver.storage import Storage
 
 from .base import DenoiseState, Family, GenerationRequest
 from .common import png_bytes
@@ -47,7 +47,7 @@ class EncodeResult:
     cache_hit: bool
 
 
-def encode(family: Family, storage: LocalStorage, requests: list[GenerationRequest]) -> list[EncodeResult]:
+def encode(family: Family, storage: Storage, requests: list[GenerationRequest]) -> list[EncodeResult]:
     """Prompt embeddings for several requests, from the cache when the same encoder saw the same prompts.
 
     Every prompt not in the cache is encoded in one batched call (prompts that
@@ -64,7 +64,7 @@ def encode(family: Family, storage: LocalStorage, requests: list[GenerationReque
     return [EncodeResult(key, key not in missing) for key in keys]
 
 
-def load_state(family: Family, storage: LocalStorage, request: GenerationRequest, embeddings_ref: str,
+def load_state(family: Family, storage: Storage, request: GenerationRequest, embeddings_ref: str,
                checkpoint_ref: str) -> DenoiseState:
     embeddings = _from_bytes(storage.get(embeddings_ref))
     if not checkpoint_ref:
@@ -99,7 +99,7 @@ class ChunkResult:
     step_seconds: float | None  # mean measured seconds per step in this chunk
 
 
-def run_chunk(family: Family, storage: LocalStorage, state: DenoiseState, *, until_step: int,
+def run_chunk(family: Family, storage: Storage, state: DenoiseState, *, until_step: int,
               preview_every: int, should_stop: Callable[[int], str],
               on_preview: Callable[[str, int], None]) -> ChunkResult:
     """Advance `state` in place up to `until_step`, then save an atomic checkpoint.
@@ -112,7 +112,7 @@ def run_chunk(family: Family, storage: LocalStorage, state: DenoiseState, *, unt
                             on_preview=lambda _, key, step: on_preview(key, step))[0]
 
 
-def run_merged_chunk(family: Family, storage: LocalStorage, states: list[DenoiseState], *, until_step: int,
+def run_merged_chunk(family: Family, storage: Storage, states: list[DenoiseState], *, until_step: int,
                      preview_every: int, should_stop: Callable[[DenoiseState, int], str],
                      on_preview: Callable[[DenoiseState, str, int], None]) -> list[ChunkResult]:
     """Advance several jobs of one shape together (one batched model call per step), each in place.
@@ -152,12 +152,12 @@ def run_merged_chunk(family: Family, storage: LocalStorage, states: list[Denoise
     return [results[id(state)] for state in states]
 
 
-def save_checkpoint(family: Family, storage: LocalStorage, state: DenoiseState) -> str:
+def save_checkpoint(family: Family, storage: Storage, state: DenoiseState) -> str:
     """An atomic checkpoint of `state` outside a chunk's end (a worker stopping for a change of steps)."""
     return storage.put(checkpoint_key(state.request.job_id, state.step), _to_bytes(family.checkpoint(state)))
 
 
-def decode(family: Family, storage: LocalStorage, request: GenerationRequest, *, embeddings_ref: str,
+def decode(family: Family, storage: Storage, request: GenerationRequest, *, embeddings_ref: str,
            checkpoint_ref: str) -> list[dict[str, str]]:
     """Final outputs saved through storage; returns [{key, content_type}].
 

@@ -3,7 +3,9 @@ from __future__ import annotations
 
 import math
 
-from django.http import FileResponse, Http404
+from django.conf import settings
+from django.http import FileResponse, Http404, HttpResponseRedirect
+from django.http.response import HttpResponseBase
 from django.shortcuts import get_object_or_404
 from drf_spectacular.types import OpenApiTypes
 from drf_spectacular.utils import OpenApiParameter, OpenApiResponse, extend_schema
@@ -137,22 +139,35 @@ def _overloaded(refused: services.AdmissionRefused) -> Response:
                     status=status.HTTP_429_TOO_MANY_REQUESTS, headers={"Retry-After": str(d.retry_after_seconds)})
 
 
-def _serve(key: str, content_type: str) -> FileResponse:
+def _serve(key: str, content_type: str, *, delivery: str = "stream") -> HttpResponseBase:
+    """The stored object `key`, after the caller's owner check: streamed through the API, or (`presigned`,
+    on a backend that signs URLs) a 302 to a URL of the object store valid OUTPUT_URL_TTL_SECONDS."""
+    storage = default_storage()
     try:
-        path = default_storage().path(key)
-        return FileResponse(open(path, "rb"), content_type=content_type)
-    except (OSError, StorageError):
+        if delivery == "presigned":
+            url = storage.presigned_url(key, settings.OUTPUT_URL_TTL_SECONDS, content_type)
+            if url is not None:
+                redirect = HttpResponseRedirect(url)
+                redirect["Cache-Control"] = "private, no-store"  # the URL is a bearer credential until it expires
+                return redirect
+        stored = storage.open(key)
+    except StorageError:
         raise Http404("that file is no longer stored") from None
+    response = FileResponse(stored.stream, content_type=content_type)
+    response["Content-Length"] = str(stored.size)
+    return response
 
 
 class JobOutputView(APIView):
-    @extend_schema(responses={(200, "image/png"): OpenApiTypes.BINARY})
+    @extend_schema(responses={(200, "image/png"): OpenApiTypes.BINARY,
+                              302: OpenApiResponse(description="GENSERVER_OUTPUT_DELIVERY=presigned on object "
+                                                               "storage: Location is a short-lived URL of the output")})
     def get(self, request: Request, job_id, index: int):
         job = get_object_or_404(selectors.jobs_visible_to(request.user), pk=job_id)
         if index >= len(job.outputs):
             raise Http404("no such output")
         out = job.outputs[index]
-        return _serve(out["key"], out["content_type"])
+        return _serve(out["key"], out["content_type"], delivery=settings.OUTPUT_DELIVERY)
 
 
 class JobPreviewView(APIView):

@@ -2,9 +2,7 @@
 from __future__ import annotations
 
 import logging
-import os
 from datetime import datetime, timedelta
-from pathlib import Path
 from typing import Any
 
 from django.conf import settings
@@ -12,7 +10,10 @@ from django.db.models import Exists, OuterRef, Q
 from django.utils import timezone
 
 from genserver.jobs.models import ACTIVE, TERMINAL, Job, JobSegment, JobStage, JobStatus
-from genserver.storage import default_storage
+from genserver.storage import StorageError, default_storage
+
+EMBEDDINGS = "embeddings"
+ASIDE = ".deleting-"  # a candidate moved aside while the database is asked again
 
 log = logging.getLogger(__name__)
 
@@ -54,62 +55,63 @@ def expire_outputs(now: datetime | None = None, batch: int = 500) -> int:
 def sweep_embeddings(now: datetime | None = None) -> int:
     """Delete cached prompt embeddings that no active job uses and none has used for EMBEDDINGS_TTL_SECONDS.
 
-    Files referenced by an active job get their mtime refreshed (mtime = last
-    seen in use). Candidates are renamed aside first, then the database is
-    asked again: if an active job now references one, or any job is encoding
-    (it may have just found the file in the cache), they are put back.
+    Works on either storage backend through its methods:
+    1. Put back the candidates a sweep that died midway left aside, and decide again.
+    2. Touch what an active job references (modified = last seen in use; on S3 the store's clock).
+    3. Move each old unused one aside, then ask the database again: if an active job now references
+       one, or any job is encoding (it may have just found the object in the cache), put them back.
     """
     now = now or timezone.now()
-    root = default_storage().path("embeddings")
-    if not root.is_dir():
-        return 0
+    storage = default_storage()
 
     def in_use() -> set[str]:
         return set(Job.objects.filter(status__in=ACTIVE).exclude(embeddings_key="")
                    .values_list("embeddings_key", flat=True))
 
-    for tomb in root.glob(".deleting-*"):  # left by a sweep that died midway: put back, decide again
-        original = tomb.with_name(tomb.name[len(".deleting-"):])
-        try:
-            if original.exists():
-                tomb.unlink(missing_ok=True)
-            else:
-                os.replace(tomb, original)
-        except OSError:
-            pass
+    entries = list(storage.list(EMBEDDINGS))
+    names = {entry.key for entry in entries}
+    for entry in entries:  # 1. left by a sweep that died midway
+        folder, _, name = entry.key.rpartition("/")
+        if name.startswith(ASIDE):
+            original = f"{folder}/{name[len(ASIDE):]}"
+            try:
+                if original in names:
+                    storage.delete(entry.key)
+                else:
+                    storage.move(entry.key, original)
+            except StorageError:
+                pass
     used = in_use()
     stamp = now.timestamp()
-    for key in used:
+    for key in used:  # 2.
         try:
-            os.utime(default_storage().path(key), (stamp, stamp))
-        except Exception:  # noqa: BLE001 - a missing file or an odd key: nothing to keep fresh
+            storage.touch(key, stamp)
+        except Exception:  # noqa: BLE001 - a missing object or an odd key: nothing to keep fresh
             pass
     oldest = stamp - settings.EMBEDDINGS_TTL_SECONDS
-    aside: list[tuple[str, Path, Path]] = []
-    for path in root.iterdir():
-        key = f"embeddings/{path.name}"
-        if not path.is_file() or path.name.startswith(".") or key in used:
+    aside: list[tuple[str, str]] = []
+    for entry in entries:  # 3.
+        folder, _, name = entry.key.rpartition("/")
+        if name.startswith(".") or entry.key in used or entry.modified >= oldest:
             continue
+        tomb = f"{folder}/{ASIDE}{name}"
         try:
-            if path.stat().st_mtime >= oldest:
-                continue
-            tomb = path.with_name(f".deleting-{path.name}")
-            os.replace(path, tomb)
-        except OSError:
+            storage.move(entry.key, tomb)
+        except StorageError:
             continue
-        aside.append((key, path, tomb))
+        aside.append((entry.key, tomb))
     if not aside:
         return 0
     keep_all = Job.objects.filter(status=JobStatus.ENCODING).exists()
     used = in_use()
     deleted = 0
-    for key, path, tomb in aside:
+    for key, tomb in aside:
         try:
             if keep_all or key in used:
-                os.replace(tomb, path)
+                storage.move(tomb, key)
             else:
-                tomb.unlink(missing_ok=True)
+                storage.delete(tomb)
                 deleted += 1
-        except OSError:
+        except StorageError:
             log.warning("retention: could not settle %s", tomb, exc_info=True)
     return deleted

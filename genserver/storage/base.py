@@ -1,0 +1,35 @@
+"""What the storage backends share: the error type and the records `open` and `list` return."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import BinaryIO
+
+
+class StorageError(RuntimeError):
+    """A key that does not exist, or a write or read the backend refused; the text says which and why."""
+
+
+@dataclass(frozen=True)
+class StoredObject:
+    """An object opened for streaming: read `stream` to the end, then close it."""
+
+    stream: BinaryIO
+    size: int
+
+
+@dataclass(frozen=True)
+class StoredEntry:
+    """One object found by `list`: its key and when it was last written or touched (epoch seconds)."""
+
+    key: str
+    modified: float
+
+
+def check_key(key: str) -> str:
+    """A relative slash-separated key without `..`; raises StorageError naming the bad key."""
+    from pathlib import PurePosixPath
+
+    pure = PurePosixPath(key)
+    if not key or pure.is_absolute() or ".." in pure.parts or key.startswith("/"):
+        raise StorageError(f"invalid storage key {key!r}: use a relative path such as outputs/<job>/0.png")
+    return str(pure)
