@@ -71,9 +71,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--idle", type=float, default=20.0, help="seconds of the idle window")
     args = parser.parse_args()
-    env = {"DJANGO_DEBUG": "1", "GENSERVER_LOG_LEVEL": "DEBUG", "GENSERVER_TIME_SCALE": "0.02",
+    env = {"DJANGO_DEBUG": "1", "GENSERVER_LOG_LEVEL": "DEBUG", "GENSERVER_WORKER_LOGLEVEL": "DEBUG",
+           "GENSERVER_TIME_SCALE": "0.02",
            "GENSERVER_CPU_WORKERS": "2", "GENSERVER_REAPER_INTERVAL": "5"}
-    with live_stack(env) as stack:
+    with live_stack(env, boot_timeout=600) as stack:
         log = Path(stack.env["GENSERVER_DATA_DIR"]) / "stack.log"
         counters = Counters(log)
         time.sleep(args.idle)
