@@ -174,7 +174,9 @@ def kill(supervisor, worker: str) -> None:
         os.killpg(child.process.pid, signal.SIGKILL)
     child.process.wait()
     with contextlib.suppress(Exception):
-        client().delete(WORKER_KEY.format(name=worker))
+        from workers.launcher import worker_hostname
+
+        client().delete(WORKER_KEY.format(name=worker_hostname(worker)))  # `card0@NODE`, this node's
 
 
 def revive(supervisor) -> None:
