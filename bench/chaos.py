@@ -174,7 +174,9 @@ def kill(supervisor, worker: str) -> None:
         os.killpg(child.process.pid, signal.SIGKILL)
     child.process.wait()
     with contextlib.suppress(Exception):
-        client().delete(WORKER_KEY.format(name=worker))
+        from workers.launcher import worker_hostname
+
+        client().delete(WORKER_KEY.format(name=worker_hostname(worker)))  # `card0@NODE`, this node's
 
 
 def revive(supervisor) -> None:
@@ -190,7 +192,7 @@ def live_names() -> set[str]:
     from genserver.jobs.selectors import live_workers
 
     try:
-        return {w["name"] for w in live_workers()}
+        return {w.get("worker") or w["name"] for w in live_workers()}  # pool entries: one node here
     except Exception:  # noqa: BLE001 - Redis down during a drill means no live worker is visible
         return set()
 

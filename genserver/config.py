@@ -309,3 +309,19 @@ def output_delivery() -> str:
 def output_url_ttl_seconds() -> int:
     """How long a presigned output URL stays valid."""
     return env_int("GENSERVER_OUTPUT_URL_TTL", 300, minimum=1, maximum=7 * 24 * 3600)
+
+
+# --- Nodes (issue 12) --------------------------------------------------------------------------
+_NODE_NAME_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789.-_")
+
+
+def node() -> str:
+    """This machine's name in the cluster (GENSERVER_NODE, default the host name): it qualifies every
+    worker's Celery hostname, liveness key, lease owner and heartbeat, so two nodes' `gpu0` stay apart."""
+    import socket
+
+    name = env_str("GENSERVER_NODE", "") or socket.gethostname().split(".")[0] or "localhost"
+    if not set(name) <= _NODE_NAME_CHARS or len(name) > 64:
+        raise SettingsError("GENSERVER_NODE", f"{name!r} is not a node name",
+                            "up to 64 letters, digits, '.', '-' and '_' (it becomes part of Celery hostnames)")
+    return name

@@ -345,3 +345,6 @@ GROUP_SIZE = config.group_size()
 GROUP_TIMEOUT_SECONDS = config.group_timeout_seconds()
 VAE_TILE_ABOVE_PIXELS = config.vae_tile_above_pixels()
 CARD_GIB = config.card_gib()
+
+# Nodes (issue 12): this machine's name in the cluster, read once so a bad value stops start-up.
+NODE = config.node()

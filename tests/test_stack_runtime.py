@@ -72,7 +72,7 @@ def test_workers_endpoint_shows_loaded_models(stack, api):
 
     def card_holds_tiny_sd():
         workers = {w["name"]: w for w in api.get("/api/v1/workers/").json()["workers"]}
-        return "tiny-sd" in workers.get("card0", {}).get("models", [])
+        return "tiny-sd" in workers.get(stack.hostname("card0"), {}).get("models", [])
 
     wait_for(card_holds_tiny_sd, 15, what="card0's heartbeat to list tiny-sd")
 

@@ -1,4 +1,10 @@
-"""Worker liveness: each worker's main process writes a short-lived Redis key that GET /queues/ reads."""
+"""Worker liveness: each worker's main process writes a short-lived Redis key that GET /queues/ reads.
+
+The key and the payload's `name` are the worker's Celery hostname, `gpu0@NODE`
+(GENSERVER_NODE qualifies it, workers/launcher.py), so two nodes' `gpu0` are two
+workers. The payload says what capacity the worker is: its node, pool entry,
+queues and cards (genserver/jobs/selectors.py: live_capacity counts them).
+"""
 from __future__ import annotations
 
 import json
@@ -13,18 +19,30 @@ INTERVAL_SECONDS = 5.0
 _stop = threading.Event()
 
 
+def timing() -> tuple[float, float]:
+    """(seconds between heartbeats, the key's time to live): three beats, and never longer than a job
+    lease (GENSERVER_LEASE_SECONDS), so a dead node's cards stop counting within the lease."""
+    from django.conf import settings
+
+    lease = float(settings.LEASE_SECONDS)
+    interval = min(INTERVAL_SECONDS, lease / 3)
+    return interval, min(interval * 3, lease)
+
+
 def _beat(name: str, queues: list[str]) -> None:
     from genserver.redis_client import WORKER_KEY, client
     from workers.runtime.cache import loaded_models
 
+    worker, _, node = name.partition("@")
+    interval, ttl = timing()
     while not _stop.is_set():
-        payload = json.dumps({"name": name, "queues": queues, "pid": os.getpid(),
+        payload = json.dumps({"name": name, "node": node, "worker": worker, "queues": queues, "pid": os.getpid(),
                               "devices": os.environ.get("CUDA_VISIBLE_DEVICES", ""), "models": loaded_models()})
         try:
-            client().set(WORKER_KEY.format(name=name), payload, ex=int(INTERVAL_SECONDS * 3))
+            client().set(WORKER_KEY.format(name=name), payload, px=int(ttl * 1000))
         except Exception:
             log.debug("worker heartbeat failed", exc_info=True)
-        _stop.wait(INTERVAL_SECONDS)
+        _stop.wait(interval)
 
 
 @worker_init.connect
@@ -41,9 +59,13 @@ def check_checkpoints(**kwargs) -> None:
 
 @worker_ready.connect
 def start_heartbeat(sender=None, **kwargs) -> None:
+    from genserver import config
+
     hostname = getattr(sender, "hostname", None) or "worker"
+    if "@" not in hostname:  # a worker started by hand without --hostname: qualify it with this node
+        hostname = f"{hostname}@{config.node()}"
     queues = sorted(sender.app.amqp.queues.consume_from) if sender is not None else []
-    threading.Thread(target=_beat, args=(hostname.split("@")[0], queues), daemon=True,
+    threading.Thread(target=_beat, args=(hostname, queues), daemon=True,
                      name="genserver-heartbeat").start()
 
 

@@ -2,6 +2,10 @@
 
     python -m workers.launcher            # the layout from GENSERVER_POOLS, or generated
     python -m workers.launcher --print    # show the layout and the commands, start nothing
+    python -m workers.launcher --print --format systemd   # this node's units (or: procfile)
+
+GENSERVER_NODE (default the host name) names this launcher's node: each worker
+is `gpu0@NODE` to Celery, to the liveness keys and to the leases it holds.
 
 Each worker runs with concurrency 1 (a denoise step is compute-bound: one job
 per card), no prefetch, CUDA_VISIBLE_DEVICES set to its cards (empty on CPU),
@@ -23,9 +27,16 @@ from genserver.scheduling.pools import PoolLayout, WorkerSpec
 from .supervise import Supervisor, python
 
 
-def worker_argv(spec: WorkerSpec, loglevel: str = "INFO") -> list[str]:
+def worker_hostname(spec: WorkerSpec | str, node: str | None = None) -> str:
+    """The worker's name in the cluster, `gpu0@NODE`: its Celery hostname, liveness key, heartbeat and
+    lease owner (GENSERVER_NODE, default the host name), so two nodes' `gpu0` never collide."""
+    name = spec if isinstance(spec, str) else spec.name
+    return f"{name}@{node or config.node()}"
+
+
+def worker_argv(spec: WorkerSpec, loglevel: str = "INFO", node: str | None = None) -> list[str]:
     return [python(), "-m", "celery", "-A", "genserver", "worker",
-            "--hostname", f"{spec.name}@%h", "--queues", ",".join(spec.consumed_queues()),
+            "--hostname", worker_hostname(spec, node), "--queues", ",".join(spec.consumed_queues()),
             "--concurrency", "1", "--pool", config.worker_pool(),
             "--prefetch-multiplier", "1",
             "--without-gossip", "--without-mingle", "--task-events", "--loglevel", loglevel]
@@ -113,11 +124,23 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--print", action="store_true", help="print the layout and commands, start nothing")
     parser.add_argument("--loglevel", help="Celery's log level for the workers (default GENSERVER_WORKER_LOGLEVEL)")
+    parser.add_argument("--format", choices=("text", "systemd", "procfile"), default="text",
+                        help="with --print: the layout and commands (text), systemd units, or Procfile lines")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s launcher %(message)s")
     with exit_on_settings_error():  # before any worker starts
         layout = current_layout()
         args.loglevel = args.loglevel or config.worker_loglevel()
+    if args.print and args.format != "text":
+        from genserver.config import BASE_DIR
+
+        from .units import procfile, systemd_units
+
+        refuse_unfit_layout(layout)
+        node = config.node()
+        print(systemd_units(layout, node, args.loglevel, BASE_DIR) if args.format == "systemd"
+              else procfile(layout, node, args.loglevel), end="")
+        return
     if args.print:
         print(json.dumps(layout.to_dict(), indent=2))
         for spec in layout.workers:

@@ -1,4 +1,5 @@
-"""Reads: which jobs a user sees, and the queue picture (positions, ETAs, backlog) from the database."""
+"""Reads: which jobs a user sees, the queue picture (positions, ETAs, backlog) from the database, and
+the capacity that serves it (the cards whose workers heartbeat, on every node)."""
 from __future__ import annotations
 
 import json
@@ -15,7 +16,7 @@ from genserver.jobs.models import ACTIVE, Job, JobStatus
 from genserver.redis_client import WORKER_KEY, client as redis_client
 from genserver.scheduling.admission import WorkItem, expected_wait
 from genserver.scheduling.classes import CLASSES, priority_for
-from genserver.scheduling.pools import PoolLayout
+from genserver.scheduling.pools import PoolLayout, class_of, worker_from_queues
 
 
 def jobs_visible_to(user: Any) -> QuerySet[Job]:
@@ -68,7 +69,7 @@ class QueueSnapshot:
 
     @classmethod
     def load(cls) -> QueueSnapshot:
-        return cls(_active_jobs(), deployment.layout())
+        return cls(_active_jobs(), live_capacity())
 
     def _ahead(self, job: Job) -> Iterable[Job]:
         key = (job.priority, job.published_at or job.created_at)
@@ -103,26 +104,82 @@ class QueueSnapshot:
 
 
 def live_workers() -> list[dict[str, Any]]:
-    """Workers that sent a heartbeat recently (see workers/heartbeat.py)."""
+    """Workers that sent a heartbeat recently (see workers/heartbeat.py), every node's, by name
+    (`gpu0@NODE`): each with its node, pool entry, queues, cards and loaded models."""
     r = redis_client()
     found = []
     for key in r.scan_iter(match=WORKER_KEY.format(name="*"), count=200):
         raw = r.get(key)
         if raw:
-            found.append(json.loads(raw))
-    return sorted(found, key=lambda w: w.get("name", ""))
+            worker = json.loads(raw)
+            name = str(worker.get("name", ""))
+            worker.setdefault("worker", name.partition("@")[0])
+            worker.setdefault("node", name.partition("@")[2])
+            found.append(worker)
+    return sorted(found, key=lambda w: (w.get("node", ""), w.get("name", "")))
+
+
+def _devices(worker: dict[str, Any]) -> tuple[int, ...]:
+    text = str(worker.get("devices", "") or "")
+    return tuple(int(d) for d in text.split(",") if d.strip().isdigit())
+
+
+def capacity_of(workers: list[dict[str, Any]]) -> PoolLayout:
+    """The capacity these live workers are: one pool entry per worker, named `gpu0@NODE`."""
+    specs = []
+    for worker in workers:
+        try:
+            specs.append(worker_from_queues(str(worker["name"]), list(worker.get("queues", [])), _devices(worker)))
+        except (KeyError, ValueError):  # a malformed or foreign heartbeat is no capacity
+            continue
+    return PoolLayout(tuple(specs), complete=False)
+
+
+def live_capacity(workers: list[dict[str, Any]] | None = None) -> PoolLayout:
+    """What admission, queue positions and ETAs count: the cards whose workers heartbeat now, on every
+    node. A node that dies stops counting when its heartbeats expire (3 intervals, within the lease);
+    a new node counts from its first heartbeat. With no worker reporting (before the first heartbeat,
+    or Redis unreachable) the configured layout is the estimate, so the service keeps accepting work
+    for the nodes that are starting."""
+    if workers is None:
+        try:
+            workers = live_workers()
+        except Exception:  # noqa: BLE001 - admission must answer when Redis is down: the layout estimates
+            workers = []
+    return capacity_of(workers) if workers else deployment.layout()
+
+
+def nodes_overview(workers: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Per live node: its workers' names and the denoising cards they are (GET /api/v1/workers/)."""
+    nodes: dict[str, dict[str, Any]] = {}
+    for spec in capacity_of(workers).workers:
+        entry = nodes.setdefault(spec.name.partition("@")[2], {"workers": [], "cards": 0})
+        entry["workers"].append(spec.name)
+        entry["cards"] += spec.group_size if spec.denoises else 0
+    return nodes
+
+
+def _cards(capacity: PoolLayout, duration_class: str) -> tuple[int, dict[str, int]]:
+    """The cards serving a class (any of its queues: plain, a model's, a lane's), in all and per node."""
+    by_node: dict[str, int] = {}
+    for spec in capacity.workers:
+        if any(class_of(q) == duration_class for q in spec.consumed_queues()):
+            node = spec.name.partition("@")[2]
+            by_node[node] = by_node.get(node, 0) + spec.group_size
+    return sum(by_node.values()), by_node
 
 
 def queue_overview() -> list[dict[str, Any]]:
-    """Per duration class: depth, backlog, workers, and whether a new job would be accepted now
-    (every figure in wall seconds, like the jobs' estimates and ETAs)."""
-    layout, thresholds, limits = deployment.layout(), deployment.thresholds(), deployment.limits()
+    """Per duration class: depth, backlog, the cards serving it (live, per node), and whether a new job
+    would be accepted now (every figure in wall seconds, like the jobs' estimates and ETAs)."""
+    thresholds, limits = deployment.thresholds(), deployment.limits()
     jobs = _active_jobs()
     items = [_work_item(j, wall=True) for j in jobs]
     try:
         workers = live_workers()
     except Exception:  # noqa: BLE001 - the overview must answer even when Redis is down
         workers = None
+    layout = live_capacity(workers or [])
     result = []
     for cls in CLASSES:
         mine = [j for j in jobs if j.duration_class == cls]
@@ -137,6 +194,10 @@ def queue_overview() -> list[dict[str, Any]]:
             "running": sum(1 for j in mine if _is_running(j)),
             "backlog_seconds": round(sum(j.remaining_seconds * j.clock_scale for j in mine), 3),
             "workers": [w.name for w in layout.workers if cls in w.queues],  # dedicated ones included
+            # live: counted from heartbeats; layout: nothing reports yet, the configured layout estimates
+            "capacity_source": "live" if workers else "layout",
+            "cards": _cards(layout, cls)[0],
+            "cards_by_node": _cards(layout, cls)[1],
             "expected_wait_seconds": None if math.isinf(wait) else round(wait, 3),
             "wait_limit_seconds": limit,
             "accepting": wait <= limit,

@@ -99,11 +99,16 @@ class WorkerSpec:
 @dataclass(frozen=True)
 class PoolLayout:
     workers: tuple[WorkerSpec, ...] = field(default_factory=tuple)
+    # False for the capacity that is alive now (genserver/jobs/selectors.py: live_capacity): a dead
+    # node may leave a class without a card, which admission answers with 429, not a config error.
+    complete: bool = field(default=True, compare=False)
 
     def __post_init__(self) -> None:
         names = [w.name for w in self.workers]
         if len(set(names)) != len(names):
             raise ValueError(f"worker names must be unique, got {names}")
+        if not self.complete:
+            return
         # A job without a lane (or of a lane no worker serves) goes to its class queue, so every
         # class needs a worker outside the lanes.
         served = {class_of(q) for w in self.workers for q in w.consumed_queues() if LANE_SEP not in q}
@@ -159,6 +164,28 @@ class PoolLayout:
              **({"lane": w.lane} if w.lane else {})}
             for w in self.workers
         ]}
+
+
+def worker_from_queues(name: str, consumed: list[str] | tuple[str, ...], devices: tuple[int, ...] = ()) -> WorkerSpec:
+    """The pool entry a running worker stands for, rebuilt from the broker queues it reads and the
+    cards it sees (its heartbeat): "short.sdxl" → models ("sdxl",), "long@interactive" → lane
+    "interactive"; k devices → a group of k."""
+    queues: list[str] = []
+    models: list[str] = []
+    lane = ""
+    for queue in consumed:
+        stage = class_of(queue)
+        if stage not in ALL_QUEUES:
+            continue  # a queue this version does not know (a newer node): not capacity we can use
+        if stage not in queues:
+            queues.append(stage)
+        rest = queue[len(stage):]
+        if rest.startswith(".") and rest[1:] not in models:
+            models.append(rest[1:])
+        elif rest.startswith(LANE_SEP):
+            lane = rest[1:]
+    return WorkerSpec(name=name, queues=tuple(queues) or (CONTROL,), devices=tuple(devices),
+                      models=() if lane else tuple(models), lane=lane)
 
 
 def class_of(queue: str) -> str:

@@ -194,7 +194,7 @@ def test_database_outage_answers_503_and_work_resumes(stack, user_with_token):
         from genserver.redis_client import WORKER_KEY, client as redis_client
 
         for spec in stack.layout.workers:  # the stopped stand-ins' liveness keys would outlive them
-            redis_client().delete(WORKER_KEY.format(name=spec.name))
+            redis_client().delete(WORKER_KEY.format(name=stack.hostname(spec.name)))
         revive(stack)
 
 

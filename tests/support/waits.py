@@ -51,7 +51,7 @@ def workers_idle(timeout: float = 30.0) -> None:
 
     def idle() -> bool:
         replies = app.control.inspect(timeout=1.0).active() or {}
-        answered = {host.split("@", 1)[0] for host in replies}
+        answered = set(replies)  # Celery hostnames: `gpu0@NODE`, as the liveness keys
         return live_worker_names() <= answered and not any(replies.values())
 
     wait_for(idle, timeout, interval=0.1, what="every worker to be idle")

@@ -5,6 +5,7 @@ import sys
 
 import pytest
 
+from genserver import config
 from genserver.scheduling.pools import default_layout, load_layout
 from tests.support.waits import wait_for
 from workers.launcher import cpu_threads_per_worker, worker_argv, worker_env
@@ -20,7 +21,7 @@ def test_each_gpu_worker_is_pinned_to_its_card_with_concurrency_one():
         assert env["CUDA_VISIBLE_DEVICES"] == str(spec.devices[0])
         assert argv[argv.index("--concurrency") + 1] == "1"
         assert argv[argv.index("--queues") + 1] == ",".join(spec.queues)
-        assert argv[argv.index("--hostname") + 1] == f"{spec.name}@%h"
+        assert argv[argv.index("--hostname") + 1] == f"{spec.name}@{config.node()}"
     # Images keep a card to themselves; video cards take images first as well.
     assert cards[0].queues == ("short", "medium")
     assert all(w.queues == ("short", "medium", "long") for w in cards[1:])

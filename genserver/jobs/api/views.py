@@ -1,6 +1,8 @@
 """One thin view per endpoint: parse, call a service or selector, render."""
 from __future__ import annotations
 
+import math
+
 from django.conf import settings
 from django.http import FileResponse, Http404, HttpResponseRedirect
 from django.http.response import HttpResponseBase
@@ -130,7 +132,9 @@ def _overloaded(refused: services.AdmissionRefused) -> Response:
     """429 with Retry-After for work admission refused (a submit, or steps added to a job)."""
     d = refused.decision
     return Response({"detail": d.reason, "reason": "overloaded", "duration_class": refused.duration_class,
-                     "expected_wait_seconds": round(d.expected_wait_seconds, 1),
+                     # None: no live card serves the queue (every node with one is down)
+                     "expected_wait_seconds": (round(d.expected_wait_seconds, 1)
+                                               if math.isfinite(d.expected_wait_seconds) else None),
                      "limit_seconds": d.limit_seconds, "retry_after": d.retry_after_seconds},
                     status=status.HTTP_429_TOO_MANY_REQUESTS, headers={"Retry-After": str(d.retry_after_seconds)})
 
@@ -205,12 +209,13 @@ class ModelListView(APIView):
 class WorkerListView(APIView):
     @extend_schema(responses=OpenApiTypes.OBJECT)
     def get(self, request: Request) -> Response:
-        """Live workers: their queues, cards and the models each one holds; the embedding cache; merged
-        denoise batches."""
+        """Live workers (`gpu0@NODE`): their node, queues, cards and the models each one holds; per node its
+        workers and denoising cards; the embedding cache; merged denoise batches."""
         from genserver.metrics import embedding_cache_counts, merged_counts
 
-        return Response({"workers": selectors.live_workers(), "embedding_cache": embedding_cache_counts(),
-                         "merged_denoise": merged_counts()})
+        workers = selectors.live_workers()
+        return Response({"workers": workers, "nodes": selectors.nodes_overview(workers),
+                         "embedding_cache": embedding_cache_counts(), "merged_denoise": merged_counts()})
 
 
 class QueueListView(APIView):

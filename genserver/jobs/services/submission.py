@@ -82,7 +82,8 @@ def submit_job(owner: Any, data: dict[str, Any], idempotency_key: str = "") -> J
     est = estimate(data)
     queue = deployment.layout().queue_for(est.duration_class, spec.name, data.get("lane", ""))
     est = chunked_for_queue(est, queue, data["steps"])
-    decision = decide(queue, est.priority, selectors.backlog_items(), deployment.layout(), deployment.limits())
+    decision = decide(queue, est.priority, selectors.backlog_items(), selectors.live_capacity(),
+                      deployment.limits())  # the cards alive now, on every node
     if not decision.accepted:
         metrics.count_submit(est.duration_class, "wait_limit")
         raise AdmissionRefused(decision, est.duration_class)
