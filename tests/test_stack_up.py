@@ -43,6 +43,7 @@ class UpStack:
                                                                 "GENSERVER_EMBEDDED_REDIS_PORT")}
         env |= {"GENSERVER_DATA_DIR": str(self.data_dir), "GENSERVER_PORT": str(self.port),
                 "FLOWER_PORT": str(self.flower_port), "GENSERVER_API_WORKERS": "1", "GENSERVER_LOG_LEVEL": "INFO",
+                "GENSERVER_NODE": f"up-{worker}",
                 "GENSERVER_POOLS": f'{{"workers": [{{"name": "{worker}", "queues": {ALL_QUEUES}}}]}}',
                 "DJANGO_SETTINGS_MODULE": "genserver.settings"}
         self.log_path = self.data_dir / "stack.log"
@@ -108,9 +109,9 @@ def test_two_stacks_keep_their_own_redis_and_ctrl_c_stops_in_order_without_trace
     # Each Redis holds only its own stack's worker heartbeat: the second stack did not join the first.
     for stack, other in ((alpha, beta), (beta, alpha)):
         conn = redis.Redis.from_url(stack.redis_url())
-        wait_for(lambda conn=conn, stack=stack: conn.exists(f"genserver:worker:{stack.worker}"), 60, interval=0.3,
-                 what=f"{stack.worker}'s heartbeat")
-        assert not conn.exists(f"genserver:worker:{other.worker}")
+        key = f"genserver:worker:{stack.worker}@up-{stack.worker}"  # worker ids carry their node
+        wait_for(lambda conn=conn, key=key: conn.exists(key), 60, interval=0.3, what=f"{stack.worker}'s heartbeat")
+        assert not conn.exists(f"genserver:worker:{other.worker}@up-{other.worker}")
         wait_for(lambda stack=stack: stack.call("/readyz")[0] == 200, 60, interval=0.5, what=f"{stack.worker} ready")
 
     # A job in flight, then Ctrl-C: the workers and the API stop first, beat and Flower next, Redis last.
