@@ -13,7 +13,7 @@ from genserver.redis_client import STEPS_KEY, client as redis_client
 from genserver.scheduling.admission import decide
 from genserver.scheduling.classes import priority_for
 
-from ._common import JobId, end_if_cancelled, publish_or_leave_to_reaper
+from ._common import announce_on_commit, JobId, end_if_cancelled, publish_or_leave_to_reaper
 from .estimates import rescale_to_total
 from .submission import AdmissionRefused
 
@@ -75,6 +75,7 @@ def change_steps(job: Job, new_steps: int) -> Job:
                     broker.send_chunk, job.id, job.checkpoint_step, job.queue, job.priority))
         total = job.steps
         transaction.on_commit(lambda: _mirror_steps(job.id, total))
+        announce_on_commit(job.id, "steps")
     return job
 
 

@@ -18,7 +18,7 @@ from genserver.jobs.models import ACTIVE, Job, JobStage, JobStatus
 from genserver.redis_client import CANCEL_KEY, client as redis_client
 from genserver.scheduling.admission import Decision, decide
 
-from ._common import after_end, publish_or_leave_to_reaper
+from ._common import after_end, announce_on_commit, publish_or_leave_to_reaper
 from .estimates import Estimate, chunked_for_queue, estimate
 
 log = logging.getLogger(__name__)
@@ -163,5 +163,7 @@ def cancel_job(job: Job) -> Job:
         status=JobStatus.CANCELLED, stage=JobStage.CANCELLED, finished_at=now, lease_owner="", lease_expires_at=None)
     if ended:
         after_end(job.pk)
+    else:
+        announce_on_commit(job.pk, "cancelling")  # a worker holds it: it stops within a step
     job.refresh_from_db()
     return job
