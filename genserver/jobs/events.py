@@ -79,7 +79,7 @@ def publish(job_id: UUID | str, kind: str) -> str | None:
         if job is None:
             return None
         return _append(job, kind, _render([job])[0])
-    except Exception:  # noqa: BLE001 - an event is a notification: the row is the truth, the transition stands
+    except Exception:
         log.warning("could not publish the %s event of job %s", kind, job_id, exc_info=True)
         return None
 
@@ -120,7 +120,7 @@ def publish_queue_moved(queue: str) -> int:
         for job, body in zip(jobs, _render(jobs)):
             _append(job, "queue", body)
         return len(jobs)
-    except Exception:  # noqa: BLE001 - as publish: best effort
+    except Exception:
         log.warning("could not refresh the watched jobs of queue %s", queue, exc_info=True)
         return 0
 

@@ -13,7 +13,7 @@ from genserver.redis_client import STEPS_KEY, client as redis_client
 from genserver.scheduling.admission import decide
 from genserver.scheduling.classes import priority_for
 
-from ._common import announce_on_commit, JobId, end_if_cancelled, publish_or_leave_to_reaper
+from ._common import JobId, announce_on_commit, end_if_cancelled, publish_or_leave_to_reaper
 from .estimates import rescale_to_total
 from .submission import AdmissionRefused
 
