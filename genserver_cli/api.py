@@ -5,7 +5,6 @@ Standard library only (urllib), so the client installs anywhere without the serv
 from __future__ import annotations
 
 import json
-import socket
 import time
 import urllib.error
 import urllib.request
@@ -107,7 +106,7 @@ class Api:
                 if error.status != 0:
                     raise
                 failures += 1
-            except (OSError, socket.timeout, ValueError):
+            except (TimeoutError, OSError, ValueError):
                 failures += 1
             if failures > reconnects:
                 raise ApiError(0, f"the event stream of job {job_id} kept dropping; try `genserver status {job_id}`")
