@@ -124,7 +124,8 @@ def follow(api: Api, job: dict[str, Any], out: Path, as_json: bool) -> int:
     progress = Progress(sys.stdout)
     try:
         progress.show(job)
-        for job in api.events(job["id"]):
+        for update in api.events(job["id"]):
+            job = update
             progress.show(job)
     except KeyboardInterrupt:
         progress.clear()
@@ -133,7 +134,8 @@ def follow(api: Api, job: dict[str, Any], out: Path, as_json: bool) -> int:
             return INTERRUPTED
         job = api.call("POST", f"/api/v1/jobs/{job['id']}/cancel/")
         print(f"cancelling job {job['id']}", flush=True)
-        for job in api.events(job["id"]):
+        for update in api.events(job["id"]):
+            job = update
             progress.show(job)
     progress.done()
     return finish(api, job, out, as_json)
