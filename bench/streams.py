@@ -110,7 +110,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     env = {"GENSERVER_TIME_SCALE": str(SCALE)}
     rows = []
-    with live_stack(env) as stack:
+    with live_stack(env, boot_timeout=600) as stack:  # a first boot makes the tiny models (minutes)
         # 1. the watched jobs (a refused one is skipped: admission may keep only one long video)
         watched = []
         for _ in range(args.watched_jobs):

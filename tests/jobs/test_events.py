@@ -13,8 +13,6 @@ import requests
 from genserver.jobs import events
 from tests.support.waits import finished
 
-pytestmark = pytest.mark.stack
-
 
 def read_events(response: requests.Response) -> list[dict]:
     """Parse a text/event-stream body into [{id, data (parsed), ...}] until the server closes it."""
@@ -48,6 +46,7 @@ def post_job(server, token: str, **fields) -> dict:
     return response.json()
 
 
+@pytest.mark.stack
 def test_a_stream_follows_the_job_to_its_end(stack, asgi_server, api_token):
     token = api_token("streamer")
     job = post_job(asgi_server, token)
@@ -70,6 +69,7 @@ def test_a_stream_follows_the_job_to_its_end(stack, asgi_server, api_token):
     assert any(e["data"]["preview_url"] for e in received)
 
 
+@pytest.mark.stack
 def test_a_reconnect_resumes_after_last_event_id_and_gets_the_terminal_event(stack, asgi_server, api_token):
     token = api_token("reconnector")
     job = post_job(asgi_server, token)
@@ -89,6 +89,7 @@ def test_a_reconnect_resumes_after_last_event_id_and_gets_the_terminal_event(sta
     assert open_stream(asgi_server, token, job["id"], last_event_id=logged[-1]).status_code == 204
 
 
+@pytest.mark.stack
 def test_only_the_owner_and_staff_see_the_stream(stack, asgi_server, api_token):
     owner, other, staff = api_token("owner-e"), api_token("other-e"), api_token("staff-e", staff=True)
     job = post_job(asgi_server, owner, steps=4, preview_every=0)
@@ -101,6 +102,7 @@ def test_only_the_owner_and_staff_see_the_stream(stack, asgi_server, api_token):
     assert len(ended) == 1 and ended[0]["data"]["status"] == "succeeded"  # a finished job: its end, at once
 
 
+@pytest.mark.stack
 def test_a_cancelled_job_ends_its_stream(stack, asgi_server, api_token):
     token = api_token("canceller-e")
     job = post_job(asgi_server, token, model="wan-sim", width=832, height=480, num_frames=81, steps=50,
@@ -111,3 +113,45 @@ def test_a_cancelled_job_ends_its_stream(stack, asgi_server, api_token):
     assert cancel.status_code == 202
     received = read_events(response)
     assert received[-1]["data"]["status"] == "cancelled"
+
+
+# --- the publisher (no workers: the job service's calls, made here) ------------------------------
+
+@pytest.mark.django_db
+def test_publish_appends_the_api_representation_and_announces_it(api, redis_conn):
+    from tests.support.api import submit
+
+    job_id = submit(api, steps=10).json()["id"]
+    pubsub = redis_conn.pubsub()
+    pubsub.subscribe(events.channel(job_id))
+    pubsub.get_message(timeout=1)  # the subscribe confirmation
+    entry_id = events.publish(job_id, "progress")
+    assert entry_id
+    note = pubsub.get_message(timeout=5)
+    assert note and note["data"].decode() == entry_id
+    [(logged_id, fields)] = redis_conn.xrange(events.log_key(job_id))
+    assert logged_id.decode() == entry_id and fields[b"event"] == b"progress" and fields[b"terminal"] == b"0"
+    body = json.loads(fields[b"job"])
+    assert body["id"] == job_id and body["status"] == "queued" and "queue_position" in body and "eta_seconds" in body
+    assert 0 < redis_conn.ttl(events.log_key(job_id)) <= 3600
+    api.post(f"/api/v1/jobs/{job_id}/cancel/")  # ends it at once (no worker holds it): the terminal event
+    entries = redis_conn.xrange(events.log_key(job_id))
+    assert entries[-1][1][b"event"] == b"cancelled" and entries[-1][1][b"terminal"] == b"1"
+    pubsub.close()
+
+
+@pytest.mark.django_db
+def test_a_queue_move_refreshes_only_the_watched_waiting_jobs(api, redis_conn):
+    from tests.support.api import submit
+
+    watched, unwatched = (submit(api, steps=10).json()["id"] for _ in range(2))
+    from genserver.jobs.models import Job
+
+    queue = Job.objects.get(pk=watched).queue
+    pubsub = redis_conn.pubsub()
+    pubsub.subscribe(events.channel(watched))
+    pubsub.get_message(timeout=1)
+    assert events.publish_queue_moved(queue) == 1
+    assert redis_conn.xlen(events.log_key(watched)) == 1
+    assert redis_conn.exists(events.log_key(unwatched)) == 0
+    pubsub.close()
