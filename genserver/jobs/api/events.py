@@ -39,6 +39,7 @@ from genserver.jobs.models import Job
 
 URL_FIELDS = ("preview_url",)
 NESTED_URL_FIELDS = (("outputs", ("url",)), ("segments", ("url", "poster_url")))
+MAX_REDIS_CONNECTIONS = 10_000  # per API process: its open streams and their log reads
 RETRY_MS = 2000  # an EventSource reconnects after this long
 ENTRY_ID = re.compile(r"^\d{1,20}-\d{1,20}$")  # a Redis stream id, as sent in `id:`
 _pool: aioredis.ConnectionPool | None = None
@@ -56,7 +57,10 @@ def _redis() -> aioredis.Redis:
     """One connection pool per process (the event loop's), shared by its streams."""
     global _pool
     if _pool is None:
-        _pool = aioredis.ConnectionPool.from_url(settings.REDIS_URL, socket_connect_timeout=5)
+        # Each open stream holds one connection (its subscription): redis-py's default cap (100) would refuse
+        # the 101st stream of a process; the server's own limit (maxclients, 10,000 by default) is the bound.
+        _pool = aioredis.ConnectionPool.from_url(settings.REDIS_URL, socket_connect_timeout=5,
+                                                 max_connections=MAX_REDIS_CONNECTIONS)
     return aioredis.Redis(connection_pool=_pool)
 
 
