@@ -71,7 +71,7 @@ class Streams:
         finally:
             conn.close()
 
-    def wait_open(self, timeout: float = 120) -> None:
+    def wait_open(self, timeout: float = 600) -> None:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             with self.lock:

@@ -159,5 +159,10 @@ async def _stream(request: HttpRequest, conn: aioredis.Redis, job_id: Any, curre
                                                timeout=settings.EVENTS_KEEPALIVE_SECONDS)
             if message is None:
                 yield b": keepalive\n\n"
+    except aioredis.ConnectionError:
+        return  # Redis went away (a restart, the stack stopping): end here; the client resumes with Last-Event-ID
     finally:
-        await pubsub.aclose()
+        try:
+            await pubsub.aclose()
+        except aioredis.ConnectionError:
+            pass
