@@ -87,11 +87,12 @@ def after_end(job_id: JobId) -> None:
         webhooks.emit(job_id, status)
 
 
-def emit_on_commit(job_id: JobId, event: str) -> None:
-    """Publish the job's event (its open streams, and its webhook) once the transition that made it true commits."""
+def emit_on_commit(job_id: JobId, event: str, segment: int | None = None) -> None:
+    """Publish the job's event (its open streams, and its webhook) once the transition that made it true
+    commits (`segment`: the index of the segment a `segment` event is for)."""
     def emit() -> None:
         events.publish(job_id, event)
-        webhooks.emit(job_id, event)
+        webhooks.emit(job_id, event, segment=segment)
 
     transaction.on_commit(emit)
 
