@@ -78,6 +78,7 @@ MIDDLEWARE = [
 
 ROOT_URLCONF = "genserver.urls"
 WSGI_APPLICATION = "genserver.wsgi.application"
+ASGI_APPLICATION = "genserver.asgi.application"  # what `make up` serves: event streams are async views
 
 # --- The web page: Django's session login (the admin's users) --------------------
 LOGIN_URL = "web-login"
@@ -330,6 +331,14 @@ WEBHOOK_ALLOW_PRIVATE = env_bool("GENSERVER_WEBHOOK_ALLOW_PRIVATE", False)
 # Public base of the API (e.g. https://gen.example.com) for absolute URLs in webhook payloads;
 # unset → paths (/api/v1/jobs/...).
 PUBLIC_URL = env_url("GENSERVER_PUBLIC_URL", "")
+
+# --- Job event streams (GET /api/v1/jobs/{id}/events/) and webhook event filters --------
+# Each job's events are kept in a capped Redis stream so a reconnect (Last-Event-ID) resumes.
+EVENTS_TTL_SECONDS = env_float("GENSERVER_EVENTS_TTL", 3600.0, above=0)  # after the job's last event
+EVENTS_LOG_LENGTH = env_int("GENSERVER_EVENTS_LOG_LENGTH", 200, minimum=1)  # events kept per job
+EVENTS_KEEPALIVE_SECONDS = env_float("GENSERVER_EVENTS_KEEPALIVE", 15.0, above=0)  # comment line when idle
+# At most one `preview` webhook per job in this many seconds (Replicate's 500 ms rule); 0: every preview.
+WEBHOOK_PREVIEW_SECONDS = env_float("GENSERVER_WEBHOOK_PREVIEW_SECONDS", 0.5, minimum=0)
 
 # --- The launcher, the stack and the worker processes ---------------------------------
 # Read by plain-Python code through genserver.config (the model runtime imports no Django;

@@ -43,6 +43,7 @@ EVENTS = ("started", "preview", "segment", "succeeded", "failed", "cancelled")  
 SIGNATURE_HEADER = "X-Genserver-Signature"
 TIMESTAMP_HEADER = "X-Genserver-Timestamp"
 REPLAY_TOLERANCE_SECONDS = 300  # what `verify` accepts by default, like Standard Webhooks' 5 minutes
+PREVIEW_THROTTLE_KEY = "genserver:webhook-preview:{job_id}"  # set while a preview webhook's window is open
 
 
 class WebhookURLError(ValueError):
@@ -161,14 +162,26 @@ def emit(job_id, event: str, segment: int | None = None) -> None:
 
     try:
         job = Job.objects.filter(pk=job_id).exclude(webhook_url="").first()
-        if job is None:
-            return
+        if job is None or event not in job.webhook_events:
+            return  # no webhook, or not an event it asked for
+        if event == "preview" and not _preview_due(job.pk):
+            return  # a preview was sent less than WEBHOOK_PREVIEW_SECONDS ago; a later one supersedes this
         payload = job_payload(job)
         if segment is not None:
             payload["segment"] = segment_payload(job, segment)  # encode_body moves it to the top level
         broker.send_webhook(job.pk, event, payload)
     except Exception:
         log.warning("could not enqueue webhook %s of job %s", event, job_id, exc_info=True)
+
+
+def _preview_due(job_id) -> bool:
+    """At most one preview per WEBHOOK_PREVIEW_SECONDS per job: the first caller in each window takes it."""
+    window_ms = int(settings.WEBHOOK_PREVIEW_SECONDS * 1000)
+    if window_ms <= 0:
+        return True
+    from genserver.redis_client import client
+
+    return bool(client().set(PREVIEW_THROTTLE_KEY.format(job_id=job_id), "1", nx=True, px=window_ms))
 
 
 # --- delivery (webhooks worker side) ------------------------------------------------------

@@ -161,3 +161,29 @@ def make_user() -> Callable:
 @pytest.fixture
 def api(make_user):
     return make_user("alice")
+
+
+# --- events (issue 13): the real ASGI server, for SSE, the CLI and other HTTP clients -----------------
+
+@pytest.fixture(scope="session")
+def asgi_server(django_db_setup, redis_conn) -> Iterator:
+    """uvicorn serving genserver.asgi on a free port (tests/support/live_server.py), sharing this session's
+    database, Redis and storage. Tests using it need the database rows committed (transactional_db or `stack`)."""
+    from tests.support.live_server import AsgiServer
+
+    server = AsgiServer()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def api_token(transactional_db) -> Callable:
+    """token_for(username, staff=False): a user (created if needed) and their API token, committed."""
+    from django.contrib.auth import get_user_model
+    from rest_framework.authtoken.models import Token
+
+    def token_for(username: str, staff: bool = False) -> str:
+        user, _ = get_user_model().objects.get_or_create(username=username, defaults={"is_staff": staff})
+        return Token.objects.get_or_create(user=user)[0].key
+
+    return token_for

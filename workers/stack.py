@@ -3,7 +3,7 @@
 First checks every setting and the pool layout (a bad value prints one line
 naming the variable and exits 2, before anything starts). Then starts, in
 order: the bundled Redis (only when REDIS_URL is unset), database
-migrations, the tiny demo checkpoints, the API (gunicorn), the worker pools
+migrations, the tiny demo checkpoints, the API (gunicorn with uvicorn workers, genserver.asgi), the worker pools
 (through the launcher's layout), Celery beat (the reaper) and Flower; then
 prints the URLs and a ready-to-use API token.
 
@@ -145,6 +145,14 @@ def wait_for_http(url: str, supervisor: Supervisor | None = None, timeout: float
             time.sleep(0.3)
 
 
+def api_argv(port: int, workers: int, data_dir: Path) -> list[str]:
+    """gunicorn with uvicorn workers serving genserver.asgi: event streams wait on the event loop, not a thread,
+    and the DRF views run in Django's sync-to-async threads as before."""
+    return [python(), "-m", "gunicorn", "genserver.asgi:application", "-k", "uvicorn_worker.UvicornWorker",
+            "--bind", f"127.0.0.1:{port}", "--workers", str(workers), "--access-logfile", "-",
+            "--graceful-timeout", "10", *gunicorn_control_socket(data_dir)]
+
+
 def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     os.environ.setdefault("DJANGO_SETTINGS_MODULE", "genserver.settings")
@@ -168,10 +176,7 @@ def main() -> None:
         log.info("checking the registry and migrating the database")
         manage("migrate", "--noinput")  # runs the system checks: a missing checkpoint stops here
         token = manage("issue_token", "demo").splitlines()[-1]
-        supervisor.add("api", [python(), "-m", "gunicorn", "genserver.wsgi:application", "--bind",
-                               f"127.0.0.1:{port}", "--workers", str(api_workers),
-                               "--threads", "4", "--access-logfile", "-", "--graceful-timeout", "10",
-                               *gunicorn_control_socket(settings.DATA_DIR)])
+        supervisor.add("api", api_argv(port, api_workers, settings.DATA_DIR))
         start_workers(supervisor, layout)
         supervisor.add("beat", [python(), "-m", "celery", "-A", "genserver", "beat", "--loglevel", "INFO",
                                 "--schedule", settings.CELERY_BEAT_SCHEDULE_FILENAME], stop_stage=1)
@@ -196,6 +201,11 @@ genserver is up.
 
   curl -H "Authorization: Token {token}" -H "Content-Type: application/json" \\
        -d '{{"model": "tiny-sd", "prompt": "a red fox in the snow"}}' {api}/api/v1/jobs/
+
+  The command-line client (pip install -e . gives `genserver`):
+  export GENSERVER_URL={api} GENSERVER_TOKEN={token}
+  genserver submit --model tiny-sd --prompt "a red fox in the snow" --wait --out ./out
+  curl -N -H "Authorization: Token {token}" {api}/api/v1/jobs/JOB_ID/events/
 
 Ctrl-C stops everything.
 """, flush=True)

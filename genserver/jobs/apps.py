@@ -8,4 +8,10 @@ class JobsConfig(AppConfig):
     default_auto_field = "django.db.models.BigAutoField"
 
     def ready(self) -> None:
-        from genserver.jobs import checks  # noqa: F401 - registers the start-up checks
+        from genserver.jobs import (
+            checks,  # noqa: F401 - registers the start-up checks
+            events,
+        )
+        from genserver.jobs.api.events import render_jobs
+
+        events.set_renderer(render_jobs)  # events carry the API's representation; the service doesn't import the API

@@ -32,6 +32,14 @@ class JobStage(models.TextChoices):
     EXPIRED = "expired"  # it succeeded and retention deleted its outputs
 
 
+WEBHOOK_EVENTS = ("started", "preview", "segment", "succeeded", "failed", "cancelled")  # segment: a long video's clip
+DEFAULT_WEBHOOK_EVENTS = ("started", "succeeded", "failed", "cancelled")
+
+
+def default_webhook_events() -> list[str]:
+    return list(DEFAULT_WEBHOOK_EVENTS)
+
+
 TERMINAL = (JobStatus.SUCCEEDED, JobStatus.FAILED, JobStatus.CANCELLED)
 ACTIVE = (JobStatus.QUEUED, JobStatus.ENCODING, JobStatus.DENOISING, JobStatus.DECODING)
 
@@ -60,6 +68,9 @@ class Job(models.Model):
     preview_every = models.PositiveIntegerField(default=0)
     webhook_url = models.URLField(max_length=500, blank=True, default="",
                                   help_text="receives signed JSON events (started, preview, succeeded, ...)")
+    # Which events the webhook receives (a subset of webhooks.EVENTS); the default: started and the end.
+    webhook_events = models.JSONField(default=default_webhook_events, blank=True,
+                                      help_text="events sent to webhook_url (default: started and terminal)")
 
     # A client's retry of the same submit (Idempotency-Key header) returns this job.
     idempotency_key = models.CharField(max_length=200, blank=True, default="")

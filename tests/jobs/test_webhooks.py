@@ -171,7 +171,7 @@ def test_private_webhook_host_is_refused_when_not_allowed(api, settings):
 @pytest.mark.django_db(transaction=True)
 def test_job_receives_started_preview_and_succeeded_in_order_signed(stack, api, receiver):
     response = submit(api, model="tiny-sd", prompt="a red fox", steps=10, preview_every=5,
-                      webhook_url=receiver.url("/ok"))
+                      webhook_url=receiver.url("/ok"), webhook_events=["started", "preview", "succeeded"])
     assert response.status_code == 201, response.content
     job_id = response.json()["id"]
     assert finished(job_id, timeout=120).status == "succeeded"
@@ -239,7 +239,7 @@ def test_a_poll_during_denoising_shows_the_previews_step(stack, api):
 @pytest.mark.django_db(transaction=True)
 def test_each_segment_event_says_which_segment_it_is_for(stack, api, receiver):
     response = submit(api, model="wan-sim", width=832, height=480, num_frames=161, steps=20,
-                      webhook_url=receiver.url("/segments"))
+                      webhook_url=receiver.url("/segments"), webhook_events=["segment", "succeeded"])
     assert response.status_code == 201, response.content
     job_id = response.json()["id"]
     assert finished(job_id, timeout=120).status == "succeeded"
@@ -252,3 +252,88 @@ def test_each_segment_event_says_which_segment_it_is_for(stack, api, receiver):
         assert segment["poster_url"].endswith("/poster/") and segment["frames"] > 0
         assert segment["index"] in [s["index"] for s in body["job"]["segments"]]
     assert all("segment" not in b for b in receiver.delivered("/segments") if b["event"] != "segment")
+
+
+# --- which events, and how often (issue 13) ------------------------------------------------------
+
+@pytest.mark.django_db
+def test_webhook_events_default_to_started_and_the_end(api):
+    body = submit(api, webhook_url="http://127.0.0.1:9/hook").json()
+    assert body["webhook_events"] == ["started", "succeeded", "failed", "cancelled"]
+    chosen = submit(api, webhook_url="http://127.0.0.1:9/hook", webhook_events=["succeeded", "preview", "preview"])
+    assert chosen.status_code == 201, chosen.content
+    assert chosen.json()["webhook_events"] == ["preview", "succeeded"]  # once each, in the order they happen
+    assert job_row(chosen.json()["id"]).webhook_events == ["preview", "succeeded"]
+    assert submit(api, webhook_url="http://127.0.0.1:9/hook", webhook_events=[]).json()["webhook_events"] == []
+
+
+@pytest.mark.django_db
+@pytest.mark.parametrize("events, field", [(["done"], "webhook_events"), ("succeeded", "webhook_events"),
+                                           ([1], "webhook_events")])
+def test_unknown_webhook_events_are_refused(api, events, field):
+    from genserver.jobs.models import Job
+
+    before = Job.objects.count()
+    response = submit(api, webhook_url="http://127.0.0.1:9/hook", webhook_events=events)
+    assert response.status_code == 400, response.content
+    assert field in response.json()
+    assert Job.objects.count() == before
+
+
+@pytest.mark.django_db
+def test_webhook_events_without_a_url_are_refused(api):
+    response = submit(api, webhook_events=["succeeded"])
+    assert response.status_code == 400
+    assert "webhook_url" in response.json()["webhook_events"][0]
+
+
+@pytest.mark.django_db
+def test_events_not_asked_for_are_not_sent(api, monkeypatch):
+    from tests.support.broker import capture_sends
+
+    sent = capture_sends(monkeypatch, "send_webhook")
+    job_id = submit(api, webhook_url="http://127.0.0.1:9/hook", webhook_events=["succeeded"]).json()["id"]
+    for event in ("started", "preview", "cancelled", "succeeded"):
+        webhooks.emit(job_id, event)
+    assert [call[2] for call in sent] == ["succeeded"]
+
+
+@pytest.mark.django_db
+def test_previews_are_throttled_to_one_per_window(api, monkeypatch, settings, redis_conn):
+    from tests.support.broker import capture_sends
+
+    settings.WEBHOOK_PREVIEW_SECONDS = 0.5
+    sent = capture_sends(monkeypatch, "send_webhook")
+    job_id = submit(api, webhook_url="http://127.0.0.1:9/hook", webhook_events=["preview", "succeeded"]).json()["id"]
+    started = time.monotonic()
+    for _ in range(20):
+        webhooks.emit(job_id, "preview")
+    burst = len(sent)
+    assert burst == 1 or time.monotonic() - started >= 0.5, f"{burst} previews sent in one window"
+    # The next window opens after WEBHOOK_PREVIEW_SECONDS: a later preview goes out.
+    wait_for(lambda: webhooks.emit(job_id, "preview") or len(sent) > burst, 10, interval=0.05,
+             what="the next preview window")
+    assert time.monotonic() - started >= 0.5
+    webhooks.emit(job_id, "succeeded")  # terminal events are never throttled
+    assert [call[2] for call in sent][-1] == "succeeded"
+    settings.WEBHOOK_PREVIEW_SECONDS = 0
+    before = len(sent)
+    webhooks.emit(job_id, "preview")
+    webhooks.emit(job_id, "preview")
+    assert len(sent) == before + 2  # 0 turns the throttle off
+
+
+@pytest.mark.stack
+@pytest.mark.django_db(transaction=True)
+def test_a_webhook_gets_only_its_events_and_throttled_previews(stack, api, receiver):
+    job_id = submit(api, model="tiny-sd", prompt="a red fox", steps=12, preview_every=1,
+                    webhook_url=receiver.url("/some"), webhook_events=["preview", "succeeded"]).json()["id"]
+    job = finished(job_id, timeout=120)
+    assert job.status == "succeeded"
+    wait_for(lambda: "succeeded" in receiver.events("/some"), 30, what="the succeeded event")
+    events = receiver.events("/some")
+    assert set(events) == {"preview", "succeeded"} and events[-1] == "succeeded", events  # no `started`
+    previews = events.count("preview")
+    denoise_seconds = (job.finished_at - job.started_at).total_seconds()
+    # 12 previews were written; at most one per 0.5 s window of the job's run left the service.
+    assert 1 <= previews <= 1 + denoise_seconds / settings.WEBHOOK_PREVIEW_SECONDS, (previews, denoise_seconds)

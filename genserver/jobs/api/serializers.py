@@ -11,7 +11,7 @@ from rest_framework import serializers
 from rest_framework.reverse import reverse
 
 from genserver import deployment
-from genserver.jobs.models import Job
+from genserver.jobs.models import WEBHOOK_EVENTS, Job
 from genserver.registry import RegistryError
 
 
@@ -52,6 +52,10 @@ class JobCreateSerializer(serializers.Serializer):
     preview_every = StrictIntegerField(required=False, default=0, min_value=0, max_value=10000)
     webhook_url = serializers.URLField(max_length=500, required=False, allow_blank=True, default="",
                                        help_text="http(s) URL that receives signed JSON events of the job")
+    webhook_events = serializers.ListField(
+        child=serializers.ChoiceField(choices=WEBHOOK_EVENTS), required=False, max_length=len(WEBHOOK_EVENTS),
+        help_text="which events webhook_url receives (default: started, succeeded, failed, cancelled); "
+                  "previews are sent at most once per GENSERVER_WEBHOOK_PREVIEW_SECONDS")
     lane = serializers.RegexField(r"^[a-z0-9][a-z0-9_-]{0,31}$", max_length=32, required=False, allow_blank=True,
                                   default="",
                                   help_text='route the job to the workers on this lane of the pool layout '
@@ -86,7 +90,12 @@ class JobCreateSerializer(serializers.Serializer):
             raise serializers.ValidationError(str(exc)) from None
         return value
 
+    def validate_webhook_events(self, value: list[str]) -> list[str]:
+        return [event for event in WEBHOOK_EVENTS if event in value]  # once each, in the order they happen
+
     def validate(self, attrs: dict[str, Any]) -> dict[str, Any]:
+        if "webhook_events" in attrs and not attrs.get("webhook_url"):
+            raise serializers.ValidationError({"webhook_events": ["Set webhook_url too: the events are sent there."]})
         spec = deployment.registry().get(attrs["model"])
         lim, dflt = spec.limits, spec.defaults
         attrs.setdefault("width", dflt.width)
@@ -191,7 +200,7 @@ class JobSerializer(serializers.ModelSerializer):
             "segments", "error",
             "prompt", "negative_prompt", "width", "height", "num_frames", "steps", "steps_requested", "guidance_scale",
             "seed",
-            "num_outputs", "preview_every", "webhook_url", "attempts", "cancel_requested",
+            "num_outputs", "preview_every", "webhook_url", "webhook_events", "attempts", "cancel_requested",
             "created_at", "started_at", "finished_at",
         ]
         read_only_fields = fields

@@ -1,11 +1,13 @@
 """Routes of /api/v1/."""
 from django.urls import path
 
-from genserver.jobs.api import views
+from genserver.jobs.api import events, views
 
 urlpatterns = [
     path("jobs/", views.JobListCreateView.as_view(), name="job-list"),
     path("jobs/<uuid:job_id>/", views.JobDetailView.as_view(), name="job-detail"),
+    # --- events (issue 13): the job's server-sent events, an async view served under ASGI
+    path("jobs/<uuid:job_id>/events/", events.job_events, name="job-events"),
     path("jobs/<uuid:job_id>/cancel/", views.JobCancelView.as_view(), name="job-cancel"),
     path("jobs/<uuid:job_id>/steps/", views.JobStepsView.as_view(), name="job-steps"),
     path("jobs/<uuid:job_id>/outputs/<int:index>/", views.JobOutputView.as_view(), name="job-output"),

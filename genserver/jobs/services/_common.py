@@ -20,6 +20,7 @@ from django.db.models import Q
 from django.utils import timezone
 
 from genserver import webhooks
+from genserver.jobs import events
 from genserver.jobs.models import TERMINAL, Job, JobStage, JobStatus
 from genserver.redis_client import CANCEL_KEY, client as redis_client
 from genserver.storage import default_storage
@@ -85,13 +86,23 @@ def after_end(job_id: JobId) -> None:
         pass
     status = Job.objects.filter(pk=job_id).values_list("status", flat=True).first()
     if status in TERMINAL:
+        events.publish(job_id, status)  # the stream's last event: open streams end on it
         webhooks.emit(job_id, status)
 
 
 def emit_on_commit(job_id: JobId, event: str, segment: int | None = None) -> None:
-    """Publish the job's webhook event once the transition that made it true commits (`segment`:
-    the index of the segment a `segment` event is for)."""
-    transaction.on_commit(lambda: webhooks.emit(job_id, event, segment=segment))
+    """Publish the job's event (its open streams, and its webhook) once the transition that made it true
+    commits (`segment`: the index of the segment a `segment` event is for)."""
+    def emit() -> None:
+        events.publish(job_id, event)
+        webhooks.emit(job_id, event, segment=segment)
+
+    transaction.on_commit(emit)
+
+
+def announce_on_commit(job_id: JobId, event: str) -> None:
+    """A change only live clients follow (stage, progress, queue moves): to the job's open streams, not its webhook."""
+    events.publish_on_commit(job_id, event)
 
 
 def publish_or_leave_to_reaper(send: Callable[..., None], job_id: JobId, *args: Any) -> bool:

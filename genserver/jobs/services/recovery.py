@@ -16,7 +16,7 @@ from genserver.scheduling.pools import ALL_QUEUES, WEBHOOKS
 from genserver.storage import default_storage
 
 from . import observe
-from ._common import JobId, Outcome, after_end, disk_full, end_if_cancelled
+from ._common import JobId, Outcome, after_end, announce_on_commit, disk_full, end_if_cancelled
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +58,7 @@ def fail_attempt(job_id: JobId, worker: str | None, error: str) -> Outcome:
         job.published_at = now
         job.save()
         transaction.on_commit(lambda: republish(job))
+        announce_on_commit(job.pk, "retrying")  # `error` and `attempts` changed
         return Outcome.RETRIED
 
 

@@ -14,7 +14,7 @@ from genserver.scheduling.admission import decide
 from genserver.scheduling.classes import priority_for
 
 from . import observe
-from ._common import JobId, end_if_cancelled, publish_or_leave_to_reaper
+from ._common import JobId, announce_on_commit, end_if_cancelled, publish_or_leave_to_reaper
 from .estimates import rescale_to_total
 from .submission import AdmissionRefused
 
@@ -77,6 +77,7 @@ def change_steps(job: Job, new_steps: int) -> Job:
                     broker.send_chunk, job.id, job.checkpoint_step, job.queue, job.priority))
         total = job.steps
         transaction.on_commit(lambda: _mirror_steps(job.id, total))
+        announce_on_commit(job.id, "steps")
     return job
 
 

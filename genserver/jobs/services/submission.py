@@ -14,12 +14,12 @@ from django.utils import timezone
 
 from genserver import deployment, metrics
 from genserver.jobs import broker, selectors
-from genserver.jobs.models import ACTIVE, Job, JobStage, JobStatus
+from genserver.jobs.models import ACTIVE, DEFAULT_WEBHOOK_EVENTS, Job, JobStage, JobStatus
 from genserver.redis_client import CANCEL_KEY, client as redis_client
 from genserver.scheduling.admission import Decision, decide
 
 from . import observe
-from ._common import after_end, publish_or_leave_to_reaper
+from ._common import after_end, announce_on_commit, publish_or_leave_to_reaper
 from .estimates import Estimate, chunked_for_queue, estimate
 
 log = logging.getLogger(__name__)
@@ -124,6 +124,7 @@ def _record_job(owner: Any, spec: Any, data: dict[str, Any], est: Estimate, queu
         steps=data["steps"], guidance_scale=data["guidance_scale"], seed=data["seed"],
         num_outputs=data["num_outputs"], preview_every=data.get("preview_every", 0),
         webhook_url=data.get("webhook_url", ""),
+        webhook_events=list(data.get("webhook_events", DEFAULT_WEBHOOK_EVENTS)),
         estimated_seconds=est.seconds, clock_scale=est.clock_scale,
         duration_class=est.duration_class, queue=queue, priority=est.priority, chunk_steps=est.chunk_steps,
         segment_frames=est.segment_frames, segment_count=est.segment_count,
@@ -177,5 +178,7 @@ def cancel_job(job: Job) -> Job:
     if ended:
         observe.transition(job.pk, job.status, JobStatus.CANCELLED)
         after_end(job.pk)
+    else:
+        announce_on_commit(job.pk, "cancelling")  # a worker holds it: it stops within a step
     job.refresh_from_db()
     return job

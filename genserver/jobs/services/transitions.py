@@ -13,12 +13,12 @@ from django.db.models import F
 from django.utils import timezone
 
 from genserver import deployment, metrics
-from genserver.jobs import broker, segment_service
+from genserver.jobs import broker, events, segment_service
 from genserver.jobs.models import ACTIVE, Job, JobStage, JobStatus
 from genserver.scheduling.classes import priority_for
 
 from . import observe
-from ._common import JobId, after_end, emit_on_commit, end_if_cancelled, lease_free, lease_until
+from ._common import JobId, after_end, announce_on_commit, emit_on_commit, end_if_cancelled, lease_free, lease_until
 from .estimates import learn_step_time, rescale_to_total
 
 log = logging.getLogger(__name__)
@@ -34,6 +34,7 @@ def start_encoding(job_id: JobId, worker: str) -> Job | None:
         observe.transition(job_id, JobStatus.QUEUED, JobStatus.ENCODING, worker=worker)
     elif not free.filter(status=JobStatus.ENCODING).update(**fields):  # a retried encode
         return None
+    announce_on_commit(job_id, "encoding")
     return Job.objects.get(pk=job_id)
 
 
@@ -64,6 +65,7 @@ def finish_encoding(job_id: JobId, worker: str, embeddings_key: str) -> bool:
         job.status, job.stage, job.published_at = JobStatus.DENOISING, JobStage.WAITING, timezone.now()
         job.save()
         observe.transition(job.pk, JobStatus.ENCODING, JobStatus.DENOISING, worker=worker)
+        announce_on_commit(job_id, "waiting")
         transaction.on_commit(lambda: broker.send_chunk(job.id, job.checkpoint_step,
                                                           job.queue, job.priority))
     return True
@@ -75,7 +77,12 @@ def claim_chunk(job_id: JobId, worker: str, from_step: int) -> Job | None:
     taken = Job.objects.filter(lease_free(now), pk=job_id, status=JobStatus.DENOISING,
                                checkpoint_step=from_step, cancel_requested=False).update(
         stage=JobStage.DENOISING, lease_owner=worker, lease_expires_at=lease_until(), chunks_run=F("chunks_run") + 1)
-    return Job.objects.get(pk=job_id) if taken else None
+    if not taken:
+        return None
+    job = Job.objects.get(pk=job_id)
+    announce_on_commit(job_id, "denoising")
+    events.publish_queue_moved_on_commit(job.queue)  # the jobs behind it moved up
+    return job
 
 
 def claim_merge_partners(job: Job, worker: str, max_rows: int) -> list[Job]:
@@ -135,6 +142,8 @@ def heartbeat(job_id: JobId, worker: str, steps_done: int | None = None) -> bool
         if Job.objects.filter(pk=job_id, started_at__isnull=True).update(started_at=now):
             emit_on_commit(job_id, "started")  # once: a resumed job does not start again
             observe.first_step(job_id, now)
+    elif renewed and steps_done:
+        announce_on_commit(job_id, "progress")
     return bool(renewed)
 
 
@@ -180,11 +189,13 @@ def finish_chunk(job_id: JobId, worker: str, step: int, checkpoint_key: str, ste
                 job.status, job.stage = JobStatus.DECODING, JobStage.WAITING
                 job.save()
                 observe.transition(job.pk, JobStatus.DENOISING, JobStatus.DECODING, worker=worker, step=step)
+                announce_on_commit(job_id, "decoding")
                 if job.segment_count <= 1:  # a segmented job is assembled once its last segment is decoded
                     transaction.on_commit(lambda: broker.send_decode(job.id, job.priority))
             else:
                 job.stage = JobStage.WAITING
                 job.save()
+                announce_on_commit(job_id, "waiting")
                 transaction.on_commit(lambda: broker.send_chunk(job.id, step, job.queue, job.priority))
     metrics.observe(metrics.STEP_SECONDS, job.model, step_seconds)
     if step_seconds:
@@ -199,7 +210,10 @@ def start_decoding(job_id: JobId, worker: str) -> Job | None:
     taken = Job.objects.filter(lease_free(now), pk=job_id, status=JobStatus.DECODING,
                                cancel_requested=False).update(
         stage=JobStage.DECODING, lease_owner=worker, lease_expires_at=lease_until())
-    return Job.objects.get(pk=job_id) if taken else None
+    if not taken:
+        return None
+    announce_on_commit(job_id, "decoding")
+    return Job.objects.get(pk=job_id)
 
 
 def finish_decoding(job_id: JobId, worker: str, outputs: list[dict[str, str]]) -> bool:

@@ -1,0 +1,129 @@
+"""Job events for live clients: each change is appended to a short per-job Redis log and announced on pub/sub.
+
+The job service calls `publish_on_commit(job_id, kind)` at every transition a
+client cares about (status and stage, progress at each heartbeat, a preview,
+outputs, an error, the end). Once the transaction commits, `publish`:
+
+1. renders the job once with the API's own representation (the renderer the
+   jobs app registers at start-up: the serializer of GET /api/v1/jobs/{id}/);
+2. appends `{event, job, terminal}` to the job's capped Redis stream
+   (`EVENT_LOG`, MAXLEN EVENTS_LOG_LENGTH, expiring EVENTS_TTL_SECONDS after
+   its last event): the entry id is the SSE `id:`, so a client reconnecting
+   with Last-Event-ID reads what it missed, the terminal event included;
+3. publishes the entry id on the job's channel (`EVENT_CHANNEL`), which wakes
+   the open streams of that job (genserver/jobs/api/events.py) to read the log.
+
+A job waiting in a queue also moves when others leave it: `publish_queue_moved`
+refreshes the waiting jobs of that queue that someone is watching (Redis'
+PUBSUB NUMSUB says which), so queue position and ETA stay live without any
+client polling the database. Publishing is best effort: Redis down is logged
+and never fails the transition that committed.
+"""
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Callable
+from typing import Any
+from uuid import UUID
+
+from django.conf import settings
+from django.db import transaction
+
+from genserver.jobs.models import Job
+from genserver.redis_client import client as redis_client
+
+log = logging.getLogger(__name__)
+
+EVENT_LOG = "genserver:job-events:{job_id}"  # a Redis stream per job: the events a reconnect may replay
+EVENT_CHANNEL = "genserver:job-events-notify:{job_id}"  # pub/sub: "a new entry is in the log"
+TERMINAL_EVENTS = ("succeeded", "failed", "cancelled", "expired")
+WATCHED_LIMIT = 200  # waiting jobs of one queue checked for watchers when it moves
+
+# job → its API representation (a JSON-ready dict); registered by JobsConfig.ready(), so that the job
+# service, which publishes, does not import the API layer that owns the serializer.
+Renderer = Callable[[list[Job]], list[dict[str, Any]]]
+_renderer: Renderer | None = None
+
+
+def set_renderer(render: Renderer) -> None:
+    global _renderer
+    _renderer = render
+
+
+def _render(jobs: list[Job]) -> list[dict[str, Any]]:
+    if _renderer is None:  # the jobs app not ready (a script without django.setup()): the webhook subset
+        from genserver.webhooks import job_payload
+
+        return [job_payload(job) for job in jobs]
+    return _renderer(jobs)
+
+
+def log_key(job_id: UUID | str) -> str:
+    return EVENT_LOG.format(job_id=job_id)
+
+
+def channel(job_id: UUID | str) -> str:
+    return EVENT_CHANNEL.format(job_id=job_id)
+
+
+def publish_on_commit(job_id: UUID | str, kind: str) -> None:
+    """Publish the job's `kind` event once the transaction that made it true commits (at once outside one)."""
+    transaction.on_commit(lambda: publish(job_id, kind))
+
+
+def publish(job_id: UUID | str, kind: str) -> str | None:
+    """Append the job's current representation to its event log and wake its streams; the entry id, or None."""
+    try:
+        job = Job.objects.select_related("owner").prefetch_related("segments").filter(pk=job_id).first()
+        if job is None:
+            return None
+        return _append(job, kind, _render([job])[0])
+    except Exception:
+        log.warning("could not publish the %s event of job %s", kind, job_id, exc_info=True)
+        return None
+
+
+def _append(job: Job, kind: str, body: dict[str, Any]) -> str:
+    terminal = job.is_terminal
+    entry = {"event": kind if not terminal or kind in TERMINAL_EVENTS else job.status,
+             "job": json.dumps(body, separators=(",", ":"), default=str), "terminal": "1" if terminal else "0"}
+    conn = redis_client()
+    pipe = conn.pipeline(transaction=True)
+    pipe.xadd(log_key(job.pk), entry, maxlen=settings.EVENTS_LOG_LENGTH, approximate=False)
+    pipe.expire(log_key(job.pk), int(settings.EVENTS_TTL_SECONDS))
+    entry_id = pipe.execute()[0]
+    entry_id = entry_id.decode() if isinstance(entry_id, bytes) else str(entry_id)
+    conn.publish(channel(job.pk), entry_id)
+    return entry_id
+
+
+def publish_queue_moved(queue: str) -> int:
+    """A job left `queue` (a worker took it): refresh queue position and ETA of the watched jobs waiting there.
+
+    Only jobs with an open stream (a subscriber on their channel) are rendered, so an unwatched
+    queue costs one query and one NUMSUB. Returns how many events were published.
+    """
+    from genserver.jobs.models import ACTIVE, JobStage
+
+    try:
+        waiting = list(Job.objects.filter(queue=queue, status__in=ACTIVE, stage__in=(JobStage.QUEUED,
+                                                                                       JobStage.WAITING))
+                       .order_by("priority", "created_at").values_list("pk", flat=True)[:WATCHED_LIMIT])
+        if not waiting:
+            return 0
+        counts = redis_client().pubsub_numsub(*(channel(pk) for pk in waiting))
+        watched = [pk for pk, (_name, subscribers) in zip(waiting, counts) if subscribers]
+        if not watched:
+            return 0
+        jobs = list(Job.objects.select_related("owner").prefetch_related("segments").filter(pk__in=watched))
+        for job, body in zip(jobs, _render(jobs)):
+            _append(job, "queue", body)
+        return len(jobs)
+    except Exception:
+        log.warning("could not refresh the watched jobs of queue %s", queue, exc_info=True)
+        return 0
+
+
+def publish_queue_moved_on_commit(queue: str) -> None:
+    transaction.on_commit(lambda: publish_queue_moved(queue))

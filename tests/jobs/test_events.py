@@ -1,0 +1,157 @@
+"""The job event stream: GET /api/v1/jobs/{id}/events/ served by the real ASGI server, fed by the job service.
+
+The stream tests run uvicorn (tests/support/live_server.py) and the real
+workers (`stack`), and read the stream over HTTP as a client does.
+"""
+from __future__ import annotations
+
+import json
+
+import pytest
+import requests
+
+from genserver.jobs import events
+from tests.support.waits import finished
+
+
+def read_events(response: requests.Response) -> list[dict]:
+    """Parse a text/event-stream body into [{id, data (parsed), ...}] until the server closes it."""
+    found, current = [], {}
+    for raw in response.iter_lines(decode_unicode=True):
+        if raw == "":
+            if "data" in current:
+                current["data"] = json.loads(current["data"])
+                found.append(current)
+            current = {}
+            continue
+        if raw.startswith(":"):
+            continue
+        field, _, value = raw.partition(":")
+        current[field] = value[1:] if value.startswith(" ") else value
+    return found
+
+
+def open_stream(server, token: str, job_id: str, last_event_id: str | None = None) -> requests.Response:
+    headers = {"Authorization": f"Token {token}", "Accept": "text/event-stream"}
+    if last_event_id:
+        headers["Last-Event-ID"] = last_event_id
+    return requests.get(f"{server.url}/api/v1/jobs/{job_id}/events/", headers=headers, stream=True, timeout=120)
+
+
+def post_job(server, token: str, **fields) -> dict:
+    body = {"model": "sdxl-sim", "prompt": "a lighthouse at dusk", "steps": 30, "preview_every": 5} | fields
+    response = requests.post(f"{server.url}/api/v1/jobs/", json=body, headers={"Authorization": f"Token {token}"},
+                             timeout=60)
+    assert response.status_code == 201, response.text
+    return response.json()
+
+
+@pytest.mark.stack
+def test_a_stream_follows_the_job_to_its_end(stack, asgi_server, api_token):
+    token = api_token("streamer")
+    job = post_job(asgi_server, token)
+    response = open_stream(asgi_server, token, job["id"])
+    assert response.status_code == 200
+    assert response.headers["Content-Type"].startswith("text/event-stream")
+    received = read_events(response)  # returns only when the server ends the stream
+
+    detail = requests.get(f"{asgi_server.url}/api/v1/jobs/{job['id']}/",
+                          headers={"Authorization": f"Token {token}"}, timeout=30).json()
+    assert received[-1]["data"]["status"] == "succeeded"
+    assert received[-1]["data"] == detail  # the same representation as GET /jobs/{id}/, absolute URLs included
+    assert all(set(e["data"]) == set(detail) for e in received)
+    ids = [tuple(map(int, e["id"].split("-"))) for e in received]
+    assert ids == sorted(ids) and len(set(ids)) == len(ids)
+    statuses = [e["data"]["status"] for e in received]
+    assert "decoding" in statuses or "denoising" in statuses
+    steps = [e["data"]["progress"]["step"] for e in received]
+    assert steps == sorted(steps) and steps[-1] == 30
+    assert any(e["data"]["preview_url"] for e in received)
+
+
+@pytest.mark.stack
+def test_a_reconnect_resumes_after_last_event_id_and_gets_the_terminal_event(stack, asgi_server, api_token):
+    token = api_token("reconnector")
+    job = post_job(asgi_server, token)
+    everything = read_events(open_stream(asgi_server, token, job["id"]))
+    assert everything[-1]["data"]["status"] == "succeeded"
+    log = events.log_key(job["id"])
+    from genserver.redis_client import client
+
+    logged = [entry_id.decode() for entry_id, _ in client().xrange(log)]
+    assert logged, "the job service wrote no event log"
+    assert len(logged) >= 3
+    # A client that saw the log's first entry and lost its connection gets the rest, the end included.
+    resumed = read_events(open_stream(asgi_server, token, job["id"], last_event_id=logged[0]))
+    assert [e["id"] for e in resumed] == logged[1:]
+    assert resumed[-1]["data"]["status"] == "succeeded"
+    # One that has the terminal event is told to stop reconnecting.
+    assert open_stream(asgi_server, token, job["id"], last_event_id=logged[-1]).status_code == 204
+
+
+@pytest.mark.stack
+def test_only_the_owner_and_staff_see_the_stream(stack, asgi_server, api_token):
+    owner, other, staff = api_token("owner-e"), api_token("other-e"), api_token("staff-e", staff=True)
+    job = post_job(asgi_server, owner, steps=4, preview_every=0)
+    finished(job["id"])
+    assert open_stream(asgi_server, other, job["id"]).status_code == 404
+    response = requests.get(f"{asgi_server.url}/api/v1/jobs/{job['id']}/events/", timeout=30)
+    assert response.status_code == 401
+    assert open_stream(asgi_server, "not-a-token", job["id"]).status_code == 401
+    ended = read_events(open_stream(asgi_server, staff, job["id"]))
+    assert len(ended) == 1 and ended[0]["data"]["status"] == "succeeded"  # a finished job: its end, at once
+
+
+@pytest.mark.stack
+def test_a_cancelled_job_ends_its_stream(stack, asgi_server, api_token):
+    token = api_token("canceller-e")
+    job = post_job(asgi_server, token, model="wan-sim", width=832, height=480, num_frames=81, steps=50,
+                   preview_every=0)
+    response = open_stream(asgi_server, token, job["id"])
+    cancel = requests.post(f"{asgi_server.url}/api/v1/jobs/{job['id']}/cancel/",
+                           headers={"Authorization": f"Token {token}"}, timeout=30)
+    assert cancel.status_code == 202
+    received = read_events(response)
+    assert received[-1]["data"]["status"] == "cancelled"
+
+
+# --- the publisher (no workers: the job service's calls, made here) ------------------------------
+
+@pytest.mark.django_db
+def test_publish_appends_the_api_representation_and_announces_it(api, redis_conn):
+    from tests.support.api import submit
+
+    job_id = submit(api, steps=10).json()["id"]
+    pubsub = redis_conn.pubsub()
+    pubsub.subscribe(events.channel(job_id))
+    pubsub.get_message(timeout=1)  # the subscribe confirmation
+    entry_id = events.publish(job_id, "progress")
+    assert entry_id
+    note = pubsub.get_message(timeout=5)
+    assert note and note["data"].decode() == entry_id
+    [(logged_id, fields)] = redis_conn.xrange(events.log_key(job_id))
+    assert logged_id.decode() == entry_id and fields[b"event"] == b"progress" and fields[b"terminal"] == b"0"
+    body = json.loads(fields[b"job"])
+    assert body["id"] == job_id and body["status"] == "queued" and "queue_position" in body and "eta_seconds" in body
+    assert 0 < redis_conn.ttl(events.log_key(job_id)) <= 3600
+    api.post(f"/api/v1/jobs/{job_id}/cancel/")  # ends it at once (no worker holds it): the terminal event
+    entries = redis_conn.xrange(events.log_key(job_id))
+    assert entries[-1][1][b"event"] == b"cancelled" and entries[-1][1][b"terminal"] == b"1"
+    pubsub.close()
+
+
+@pytest.mark.django_db
+def test_a_queue_move_refreshes_only_the_watched_waiting_jobs(api, redis_conn):
+    from tests.support.api import submit
+
+    watched, unwatched = (submit(api, steps=10).json()["id"] for _ in range(2))
+    from genserver.jobs.models import Job
+
+    queue = Job.objects.get(pk=watched).queue
+    pubsub = redis_conn.pubsub()
+    pubsub.subscribe(events.channel(watched))
+    pubsub.get_message(timeout=1)
+    assert events.publish_queue_moved(queue) == 1
+    assert redis_conn.xlen(events.log_key(watched)) == 1
+    assert redis_conn.exists(events.log_key(unwatched)) == 0
+    pubsub.close()
