@@ -11,6 +11,7 @@ from rest_framework import serializers
 from rest_framework.reverse import reverse
 
 from genserver import deployment
+from genserver.jobs.api.schema import RegistryModelField
 from genserver.jobs.models import Job
 from genserver.registry import RegistryError
 
@@ -39,7 +40,7 @@ class StrictIntegerField(serializers.IntegerField):
 
 
 class JobCreateSerializer(serializers.Serializer):
-    model = serializers.CharField(max_length=100)
+    model = RegistryModelField(max_length=100, help_text="a model of GET /api/v1/models/")
     prompt = serializers.CharField(max_length=20000, trim_whitespace=True)
     negative_prompt = serializers.CharField(max_length=20000, required=False, allow_blank=True, default="")
     width = StrictIntegerField(required=False, min_value=1, max_value=16384)
