@@ -142,6 +142,8 @@ SPECTACULAR_SETTINGS = {
     "SWAGGER_UI_DIST": "SIDECAR",
     "SWAGGER_UI_FAVICON_HREF": "SIDECAR",
     "REDOC_DIST": "SIDECAR",
+    "POSTPROCESSING_HOOKS": ["drf_spectacular.hooks.postprocess_schema_enums",
+                             "genserver.jobs.api.schema.close_request_bodies"],
 }
 # --- Synchronous waits: Prefer: wait and the OpenAI images endpoint ------------------
 # POST /api/v1/jobs/ with `Prefer: wait=N` holds the request until the job ends or N

@@ -18,3 +18,5 @@ urlpatterns = [
     path("healthz", health.healthz, name="healthz"),
     path("readyz", health.readyz, name="readyz"),
 ]
+
+handler404 = "genserver.jobs.api.errors.not_found"  # JSON, never an HTML page, for clients of the API

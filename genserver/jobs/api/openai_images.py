@@ -34,7 +34,7 @@ from genserver import deployment
 from genserver.jobs import selectors, services
 from genserver.jobs.api import throttling
 from genserver.jobs.api.auth import BearerTokenAuthentication
-from genserver.jobs.api.schema import RegistryModelField
+from genserver.jobs.api.schema import PromptField, RegistryModelField
 from genserver.jobs.api.serializers import JobCreateSerializer
 from genserver.jobs.models import Job, JobStatus
 from genserver.storage import StorageError, default_storage
@@ -50,12 +50,13 @@ _NO_RETRY = {"x-should-retry": "false"}  # the OpenAI client would otherwise res
 class ImageGenerationRequestSerializer(serializers.Serializer):
     """OpenAI's images.generate body, plus the diffusion fields OpenAI lacks (extensions)."""
 
-    prompt = serializers.CharField(max_length=20000)
+    prompt = PromptField(max_length=20000)
     model = RegistryModelField(kind="image", max_length=100, help_text="an image model of GET /v1/models")
     n = serializers.IntegerField(required=False, default=1, min_value=1, max_value=4,
                                  help_text="images to make (the job's num_outputs)")
-    size = serializers.CharField(required=False, default="auto", max_length=16,
-                                 help_text='"WIDTHxHEIGHT" within the model\'s limits, or "auto" (its default)')
+    size = serializers.RegexField(r"^(auto|\d{1,5}x\d{1,5})$", required=False, default="auto", max_length=16,
+                                  error_messages={"invalid": 'Give "WIDTHxHEIGHT" (e.g. "512x512") or "auto".'},
+                                  help_text='"WIDTHxHEIGHT" within the model\'s limits, or "auto" (its default)')
     response_format = serializers.ChoiceField(choices=["url", "b64_json"], required=False, default="url")
     output_format = serializers.ChoiceField(choices=["png"], required=False, default="png")
     user = serializers.CharField(required=False, max_length=256, allow_blank=True,
@@ -82,11 +83,6 @@ class ImageGenerationRequestSerializer(serializers.Serializer):
         names = self.fields["model"].names()
         if value not in names:
             raise serializers.ValidationError(f"Unknown image model {value!r}; available: {', '.join(names)}.")
-        return value
-
-    def validate_size(self, value: str) -> str:
-        if value != "auto" and not _SIZE.match(value):
-            raise serializers.ValidationError('Give "WIDTHxHEIGHT" (e.g. "512x512") or "auto".')
         return value
 
     def validate_guidance_scale(self, value: float) -> float:
@@ -151,6 +147,7 @@ class OpenAIModelListSerializer(serializers.Serializer):
 def _error_responses(*statuses: int) -> dict[int, OpenApiResponse]:
     why = {400: "bad fields (`param` names the field)", 401: "no token, or an unknown one",
            409: "the job was cancelled before it finished", 413: "the request body is too large",
+           422: "the Idempotency-Key was used for a different request",
            415: "the body is not JSON", 429: "refused: overloaded, too many jobs in flight or too fast (Retry-After)",
            500: "the job failed (`job_id` names it)", 503: "the database or the broker is unavailable"}
     return {code: OpenApiResponse(OpenAIErrorSerializer, description=why[code]) for code in statuses}
@@ -223,7 +220,7 @@ class ImageGenerationView(OpenAIView):
         responses={200: ImagesResponseSerializer,
                    202: OpenApiResponse(PendingImagesSerializer, description="the wait ended first: `data` is "
                                         "empty and `error.job_id` names the job, which keeps running"),
-                   **_error_responses(400, 401, 409, 413, 415, 429, 500, 503)})
+                   **_error_responses(400, 401, 409, 413, 415, 422, 429, 500, 503)})
     def post(self, request: Request) -> Response:
         """Make images (the OpenAI Images API): an ordinary job, waited for up to GENSERVER_OPENAI_WAIT_SECONDS."""
         # 1. Validate the OpenAI shape, then the native job request (registry limits).

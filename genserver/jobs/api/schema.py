@@ -131,3 +131,28 @@ class QueueInfoSerializer(serializers.Serializer):
     accepting = serializers.BooleanField()
     live_workers = serializers.ListField(child=serializers.CharField(), required=False)
     broker_messages = serializers.IntegerField(required=False, allow_null=True)
+
+
+class PromptField(serializers.CharField):
+    """A prompt: text with at least one non-blank character (it is trimmed)."""
+
+
+class PromptFieldExtension(OpenApiSerializerFieldExtension):
+    target_class = PromptField
+
+    def map_serializer_field(self, auto_schema, direction) -> dict[str, Any]:
+        return {"type": "string", "minLength": 1, "maxLength": self.target.max_length or 20000, "pattern": r"\S"}
+
+
+# Request bodies whose unknown fields are refused (400): the schema says so, so generated clients and
+# schemathesis do not send extras.
+CLOSED_REQUEST_BODIES = ("JobCreateRequest", "StepsChangeRequest", "ImageGenerationRequestRequest",
+                         "JobCreate", "StepsChange", "ImageGenerationRequest")
+
+
+def close_request_bodies(result: dict[str, Any], generator: Any, request: Any, public: bool) -> dict[str, Any]:
+    """drf-spectacular postprocessing hook: `additionalProperties: false` on the request bodies above."""
+    for name, component in result.get("components", {}).get("schemas", {}).items():
+        if name in CLOSED_REQUEST_BODIES:
+            component["additionalProperties"] = False
+    return result
