@@ -11,17 +11,17 @@ from __future__ import annotations
 import pytest
 import schemathesis
 from django.core import signals
-from schemathesis.config import SchemathesisConfig
 from django.db import close_old_connections
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis.errors import Unsatisfiable
+from schemathesis.config import SchemathesisConfig
 
 from genserver.wsgi import application
 
 EXAMPLES_PER_OPERATION = 10  # bounded: about 50 s of CPU for the whole schema (both modes, every operation)
 
 @pytest.fixture
-def token(db) -> str:  # noqa: ARG001
+def token(db) -> str:
     from django.contrib.auth import get_user_model
     from rest_framework.authtoken.models import Token
 
@@ -64,7 +64,7 @@ def run_schemathesis(token: str, examples: int = EXAMPLES_PER_OPERATION) -> list
 
 
 @pytest.fixture
-def wsgi_in_test_transaction(db, settings):  # noqa: ARG001 - db: the requests run in this test's transaction
+def wsgi_in_test_transaction(db, settings):
     """The WSGI app in this process answers inside the test's transaction, without waiting on jobs."""
     settings.OPENAI_WAIT_SECONDS = 0
     settings.PREFER_WAIT_MAX_SECONDS = 0
