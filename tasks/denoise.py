@@ -23,6 +23,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from celery import shared_task
+from celery.worker import state as worker_state
 from django.conf import settings
 
 from genserver import config, deployment
@@ -104,8 +105,11 @@ def _denoise(members: list[_Member], worker: str) -> str:
         return ""
 
     def keep_card(step: int) -> bool:
-        """Run the next chunk here: nothing waits that this card would take first, and time is left."""
+        """Run the next chunk here: nothing waits that this card would take first, time is left, and
+        the worker is not stopping (a warm shutdown ends at this chunk; the next one is published)."""
         if step >= lead.total_steps or time.monotonic() - task_started > settings.CELERY_VISIBILITY_TIMEOUT / 2:
+            return False
+        if worker_state.should_stop is not None:  # SIGTERM/Ctrl-C: Celery's warm shutdown began
             return False
         remaining = lead.estimated_seconds * (lead.total_steps - step) / lead.total_steps
         continuation = priority_for(lead.duration_class, remaining, True, deployment.thresholds())

@@ -31,7 +31,8 @@ def deliver(self, job_id: str, event: str, payload: dict) -> str:
     except webhooks.WebhookURLError as exc:
         log.warning("webhook %s of job %s not sent to %s: %s", event, job_id, url, exc)
         return Outcome.REFUSED
-    body = webhooks.encode_body(event, payload)
+    payload = dict(payload)
+    body = webhooks.encode_body(event, payload, segment=payload.pop("segment", None))
     delivery = self.request.id or "local"
     try:
         webhooks.post(url, event, delivery, body)

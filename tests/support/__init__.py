@@ -1,6 +1,7 @@
 """What many tests need, written once: condition waits, job helpers, the broker capture, runtime fakes.
 
-    waits.py     wait_for, job_row, finished, broker_drained: poll a condition, never sleep a fixed time
+    waits.py     wait_for, job_row, finished, settled (broker drained, workers idle): poll a condition,
+                 never sleep a fixed time
     api.py       submit, download: the REST API as a client calls it
     broker.py    BROKER_MODULE, broker(), capture_sends(): what the job service publishes
     runtime.py   NoVAE: a VAE that fails the test when touched

@@ -2,11 +2,11 @@
 from __future__ import annotations
 
 import sys
-import time
 
 import pytest
 
 from genserver.scheduling.pools import default_layout, load_layout
+from tests.support.waits import wait_for
 from workers.launcher import cpu_threads_per_worker, worker_argv, worker_env
 from workers.supervise import Supervisor
 
@@ -65,11 +65,8 @@ def test_supervisor_restarts_a_child_that_exits_and_stops_all():
     supervisor = Supervisor(stop_timeout=5)
     child = supervisor.add("sleeper", [sys.executable, "-c", "import time; time.sleep(0.2)"])
     first_pid = child.process.pid
-    deadline = time.monotonic() + 10
-    while child.process.pid == first_pid and time.monotonic() < deadline:
-        supervisor.poll()
-        time.sleep(0.05)
-    assert child.process.pid != first_pid and child.restarts == 1
+    wait_for(lambda: (supervisor.poll(), child.process.pid != first_pid)[1], 10, what="the child to be restarted")
+    assert child.restarts == 1
     supervisor.stop()
     assert child.process.poll() is not None
 

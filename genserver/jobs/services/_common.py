@@ -85,9 +85,10 @@ def after_end(job_id: JobId) -> None:
         webhooks.emit(job_id, status)
 
 
-def emit_on_commit(job_id: JobId, event: str) -> None:
-    """Publish the job's webhook event once the transition that made it true commits."""
-    transaction.on_commit(lambda: webhooks.emit(job_id, event))
+def emit_on_commit(job_id: JobId, event: str, segment: int | None = None) -> None:
+    """Publish the job's webhook event once the transition that made it true commits (`segment`:
+    the index of the segment a `segment` event is for)."""
+    transaction.on_commit(lambda: webhooks.emit(job_id, event, segment=segment))
 
 
 def publish_or_leave_to_reaper(send: Callable[..., None], job_id: JobId, *args: Any) -> bool:

@@ -125,22 +125,25 @@ def _record_job(owner: Any, spec: Any, data: dict[str, Any], est: Estimate, queu
 def check_in_flight(owner: Any) -> None:
     """Inside submit_job's transaction: refuse a user's job beyond MAX_JOBS_IN_FLIGHT unfinished ones.
 
-    The owner's row is locked first (SELECT ... FOR UPDATE on PostgreSQL; SQLite's
-    IMMEDIATE transactions serialise writers anyway), so two concurrent submits
-    cannot both take the last place.
+    A job whose cancel was accepted (202) no longer counts, though its card may
+    still be finishing the step in hand. The owner's row is locked first
+    (SELECT ... FOR UPDATE on PostgreSQL; SQLite's IMMEDIATE transactions
+    serialise writers anyway), so two concurrent submits cannot both take the
+    last place. Retry-After is when the first of the owner's jobs is expected to
+    end (its ETA: the work ahead of it and its own, in wall seconds).
     """
     limit = settings.MAX_JOBS_IN_FLIGHT
     if limit <= 0:
         return
     list(type(owner).objects.select_for_update().filter(pk=owner.pk).values_list("pk", flat=True))
-    active = list(Job.objects.filter(owner=owner, status__in=ACTIVE)
-                  .values_list("estimated_seconds", "steps", "steps_done", "clock_scale", "segment_count"))
-    if len(active) < limit:
+    counted = Job.objects.filter(owner=owner, status__in=ACTIVE, cancel_requested=False)
+    in_flight = counted.count()
+    if in_flight < limit:
         return
-    # The soonest any of them can finish: its remaining work (all its segments), in wall seconds.
-    soonest = min(est * max(0, steps * n - done) / (steps * n) * scale if steps else 0.0
-                  for est, steps, done, scale, n in active)
-    raise InFlightLimitReached(limit, len(active), max(1, math.ceil(soonest)))
+    snapshot = selectors.QueueSnapshot.load()
+    etas = [eta for job in counted if (eta := snapshot.eta_seconds(job)) is not None]
+    soonest = min(etas) if etas else 60.0  # no ETA: no worker serves their queues
+    raise InFlightLimitReached(limit, in_flight, max(1, math.ceil(soonest)))
 
 
 def cancel_job(job: Job) -> Job:

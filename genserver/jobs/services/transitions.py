@@ -132,7 +132,10 @@ def heartbeat(job_id: JobId, worker: str, steps_done: int | None = None) -> bool
 
 
 def record_preview(job_id: JobId, worker: str, key: str, step: int) -> None:
-    if Job.objects.filter(pk=job_id, lease_owner=worker).update(preview_key=key, preview_step=step):
+    """A preview taken after `step` steps: it is the job's progress too (heartbeats record steps only
+    every few seconds, so without this a poll or the preview event would still say step 0)."""
+    if Job.objects.filter(pk=job_id, lease_owner=worker).update(preview_key=key, preview_step=step,
+                                                                steps_done=step):
         emit_on_commit(job_id, "preview")
 
 
