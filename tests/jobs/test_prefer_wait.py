@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import urllib.request
 
 import pytest
 
@@ -11,20 +12,34 @@ def submit_waiting(client, prefer: str, **fields):
     return client.post("/api/v1/jobs/", data=json.dumps(body), content_type="application/json", HTTP_PREFER=prefer)
 
 
-def test_a_job_that_ends_within_the_wait_is_answered_finished(stack, api):
-    response = submit_waiting(api, "wait=60")
-    assert response.status_code == 201, response.content
-    assert response["Preference-Applied"] == "wait=60"
-    body = response.json()
+def submit_over_http(live_server, token: str, prefer: str) -> tuple[int, dict, dict]:
+    """As a real client does: over HTTP to the live server (its own thread and database connection)."""
+    body = json.dumps({"model": "tiny-sd", "prompt": "a lighthouse at dusk", "steps": 4}).encode()
+    request = urllib.request.Request(f"{live_server.url}/api/v1/jobs/", data=body, method="POST", headers={
+        "Authorization": f"Bearer {token}", "Content-Type": "application/json", "Prefer": prefer})
+    with urllib.request.urlopen(request, timeout=300) as answer:
+        return answer.status, dict(answer.headers), json.loads(answer.read())
+
+
+@pytest.fixture
+def token(transactional_db) -> str:
+    from django.contrib.auth import get_user_model
+    from rest_framework.authtoken.models import Token
+
+    return Token.objects.create(user=get_user_model().objects.create_user(username="waiter")).key
+
+
+def test_a_job_that_ends_within_the_wait_is_answered_finished(stack, live_server, token):
+    code, headers, body = submit_over_http(live_server, token, "wait=60")
+    assert code == 201 and headers.get("Preference-Applied") == "wait=60", (headers, body["status"])
     assert body["status"] == "succeeded" and len(body["outputs"]) == 1 and body["finished_at"]
 
 
-def test_an_asked_wait_above_the_cap_is_cut_to_it(stack, api, settings):
+def test_an_asked_wait_above_the_cap_is_cut_to_it(stack, live_server, token, settings):
     settings.PREFER_WAIT_MAX_SECONDS = 30
-    response = submit_waiting(api, "respond-async, wait=600")
-    assert response.status_code == 201, response.content
-    assert response["Preference-Applied"] == "wait=30"
-    assert response.json()["status"] == "succeeded"
+    code, headers, body = submit_over_http(live_server, token, "respond-async, wait=600")
+    assert code == 201 and headers.get("Preference-Applied") == "wait=30", (headers, body["status"])
+    assert body["status"] == "succeeded"
 
 
 @pytest.mark.django_db
