@@ -29,16 +29,18 @@ def token(transactional_db) -> str:
     return Token.objects.create(user=get_user_model().objects.create_user(username="waiter")).key
 
 
-def test_a_job_that_ends_within_the_wait_is_answered_finished(stack, live_server, token):
-    code, headers, body = submit_over_http(live_server, token, "wait=60")
-    assert code == 201 and headers.get("Preference-Applied") == "wait=60", (headers, body["status"])
+def test_a_job_that_ends_within_the_wait_is_answered_finished(stack, live_server, token, settings):
+    # A generous bound (the first job loads the models on a busy 2-core machine): a failure bound, not a pace.
+    settings.PREFER_WAIT_MAX_SECONDS = 300
+    code, headers, body = submit_over_http(live_server, token, "wait=300")
+    assert code == 201 and headers.get("Preference-Applied") == "wait=300", (headers, body["status"])
     assert body["status"] == "succeeded" and len(body["outputs"]) == 1 and body["finished_at"]
 
 
 def test_an_asked_wait_above_the_cap_is_cut_to_it(stack, live_server, token, settings):
-    settings.PREFER_WAIT_MAX_SECONDS = 30
+    settings.PREFER_WAIT_MAX_SECONDS = 240
     code, headers, body = submit_over_http(live_server, token, "respond-async, wait=600")
-    assert code == 201 and headers.get("Preference-Applied") == "wait=30", (headers, body["status"])
+    assert code == 201 and headers.get("Preference-Applied") == "wait=240", (headers, body["status"])
     assert body["status"] == "succeeded"
 
 
