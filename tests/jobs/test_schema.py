@@ -81,6 +81,7 @@ def test_every_operation_answers_what_the_schema_documents(wsgi_in_test_transact
     assert not failures, "\n\n".join(failures)
 
 
+@pytest.mark.django_db
 def test_schema_lists_registry_models_and_array_answers(api):
     """The points a generated client depends on: the model enum, the list endpoints' arrays, one error shape."""
     from genserver import deployment
