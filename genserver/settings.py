@@ -61,9 +61,12 @@ INSTALLED_APPS = [
     "drf_spectacular",
     "drf_spectacular_sidecar",
     "genserver.jobs",
+    # --- The web page (genserver/web) ---
+    "genserver.web",
 ]
 
 MIDDLEWARE = [
+    "genserver.metrics.RequestMetricsMiddleware",  # first: counts and times every request (GET /metrics)
     "django.middleware.security.SecurityMiddleware",
     "whitenoise.middleware.WhiteNoiseMiddleware",
     "django.contrib.sessions.middleware.SessionMiddleware",
@@ -76,6 +79,11 @@ MIDDLEWARE = [
 
 ROOT_URLCONF = "genserver.urls"
 WSGI_APPLICATION = "genserver.wsgi.application"
+
+# --- The web page: Django's session login (the admin's users) --------------------
+LOGIN_URL = "web-login"
+LOGIN_REDIRECT_URL = "web-index"
+LOGOUT_REDIRECT_URL = "web-login"
 TEMPLATES = [{
     "BACKEND": "django.template.backends.django.DjangoTemplates",
     "DIRS": [],
@@ -115,12 +123,34 @@ STORAGES = {
 }
 WHITENOISE_USE_FINDERS = True  # serve admin/docs assets without a collectstatic step
 
+# --- Logs and metrics ------------------------------------------------------------
+# json: one JSON object per line (log collectors); text: plain lines for development. Job transitions
+# (genserver.transitions: job id, user, model, class, from → to, step, worker, node, seconds) go to the
+# process's real stderr through their own handler, so inside a Celery worker they keep this format;
+# Celery's own lines (the `celery` loggers) keep Celery's format in either case.
+LOG_FORMAT = env_choice("GENSERVER_LOG_FORMAT", "text", ("json", "text"))  # production: json
+LOG_LEVEL = env_choice("GENSERVER_LOG_LEVEL", "INFO", LOG_LEVELS)
 LOGGING = {
     "version": 1,
     "disable_existing_loggers": False,
-    "handlers": {"console": {"class": "logging.StreamHandler"}},
-    "root": {"handlers": ["console"], "level": env_choice("GENSERVER_LOG_LEVEL", "INFO", LOG_LEVELS)},
+    "formatters": {
+        "json": {"()": "genserver.logs.JsonFormatter"},
+        "text": {"format": "%(asctime)s %(levelname)s %(name)s %(message)s"},
+        "celery": {"format": "[%(asctime)s: %(levelname)s/%(processName)s] %(message)s"},  # Celery's own
+    },
+    "handlers": {
+        "console": {"class": "logging.StreamHandler", "formatter": LOG_FORMAT},
+        "transitions": {"class": "logging.StreamHandler", "formatter": LOG_FORMAT, "stream": "ext://sys.__stderr__"},
+        "celery": {"class": "logging.StreamHandler", "formatter": "celery", "stream": "ext://sys.__stderr__"},
+    },
+    "root": {"handlers": ["console"], "level": LOG_LEVEL},
+    "loggers": {
+        "genserver.transitions": {"handlers": ["transitions"], "level": LOG_LEVEL, "propagate": False},
+        "celery": {"handlers": ["celery"], "propagate": False},
+    },
 }
+# GET /metrics answers a staff session, or `Authorization: Bearer <this token>` (Prometheus); empty: staff only.
+METRICS_TOKEN = env_str("GENSERVER_METRICS_TOKEN", "")
 
 # --- API -----------------------------------------------------------------------
 REST_FRAMEWORK = {

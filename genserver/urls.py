@@ -1,9 +1,9 @@
-"""Top-level routes: the API, its schema and docs, the admin, the health probes."""
+"""Top-level routes: the API, its schema and docs, the admin, the health probes, the web page."""
 from django.contrib import admin
 from django.urls import include, path
 from drf_spectacular.views import SpectacularAPIView, SpectacularRedocView, SpectacularSwaggerView
 
-from genserver import health
+from genserver import health, metrics
 from genserver.jobs.api import openai_images
 
 urlpatterns = [
@@ -17,6 +17,13 @@ urlpatterns = [
     path("v1/models", openai_images.OpenAIModelListView.as_view(), name="openai-model-list"),
     path("healthz", health.healthz, name="healthz"),
     path("readyz", health.readyz, name="readyz"),
+    # --- The web page (genserver/web): `/`, sign in, sign out ---
+    path("", include("genserver.web.urls")),
+]
+
+# Prometheus (docs/METRICS.md): a staff session or the bearer token GENSERVER_METRICS_TOKEN.
+urlpatterns += [
+    path("metrics", metrics.metrics_view, name="metrics"),
 ]
 
 handler404 = "genserver.jobs.api.errors.not_found"  # JSON, never an HTML page, for clients of the API

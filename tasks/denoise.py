@@ -26,7 +26,7 @@ from celery import shared_task
 from celery.worker import state as worker_state
 from django.conf import settings
 
-from genserver import config, deployment
+from genserver import config, deployment, metrics
 from genserver.jobs import broker, services
 from genserver.jobs.models import Job
 from genserver.jobs.services import Outcome
@@ -128,6 +128,7 @@ def _denoise(members: list[_Member], worker: str) -> str:
                 family, store, [m.state for m in running],
                 until_step=min(lead.steps, running[0].state.step + lead.chunk_steps),
                 preview_every=lead.preview_every, should_stop=should_stop, on_preview=on_preview)
+            boundary = time.perf_counter()
             stay = keep_card(max(m.cursor.offset + r.step for m, r in zip(running, results)))
             for m, result in zip(running, results):
                 if result.stopped == Outcome.STEPS_CHANGED:
@@ -136,6 +137,8 @@ def _denoise(members: list[_Member], worker: str) -> str:
                 m.outcome = _record_chunk(m, result, worker, stay, store)
                 if not m.outcome:
                     m.state = m.cursor.next_state(family, m.state)  # a segment's end: the next, from its seed
+            saving = sum(r.checkpoint_seconds for r in results)
+            metrics.observe(metrics.CHUNK_BOUNDARY, lead.model, saving + time.perf_counter() - boundary)
     except Exception:  # noqa: BLE001 - recorded on each job, retried from its checkpoint
         error = traceback.format_exc()
         for m in members:
@@ -155,6 +158,7 @@ def _record_chunk(member: _Member, result: stages.ChunkResult, worker: str, stay
     if not services.finish_chunk(job_id, worker, step, result.checkpoint_key, result.step_seconds,
                                  keep_lease=stay):
         return Outcome.SUPERSEDED
+    metrics.observe(metrics.CHECKPOINT_BYTES, member.job.model, result.checkpoint_bytes)
     if member.checkpoint_key and member.checkpoint_key != result.checkpoint_key:
         # The older checkpoint is no longer needed; an unlink right after an fsync can take
         # milliseconds, so it happens off the chunk boundary.

@@ -12,10 +12,12 @@
 from __future__ import annotations
 
 import dataclasses
+import time
 import traceback
 
 from celery import shared_task
 
+from genserver import metrics
 from genserver.jobs import broker, segment_service, services
 from genserver.jobs.models import Job
 from genserver.jobs.services import Outcome
@@ -86,6 +88,7 @@ def decode_segment(self, job_id: str, index: int) -> str:
     if taken is None:
         return Outcome.SKIPPED  # published already, held elsewhere, or the job was cancelled / ended
     job, segment = taken
+    started = time.perf_counter()
     try:
         with renewing(lambda: segment_service.renew_segment_lease(job_id, index, worker)):
             key, poster_key = runtime_segments.decode_segment(
@@ -93,6 +96,7 @@ def decode_segment(self, job_id: str, index: int) -> str:
                 frames=segment.frames, embeddings_ref=job.embeddings_key, checkpoint_ref=segment.checkpoint_key)
     except Exception:  # noqa: BLE001 - recorded on the segment, retried
         return segment_service.fail_segment_decode(job_id, index, worker, traceback.format_exc())
+    metrics.observe(metrics.DECODE_SECONDS, job.model, time.perf_counter() - started)
     published = segment_service.finish_segment_decode(job_id, index, worker, key, poster_key)
     return Outcome.PUBLISHED if published else Outcome.LOST
 

@@ -89,6 +89,19 @@ def wait_for_redis(url: str, supervisor: Supervisor | None = None, timeout: floa
             time.sleep(0.2)
 
 
+def prepare_metrics_dir(data_dir: Path) -> Path:
+    """PROMETHEUS_MULTIPROC_DIR for every process started here (default: under the data directory), emptied
+    of the last run's value files: gunicorn's and the workers' processes each write theirs there, and
+    /metrics sums them (genserver/metrics.py). Set before any child starts, so all of them inherit it."""
+    path = Path(os.environ.get("PROMETHEUS_MULTIPROC_DIR") or data_dir / "prometheus")
+    for directory in (path, path / "flower"):
+        directory.mkdir(parents=True, exist_ok=True)
+        for stale in directory.glob("*.db"):  # only prometheus-client's files: the directory may be the operator's
+            stale.unlink(missing_ok=True)
+    os.environ["PROMETHEUS_MULTIPROC_DIR"] = str(path)
+    return path
+
+
 def gunicorn_control_socket(data_dir: Path) -> list[str]:
     """gunicorn's control socket under the data directory (not ~/.gunicorn, shared by every stack);
     none when that path is too long for a Unix socket."""
@@ -140,6 +153,7 @@ def main() -> None:
     with exit_on_settings_error():  # every setting and the pool layout checked before anything starts
         layout = current_layout()
         port, flower_port, api_workers = config.api_port(), config.flower_port(), config.api_workers()
+    metrics_dir = prepare_metrics_dir(settings.DATA_DIR)
     from genserver.health import supervisor_state_path
 
     supervisor = Supervisor(state_file=supervisor_state_path())
@@ -162,7 +176,8 @@ def main() -> None:
         supervisor.add("beat", [python(), "-m", "celery", "-A", "genserver", "beat", "--loglevel", "INFO",
                                 "--schedule", settings.CELERY_BEAT_SCHEDULE_FILENAME], stop_stage=1)
         supervisor.add("flower", [python(), "-m", "celery", "-A", "genserver", "flower",
-                                  f"--port={flower_port}", "--address=127.0.0.1"], stop_stage=1)
+                                  f"--port={flower_port}", "--address=127.0.0.1"], stop_stage=1,
+                       env={"PROMETHEUS_MULTIPROC_DIR": str(metrics_dir / "flower")})  # its own /metrics, not ours
         wait_for_http(f"http://127.0.0.1:{port}/healthz", supervisor)
     except KeyboardInterrupt:
         supervisor.stop()  # Ctrl-C while starting: stop what started, in order, without a traceback
@@ -176,6 +191,7 @@ genserver is up.
   API        {api}/api/v1/   (docs: {api}/api/docs/)
   Admin      {api}/admin/    (.venv/bin/python manage.py createsuperuser for a login)
   Flower     http://127.0.0.1:{flower_port}/
+  Metrics    {api}/metrics   (a staff session, or Bearer GENSERVER_METRICS_TOKEN; files in {metrics_dir})
   Token      {token}   (user "demo")
 
   curl -H "Authorization: Token {token}" -H "Content-Type: application/json" \\

@@ -35,6 +35,7 @@ from django.utils import timezone
 from genserver import deployment
 from genserver.jobs import broker
 from genserver.jobs.models import ACTIVE, Job, JobSegment, JobStage, JobStatus, SegmentStatus
+from genserver.jobs.services import observe
 from genserver.jobs.services._common import (
     JobId,
     Outcome,
@@ -138,6 +139,7 @@ def fail_segment_decode(job_id: JobId, index: int, worker: str | None, error: st
         if full or segment.attempts >= settings.MAX_ATTEMPTS:
             segment.status = SegmentStatus.FAILED
             segment.save()
+            observe.transition(job_id, job.status, JobStatus.FAILED, worker=worker or "")
             reason = f"storage full: {full}" if full else f"gave up after {segment.attempts} attempts"
             Job.objects.filter(pk=job_id, status__in=ACTIVE).update(
                 status=JobStatus.FAILED, stage=JobStage.FAILED, finished_at=now, lease_owner="", lease_expires_at=None,

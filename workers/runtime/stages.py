@@ -97,6 +97,8 @@ class ChunkResult:
     checkpoint_key: str  # where that state was saved ("" if stopped before saving)
     stopped: str  # "" ran to the chunk's end; "cancelled", "lease-lost" or "steps-changed" otherwise
     step_seconds: float | None  # mean measured seconds per step in this chunk
+    checkpoint_bytes: int = 0  # the size of the checkpoint written (0 if none)
+    checkpoint_seconds: float = 0.0  # how long writing it took (part of the chunk boundary)
 
 
 def run_chunk(family: Family, storage: LocalStorage, state: DenoiseState, *, until_step: int,
@@ -145,10 +147,13 @@ def run_merged_chunk(family: Family, storage: LocalStorage, states: list[Denoise
                 on_preview(state, key, state.step)
     elapsed = time.perf_counter() - started
     for state in active:
-        key = storage.put(checkpoint_key(state.request.job_id, state.step), _to_bytes(family.checkpoint(state)))
+        saving = time.perf_counter()
+        data = _to_bytes(family.checkpoint(state))
+        key = storage.put(checkpoint_key(state.request.job_id, state.step), data)
         steps_run = state.step - start_step
         solo = len(states) == 1
-        results[id(state)] = ChunkResult(state.step, key, "", elapsed / steps_run if steps_run and solo else None)
+        results[id(state)] = ChunkResult(state.step, key, "", elapsed / steps_run if steps_run and solo else None,
+                                         len(data), time.perf_counter() - saving)
     return [results[id(state)] for state in states]
 
 

@@ -1,6 +1,6 @@
 """What every part of the job service shares: leases, the end of a job, events, publishing and disk errors.
 
-A leaf: it imports no other part of the service, so segment_service.py and
+A leaf: it imports no other part of the service but the leaf `observe`, so segment_service.py and
 each module of this package import it directly.
 """
 from __future__ import annotations
@@ -23,6 +23,8 @@ from genserver import webhooks
 from genserver.jobs.models import TERMINAL, Job, JobStage, JobStatus
 from genserver.redis_client import CANCEL_KEY, client as redis_client
 from genserver.storage import default_storage
+
+from . import observe
 
 log = logging.getLogger(__name__)
 
@@ -65,6 +67,7 @@ def end_if_cancelled(job: Job) -> bool:
     """Inside a locked transition: a cancel that arrived while the stage ran ends the job here."""
     if not job.cancel_requested:
         return False
+    observe.transition(job.pk, job.status, JobStatus.CANCELLED, worker=job.lease_owner)
     job.status, job.stage, job.finished_at = JobStatus.CANCELLED, JobStage.CANCELLED, timezone.now()
     job.lease_owner, job.lease_expires_at = "", None
     job.save()

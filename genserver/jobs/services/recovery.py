@@ -9,12 +9,13 @@ from django.db import transaction
 from django.db.models import Q
 from django.utils import timezone
 
-from genserver import deployment
+from genserver import deployment, metrics
 from genserver.jobs import broker, segment_service
 from genserver.jobs.models import ACTIVE, Job, JobStage, JobStatus
 from genserver.scheduling.pools import ALL_QUEUES, WEBHOOKS
 from genserver.storage import default_storage
 
+from . import observe
 from ._common import JobId, Outcome, after_end, disk_full, end_if_cancelled
 
 log = logging.getLogger(__name__)
@@ -39,6 +40,7 @@ def fail_attempt(job_id: JobId, worker: str | None, error: str) -> Outcome:
             return Outcome.CANCELLED
         full = disk_full(error)
         if full:  # retrying cannot help until someone frees space: fail now, with the reason first
+            observe.transition(job.pk, job.status, JobStatus.FAILED, worker=worker or "")
             job.status, job.stage, job.finished_at = JobStatus.FAILED, JobStage.FAILED, now
             job.error = (f"storage full: {full} The job failed at once (not retried); free space and retry it "
                          f"from the admin.\n\n{job.error}")[:4000]
@@ -46,6 +48,7 @@ def fail_attempt(job_id: JobId, worker: str | None, error: str) -> Outcome:
             transaction.on_commit(lambda: after_end(job.pk))
             return Outcome.FAILED
         if job.attempts >= settings.MAX_ATTEMPTS:
+            observe.transition(job.pk, job.status, JobStatus.FAILED, worker=worker or "")
             job.status, job.stage, job.finished_at = JobStatus.FAILED, JobStage.FAILED, now
             job.error = f"gave up after {job.attempts} attempts; last error: {job.error}"
             job.save()
@@ -89,6 +92,7 @@ def reap_stale() -> dict[str, int]:
         outcome = fail_attempt(pk, None, f"worker {owner} stopped renewing its lease (lost or killed)")
         outcomes[outcome] = outcomes.get(outcome, 0) + 1
         if outcome != Outcome.IGNORED:
+            metrics.REAPER_ACTIONS.labels("failed_attempt").inc()
             log.warning("reaper: job %s held by %s → %s", pk, owner, outcome)
     quiet_since = now - timedelta(seconds=settings.LEASE_SECONDS)
     orphans = list(Job.objects.filter(status__in=ACTIVE, lease_owner="", published_at__lt=quiet_since))
@@ -101,6 +105,7 @@ def reap_stale() -> dict[str, int]:
             if Job.objects.filter(pk=job.pk, lease_owner="", published_at=job.published_at).update(published_at=now):
                 log.warning("reaper: job %s had no message in the broker; re-published", job.pk)
                 republish(job)
+                metrics.REAPER_ACTIONS.labels("republished").inc()
                 outcomes[Outcome.REPUBLISHED] = outcomes.get(Outcome.REPUBLISHED, 0) + 1
     for segment_outcome, n in segment_service.reap_segments(now).items():
         outcomes[f"segments {segment_outcome}"] = n
@@ -135,6 +140,7 @@ def retry_failed(job: Job) -> bool:
         fields.update(segment_service.retry_fields(job))  # from the first segment not yet published
     if not Job.objects.filter(pk=job.pk, status=JobStatus.FAILED).update(**fields):
         return False
+    observe.transition(job.pk, JobStatus.FAILED, str(fields["status"]))
     job.refresh_from_db()
     republish(job)
     return True

@@ -13,6 +13,7 @@ from genserver.redis_client import STEPS_KEY, client as redis_client
 from genserver.scheduling.admission import decide
 from genserver.scheduling.classes import priority_for
 
+from . import observe
 from ._common import JobId, end_if_cancelled, publish_or_leave_to_reaper
 from .estimates import rescale_to_total
 from .submission import AdmissionRefused
@@ -66,6 +67,7 @@ def change_steps(job: Job, new_steps: int) -> Job:
             job.status, job.stage, job.published_at = JobStatus.DECODING, JobStage.WAITING, now
             job.lease_owner, job.lease_expires_at = "", None  # an expired holder, if any, finds it lost
             job.save()
+            observe.transition(job.pk, JobStatus.DENOISING, JobStatus.DECODING, step=job.checkpoint_step)
             transaction.on_commit(lambda: publish_or_leave_to_reaper(broker.send_decode, job.id, job.priority))
         else:
             rescale_to_total(job, new_steps)
@@ -132,6 +134,8 @@ def release_for_new_total(job_id: JobId, worker: str, step: int, checkpoint_key:
             rescale_to_total(job, job.checkpoint_step)
             job.status, job.stage = JobStatus.DECODING, JobStage.WAITING
             job.save()
+            observe.transition(job.pk, JobStatus.DENOISING, JobStatus.DECODING, worker=worker,
+                               step=job.checkpoint_step)
             transaction.on_commit(lambda: publish_or_leave_to_reaper(broker.send_decode, job.id, job.priority))
         else:
             job.priority = priority_for(job.duration_class, job.remaining_seconds, job.checkpoint_step > 0,

@@ -12,12 +12,13 @@ from django.db import IntegrityError, transaction
 from django.db.models import Q
 from django.utils import timezone
 
-from genserver import deployment
+from genserver import deployment, metrics
 from genserver.jobs import broker, selectors
 from genserver.jobs.models import ACTIVE, Job, JobStage, JobStatus
 from genserver.redis_client import CANCEL_KEY, client as redis_client
 from genserver.scheduling.admission import Decision, decide
 
+from . import observe
 from ._common import after_end, publish_or_leave_to_reaper
 from .estimates import Estimate, chunked_for_queue, estimate
 
@@ -83,11 +84,18 @@ def submit_job(owner: Any, data: dict[str, Any], idempotency_key: str = "") -> J
     est = chunked_for_queue(est, queue, data["steps"])
     decision = decide(queue, est.priority, selectors.backlog_items(), deployment.layout(), deployment.limits())
     if not decision.accepted:
+        metrics.count_submit(est.duration_class, "wait_limit")
         raise AdmissionRefused(decision, est.duration_class)
     recorded = {k: v for k, v in data.items() if k != "seed_drawn"}
     with transaction.atomic():
-        check_in_flight(owner)
+        try:
+            check_in_flight(owner)
+        except InFlightLimitReached:
+            metrics.count_submit(est.duration_class, "in_flight")
+            raise
         job = _record_job(owner, spec, data, est, queue, idempotency_key, fingerprint(recorded))
+        transaction.on_commit(lambda: metrics.count_submit(job.duration_class))
+        observe.transition(job.pk, "", JobStatus.QUEUED)
         transaction.on_commit(lambda: publish_or_leave_to_reaper(broker.send_encode, job.id, job.priority))
     return job
 
@@ -135,7 +143,8 @@ def check_in_flight(owner: Any) -> None:
     limit = settings.MAX_JOBS_IN_FLIGHT
     if limit <= 0:
         return
-    list(type(owner).objects.select_for_update().filter(pk=owner.pk).values_list("pk", flat=True))
+    # owner._meta.model, not type(owner): a session-authenticated request.user is a lazy proxy (the web page).
+    list(owner._meta.model.objects.select_for_update().filter(pk=owner.pk).values_list("pk", flat=True))
     counted = Job.objects.filter(owner=owner, status__in=ACTIVE, cancel_requested=False)
     in_flight = counted.count()
     if in_flight < limit:
@@ -165,6 +174,7 @@ def cancel_job(job: Job) -> Job:
     ended = Job.objects.filter(unheld, pk=job.pk, status__in=ACTIVE).update(
         status=JobStatus.CANCELLED, stage=JobStage.CANCELLED, finished_at=now, lease_owner="", lease_expires_at=None)
     if ended:
+        observe.transition(job.pk, job.status, JobStatus.CANCELLED)
         after_end(job.pk)
     job.refresh_from_db()
     return job

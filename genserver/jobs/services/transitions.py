@@ -12,11 +12,12 @@ from django.db import transaction
 from django.db.models import F
 from django.utils import timezone
 
-from genserver import deployment
+from genserver import deployment, metrics
 from genserver.jobs import broker, segment_service
 from genserver.jobs.models import ACTIVE, Job, JobStage, JobStatus
 from genserver.scheduling.classes import priority_for
 
+from . import observe
 from ._common import JobId, after_end, emit_on_commit, end_if_cancelled, lease_free, lease_until
 from .estimates import learn_step_time, rescale_to_total
 
@@ -26,10 +27,14 @@ log = logging.getLogger(__name__)
 def start_encoding(job_id: JobId, worker: str) -> Job | None:
     """Take the job's encode stage. None when it was cancelled, finished or is held elsewhere."""
     now = timezone.now()
-    taken = Job.objects.filter(lease_free(now), pk=job_id, cancel_requested=False,
-                               status__in=(JobStatus.QUEUED, JobStatus.ENCODING)).update(
-        status=JobStatus.ENCODING, stage=JobStage.ENCODING, lease_owner=worker, lease_expires_at=lease_until())
-    return Job.objects.get(pk=job_id) if taken else None
+    free = Job.objects.filter(lease_free(now), pk=job_id, cancel_requested=False)
+    fields = dict(status=JobStatus.ENCODING, stage=JobStage.ENCODING, lease_owner=worker,
+                  lease_expires_at=lease_until())
+    if free.filter(status=JobStatus.QUEUED).update(**fields):  # one UPDATE either way; the first says "from"
+        observe.transition(job_id, JobStatus.QUEUED, JobStatus.ENCODING, worker=worker)
+    elif not free.filter(status=JobStatus.ENCODING).update(**fields):  # a retried encode
+        return None
+    return Job.objects.get(pk=job_id)
 
 
 def claim_encode_batch(job: Job, worker: str, limit: int) -> list[Job]:
@@ -58,6 +63,7 @@ def finish_encoding(job_id: JobId, worker: str, embeddings_key: str) -> bool:
             return True
         job.status, job.stage, job.published_at = JobStatus.DENOISING, JobStage.WAITING, timezone.now()
         job.save()
+        observe.transition(job.pk, JobStatus.ENCODING, JobStatus.DENOISING, worker=worker)
         transaction.on_commit(lambda: broker.send_chunk(job.id, job.checkpoint_step,
                                                           job.queue, job.priority))
     return True
@@ -128,6 +134,7 @@ def heartbeat(job_id: JobId, worker: str, steps_done: int | None = None) -> bool
     if renewed and steps_done == 0:
         if Job.objects.filter(pk=job_id, started_at__isnull=True).update(started_at=now):
             emit_on_commit(job_id, "started")  # once: a resumed job does not start again
+            observe.first_step(job_id, now)
     return bool(renewed)
 
 
@@ -172,12 +179,14 @@ def finish_chunk(job_id: JobId, worker: str, step: int, checkpoint_key: str, ste
             if step >= job.total_steps:
                 job.status, job.stage = JobStatus.DECODING, JobStage.WAITING
                 job.save()
+                observe.transition(job.pk, JobStatus.DENOISING, JobStatus.DECODING, worker=worker, step=step)
                 if job.segment_count <= 1:  # a segmented job is assembled once its last segment is decoded
                     transaction.on_commit(lambda: broker.send_decode(job.id, job.priority))
             else:
                 job.stage = JobStage.WAITING
                 job.save()
                 transaction.on_commit(lambda: broker.send_chunk(job.id, step, job.queue, job.priority))
+    metrics.observe(metrics.STEP_SECONDS, job.model, step_seconds)
     if step_seconds:
         # The correction learns single-card step times: a step on a group of k cards counts k × eff.
         spec = deployment.layout().worker(worker.split("@", 1)[0])
@@ -199,15 +208,18 @@ def finish_decoding(job_id: JobId, worker: str, outputs: list[dict[str, str]]) -
         status=JobStatus.SUCCEEDED, stage=JobStage.DONE, outputs=outputs, finished_at=now,
         lease_owner="", lease_expires_at=None)
     if done:
+        observe.transition(job_id, JobStatus.DECODING, JobStatus.SUCCEEDED, worker=worker)
         after_end(job_id)
     return bool(done)
 
 
 def finish_cancelled(job_id: JobId, worker: str) -> bool:
     """The worker holding a job saw its cancel flag and stopped."""
+    before = Job.objects.filter(pk=job_id, lease_owner=worker).values_list("status", flat=True).first()
     done = Job.objects.filter(pk=job_id, lease_owner=worker, status__in=ACTIVE).update(
         status=JobStatus.CANCELLED, stage=JobStage.CANCELLED, finished_at=timezone.now(),
         lease_owner="", lease_expires_at=None)
     if done:
+        observe.transition(job_id, before or "", JobStatus.CANCELLED, worker=worker)
         after_end(job_id)
     return bool(done)
