@@ -6,7 +6,9 @@ from django.shortcuts import get_object_or_404
 from drf_spectacular.types import OpenApiTypes
 from drf_spectacular.utils import OpenApiParameter, OpenApiResponse, extend_schema
 from rest_framework import status
+from rest_framework.exceptions import ValidationError
 from rest_framework.generics import GenericAPIView
+from rest_framework.pagination import LimitOffsetPagination
 from rest_framework.request import Request
 from rest_framework.response import Response
 from rest_framework.views import APIView
@@ -20,12 +22,30 @@ from genserver.jobs.models import JobStatus
 from genserver.storage import StorageError, default_storage
 
 
+class StrictLimitOffsetPagination(LimitOffsetPagination):
+    """`limit` and `offset` as the schema declares them: a value that is not a whole number ≥ 0 is a 400.
+
+    DRF's own pagination falls back to its defaults on a bad value, which hides a client's bug.
+    """
+
+    def _strict(self, request: Request, name: str) -> None:
+        raw = request.query_params.get(name)
+        if raw is not None and not (raw.isascii() and raw.isdigit()):
+            raise ValidationError({name: ["A whole number ≥ 0 is required."]})
+
+    def paginate_queryset(self, queryset, request, view=None):
+        self._strict(request, self.limit_query_param)
+        self._strict(request, self.offset_query_param)
+        return super().paginate_queryset(queryset, request, view)
+
+
 def _job_context(request: Request) -> dict:
     return {"request": request, "snapshot": selectors.QueueSnapshot.load()}
 
 
 class JobListCreateView(GenericAPIView):
     serializer_class = JobSerializer
+    pagination_class = StrictLimitOffsetPagination
     parser_classes = [throttling.SubmitJSONParser]  # JSON only: any other content type is a 415
     throttle_classes = [throttling.SubmitRateThrottle]  # counts POSTs only
 
