@@ -71,7 +71,7 @@ class JobListCreateView(GenericAPIView):
         OpenApiParameter("Idempotency-Key", OpenApiTypes.STR, OpenApiParameter.HEADER,
                          description="retrying a submit with the same key returns the first job (200) instead of "
                                      "a new one"),
-        OpenApiParameter("Prefer", OpenApiTypes.STR, OpenApiParameter.HEADER, pattern=r"^wait=\d{1,3}$",
+        OpenApiParameter("Prefer", OpenApiTypes.STR, OpenApiParameter.HEADER,  # RFC 7240: any text; unknown ignored
                          description="`wait=N`: hold the answer until the job ends or N seconds pass (N is cut "
                                      "to GENSERVER_PREFER_WAIT_MAX_SECONDS); a job that ended is answered with "
                                      "`Preference-Applied: wait=N`, otherwise the usual 201 without it")],
