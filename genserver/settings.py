@@ -174,6 +174,7 @@ METRICS_TOKEN = env_str("GENSERVER_METRICS_TOKEN", "")
 REST_FRAMEWORK = {
     "DEFAULT_AUTHENTICATION_CLASSES": [
         "rest_framework.authentication.TokenAuthentication",
+        "genserver.jobs.api.auth.BearerTokenAuthentication",  # the same tokens as `Authorization: Bearer …`
         "rest_framework.authentication.SessionAuthentication",
     ],
     "DEFAULT_PERMISSION_CLASSES": ["rest_framework.permissions.IsAuthenticated"],
@@ -190,7 +191,17 @@ SPECTACULAR_SETTINGS = {
     "SWAGGER_UI_DIST": "SIDECAR",
     "SWAGGER_UI_FAVICON_HREF": "SIDECAR",
     "REDOC_DIST": "SIDECAR",
+    "POSTPROCESSING_HOOKS": ["drf_spectacular.hooks.postprocess_schema_enums",
+                             "genserver.jobs.api.schema.close_request_bodies"],
 }
+# --- Synchronous waits: Prefer: wait and the OpenAI images endpoint ------------------
+# POST /api/v1/jobs/ with `Prefer: wait=N` holds the request until the job ends or N
+# seconds pass; N above this cap is cut to it. 0 turns the preference off. Each waiting
+# request holds an API worker: size GENSERVER_API_WORKERS for the waits you allow.
+PREFER_WAIT_MAX_SECONDS = env_float("GENSERVER_PREFER_WAIT_MAX_SECONDS", 60.0, minimum=0)
+# POST /v1/images/generations waits this long for the job; then it answers 202 naming
+# the job, which keeps running (poll GET /api/v1/jobs/{id}/).
+OPENAI_WAIT_SECONDS = env_float("GENSERVER_OPENAI_WAIT_SECONDS", 120.0, minimum=0)
 # Largest request body accepted; a job request is a few KB.
 DATA_UPLOAD_MAX_MEMORY_SIZE = env_int("GENSERVER_MAX_BODY_BYTES", 64 * 1024, minimum=1024)
 

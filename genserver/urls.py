@@ -4,6 +4,7 @@ from django.urls import include, path
 from drf_spectacular.views import SpectacularAPIView, SpectacularRedocView, SpectacularSwaggerView
 
 from genserver import health, metrics
+from genserver.jobs.api import openai_images
 
 urlpatterns = [
     path("api/v1/", include("genserver.jobs.api.urls")),
@@ -11,6 +12,9 @@ urlpatterns = [
     path("api/docs/", SpectacularSwaggerView.as_view(url_name="schema"), name="docs"),
     path("api/redoc/", SpectacularRedocView.as_view(url_name="schema"), name="redoc"),
     path("admin/", admin.site.urls),
+    # --- The OpenAI Images API shape over ordinary jobs (no trailing slash, as OpenAI's clients call it).
+    path("v1/images/generations", openai_images.ImageGenerationView.as_view(), name="openai-images-generate"),
+    path("v1/models", openai_images.OpenAIModelListView.as_view(), name="openai-model-list"),
     path("healthz", health.healthz, name="healthz"),
     path("readyz", health.readyz, name="readyz"),
     # --- The web page (genserver/web): `/`, sign in, sign out ---
@@ -21,3 +25,5 @@ urlpatterns = [
 urlpatterns += [
     path("metrics", metrics.metrics_view, name="metrics"),
 ]
+
+handler404 = "genserver.jobs.api.errors.not_found"  # JSON, never an HTML page, for clients of the API

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -210,3 +211,26 @@ def queue_overview() -> list[dict[str, Any]]:
                 entry["broker_messages"] = None
         result.append(entry)
     return result
+
+
+# --- Bounded waits (Prefer: wait, the OpenAI images endpoint) ------------------------
+WAIT_POLL_FIRST_SECONDS = 0.05  # short work ends within a few polls
+WAIT_POLL_MAX_SECONDS = 0.5  # one indexed primary-key read per waiter at most twice a second
+
+
+def wait_for_terminal(job_id: Any, seconds: float) -> Job:
+    """The job's row once it is terminal, or as it is when `seconds` have passed (never longer).
+
+    Polls the row by primary key with a growing interval: a job that ends in a
+    fraction of a second answers that quickly, a long wait costs one small read
+    every WAIT_POLL_MAX_SECONDS.
+    """
+    deadline = time.monotonic() + max(0.0, seconds)
+    interval = WAIT_POLL_FIRST_SECONDS
+    while True:
+        job = Job.objects.get(pk=job_id)
+        left = deadline - time.monotonic()
+        if job.is_terminal or left <= 0:
+            return job
+        time.sleep(min(interval, left))
+        interval = min(interval * 2, WAIT_POLL_MAX_SECONDS)

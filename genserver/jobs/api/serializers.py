@@ -11,6 +11,7 @@ from rest_framework import serializers
 from rest_framework.reverse import reverse
 
 from genserver import deployment
+from genserver.jobs.api.schema import PromptField, RegistryModelField
 from genserver.jobs.models import WEBHOOK_EVENTS, Job
 from genserver.registry import RegistryError
 
@@ -39,8 +40,8 @@ class StrictIntegerField(serializers.IntegerField):
 
 
 class JobCreateSerializer(serializers.Serializer):
-    model = serializers.CharField(max_length=100)
-    prompt = serializers.CharField(max_length=20000, trim_whitespace=True)
+    model = RegistryModelField(max_length=100, help_text="a model of GET /api/v1/models/")
+    prompt = PromptField(max_length=20000, trim_whitespace=True)
     negative_prompt = serializers.CharField(max_length=20000, required=False, allow_blank=True, default="")
     width = StrictIntegerField(required=False, min_value=1, max_value=16384)
     height = StrictIntegerField(required=False, min_value=1, max_value=16384)
@@ -191,6 +192,7 @@ class JobSerializer(serializers.ModelSerializer):
     steps_requested = serializers.SerializerMethodField()
     segments = serializers.SerializerMethodField()
     owner = serializers.CharField(source="owner.username", read_only=True)
+    webhook_url = serializers.CharField(read_only=True, help_text="the job's webhook receiver; empty when none")
 
     class Meta:
         model = Job
@@ -214,11 +216,11 @@ class JobSerializer(serializers.ModelSerializer):
     def get_progress(self, job: Job) -> dict[str, int]:
         return {"step": job.steps_done, "total_steps": job.total_steps}  # over all segments of a long video
 
-    @extend_schema_field(OpenApiTypes.INT)
+    @extend_schema_field(serializers.IntegerField(allow_null=True))
     def get_queue_position(self, job: Job) -> int | None:
         return self.context["snapshot"].queue_position(job)
 
-    @extend_schema_field(OpenApiTypes.FLOAT)
+    @extend_schema_field(serializers.FloatField(allow_null=True))
     def get_eta_seconds(self, job: Job) -> float | None:
         return self.context["snapshot"].eta_seconds(job)
 
@@ -226,7 +228,7 @@ class JobSerializer(serializers.ModelSerializer):
     def get_estimated_seconds(self, job: Job) -> float:
         return round(job.estimated_seconds * job.clock_scale, 3)
 
-    @extend_schema_field(OpenApiTypes.URI)
+    @extend_schema_field(serializers.URLField(allow_null=True))
     def get_preview_url(self, job: Job) -> str | None:
         if not job.preview_key:
             return None

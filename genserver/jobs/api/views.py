@@ -10,17 +10,37 @@ from django.shortcuts import get_object_or_404
 from drf_spectacular.types import OpenApiTypes
 from drf_spectacular.utils import OpenApiParameter, OpenApiResponse, extend_schema
 from rest_framework import status
+from rest_framework.exceptions import ValidationError
 from rest_framework.generics import GenericAPIView
+from rest_framework.pagination import LimitOffsetPagination
 from rest_framework.request import Request
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
 from genserver import deployment
 from genserver.jobs import selectors, services
-from genserver.jobs.api import throttling
+from genserver.jobs.api import throttling, waits
+from genserver.jobs.api.schema import ModelInfoSerializer, QueueInfoSerializer, error_responses
 from genserver.jobs.api.serializers import JobCreateSerializer, JobSerializer, StepsChangeSerializer
 from genserver.jobs.models import JobStatus
 from genserver.storage import StorageError, default_storage
+
+
+class StrictLimitOffsetPagination(LimitOffsetPagination):
+    """`limit` and `offset` as the schema declares them: a value that is not a whole number ≥ 0 is a 400.
+
+    DRF's own pagination falls back to its defaults on a bad value, which hides a client's bug.
+    """
+
+    def _strict(self, request: Request, name: str) -> None:
+        raw = request.query_params.get(name)
+        if raw is not None and not (raw.isascii() and raw.isdigit()):
+            raise ValidationError({name: ["A whole number ≥ 0 is required."]})
+
+    def paginate_queryset(self, queryset, request, view=None):
+        self._strict(request, self.limit_query_param)
+        self._strict(request, self.offset_query_param)
+        return super().paginate_queryset(queryset, request, view)
 
 
 def _job_context(request: Request) -> dict:
@@ -29,6 +49,7 @@ def _job_context(request: Request) -> dict:
 
 class JobListCreateView(GenericAPIView):
     serializer_class = JobSerializer
+    pagination_class = StrictLimitOffsetPagination
     parser_classes = [throttling.SubmitJSONParser]  # JSON only: any other content type is a 415
     throttle_classes = [throttling.SubmitRateThrottle]  # counts POSTs only
 
@@ -44,23 +65,24 @@ class JobListCreateView(GenericAPIView):
         return qs.order_by("-created_at")
 
     @extend_schema(parameters=[OpenApiParameter("status", OpenApiTypes.STR, enum=JobStatus.values)],
-                   responses=JobSerializer(many=True))
+                   responses={200: JobSerializer(many=True), **error_responses(400)})
     def get(self, request: Request) -> Response:
         page = self.paginate_queryset(self.get_queryset())
         data = JobSerializer(page, many=True, context=_job_context(request)).data
         return self.get_paginated_response(data)
 
-    @extend_schema(request=JobCreateSerializer, parameters=[OpenApiParameter(
-        "Idempotency-Key", OpenApiTypes.STR, OpenApiParameter.HEADER,
-        description="retrying a submit with the same key returns the first job (200) instead of a new one")],
+    @extend_schema(request=JobCreateSerializer, parameters=[
+        OpenApiParameter("Idempotency-Key", OpenApiTypes.STR, OpenApiParameter.HEADER,
+                         description="retrying a submit with the same key returns the first job (200) instead of "
+                                     "a new one"),
+        OpenApiParameter("Prefer", OpenApiTypes.STR, OpenApiParameter.HEADER,  # RFC 7240: any text; unknown ignored
+                         description="`wait=N`: hold the answer until the job ends or N seconds pass (N is cut "
+                                     "to GENSERVER_PREFER_WAIT_MAX_SECONDS); a job that ended is answered with "
+                                     "`Preference-Applied: wait=N`, otherwise the usual 201 without it")],
         responses={
-        201: JobSerializer, 200: OpenApiResponse(JobSerializer, description="a retry with the same Idempotency-Key"),
-        422: OpenApiResponse(description="the Idempotency-Key was used for a different request"),
-        400: OpenApiResponse(description="field errors"),
-        413: OpenApiResponse(description="request body too large"),
-        415: OpenApiResponse(description="not JSON"),
-        429: OpenApiResponse(description="overloaded, too many jobs in flight, or submitting too fast; "
-                                         "see Retry-After and `reason`")})
+        201: OpenApiResponse(JobSerializer, description="the job; finished when `Preference-Applied` is present"),
+        200: OpenApiResponse(JobSerializer, description="a retry with the same Idempotency-Key"),
+        **error_responses(400, 413, 415, 422, 429)})
     def post(self, request: Request) -> Response:
         throttling.check_body_size(request)
         incoming = JobCreateSerializer(data=request.data)
@@ -80,21 +102,25 @@ class JobListCreateView(GenericAPIView):
                             headers={"Retry-After": str(full.retry_after_seconds)})
         except services.AdmissionRefused as refused:
             return _overloaded(refused)
+        headers = {"Idempotent-Replayed": "true"} if replayed else {}
+        wait = waits.preferred_wait(request)
+        if wait is not None:
+            job = selectors.wait_for_terminal(job.pk, wait)
+            if job.is_terminal:
+                headers["Preference-Applied"] = f"wait={wait}"
         body = JobSerializer(job, context=_job_context(request)).data
-        if replayed:
-            return Response(body, status=status.HTTP_200_OK, headers={"Idempotent-Replayed": "true"})
-        return Response(body, status=status.HTTP_201_CREATED)
+        return Response(body, status=status.HTTP_200_OK if replayed else status.HTTP_201_CREATED, headers=headers)
 
 
 class JobDetailView(APIView):
-    @extend_schema(responses=JobSerializer)
+    @extend_schema(responses={200: JobSerializer, **error_responses(404)})
     def get(self, request: Request, job_id) -> Response:
         job = get_object_or_404(selectors.jobs_visible_to(request.user), pk=job_id)
         return Response(JobSerializer(job, context=_job_context(request)).data)
 
 
 class JobCancelView(APIView):
-    @extend_schema(request=None, responses={202: JobSerializer})
+    @extend_schema(request=None, responses={202: JobSerializer, **error_responses(404)})
     def post(self, request: Request, job_id) -> Response:
         job = get_object_or_404(selectors.jobs_visible_to(request.user), pk=job_id)
         job = services.cancel_job(job)
@@ -108,11 +134,10 @@ class JobStepsView(APIView):
         202: OpenApiResponse(JobSerializer, description="accepted: `steps` is the new total (a running job takes it "
                                                         "up at its next step; one stopped early then shows the "
                                                         "steps it did), `steps_requested` the total asked at submit"),
-        400: OpenApiResponse(description="field errors"),
-        404: OpenApiResponse(description="no such job of yours"),
-        409: OpenApiResponse(description="the job is decoding, finished or being cancelled; see `reason`"),
-        429: OpenApiResponse(description="the added work is refused by admission (class overloaded); "
-                                         "see Retry-After and `reason`; nothing changed")})
+        **error_responses(400, 404, 409, 413, 415, 429,
+                          s409="the job is decoding, finished or being cancelled; see `reason`",
+                          s429="the added work is refused by admission (class overloaded); "
+                               "see Retry-After and `reason`; nothing changed")})
     def post(self, request: Request, job_id) -> Response:
         """Change the step count midway: fewer stops early (decoding the current x0 estimate), more continues."""
         job = get_object_or_404(selectors.jobs_visible_to(request.user), pk=job_id)
@@ -163,7 +188,8 @@ def _serve(key: str, content_type: str, *, delivery: str = "stream") -> HttpResp
 class JobOutputView(APIView):
     @extend_schema(responses={(200, "image/png"): OpenApiTypes.BINARY,
                               302: OpenApiResponse(description="GENSERVER_OUTPUT_DELIVERY=presigned on object "
-                                                               "storage: Location is a short-lived URL of the output")})
+                                                               "storage: Location is a short-lived URL of the output"),
+                              **error_responses(404)})
     def get(self, request: Request, job_id, index: int):
         job = get_object_or_404(selectors.jobs_visible_to(request.user), pk=job_id)
         if index >= len(job.outputs):
@@ -173,7 +199,7 @@ class JobOutputView(APIView):
 
 
 class JobPreviewView(APIView):
-    @extend_schema(responses={(200, "image/png"): OpenApiTypes.BINARY})
+    @extend_schema(responses={(200, "image/png"): OpenApiTypes.BINARY, **error_responses(404)})
     def get(self, request: Request, job_id):
         job = get_object_or_404(selectors.jobs_visible_to(request.user), pk=job_id)
         if not job.preview_key:
@@ -186,7 +212,8 @@ class JobSegmentView(APIView):
 
     poster = False
 
-    @extend_schema(responses={(200, "video/mp4"): OpenApiTypes.BINARY})
+    @extend_schema(responses={(200, "video/mp4"): OpenApiTypes.BINARY, (200, "image/png"): OpenApiTypes.BINARY,
+                              **error_responses(404)})
     def get(self, request: Request, job_id, index: int):
         from genserver.jobs.models import JobSegment, SegmentStatus
 
@@ -200,14 +227,14 @@ class JobSegmentView(APIView):
 
 
 class ModelListView(APIView):
-    @extend_schema(responses=OpenApiTypes.OBJECT)
+    @extend_schema(responses={200: ModelInfoSerializer(many=True), **error_responses()})
     def get(self, request: Request) -> Response:
         reg = deployment.registry()
         return Response([reg.get(name).public() for name in reg.names()])
 
 
 class WorkerListView(APIView):
-    @extend_schema(responses=OpenApiTypes.OBJECT)
+    @extend_schema(responses={200: OpenApiTypes.OBJECT, **error_responses()})
     def get(self, request: Request) -> Response:
         """Live workers (`gpu0@NODE`): their node, queues, cards and the models each one holds; per node its
         workers and denoising cards; the embedding cache; merged denoise batches."""
@@ -219,6 +246,6 @@ class WorkerListView(APIView):
 
 
 class QueueListView(APIView):
-    @extend_schema(responses=OpenApiTypes.OBJECT)
+    @extend_schema(responses={200: QueueInfoSerializer(many=True), **error_responses()})
     def get(self, request: Request) -> Response:
         return Response(selectors.queue_overview())

@@ -1,0 +1,158 @@
+"""OpenAPI annotations shared by the views: one error body, the statuses each operation can answer, the model enum.
+
+A client generated from /api/schema/ (openapi-generator, openapi-python-client)
+must be able to decode every answer, so each operation lists every status it
+can send with its body schema, and the error bodies have one shape.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from drf_spectacular.extensions import OpenApiAuthenticationExtension, OpenApiSerializerFieldExtension
+from drf_spectacular.plumbing import build_bearer_security_scheme_object
+from drf_spectacular.utils import OpenApiResponse
+from rest_framework import serializers
+
+from genserver import deployment
+
+
+class ErrorSerializer(serializers.Serializer):
+    """Every 4xx/5xx body of /api/v1/: `detail` (and `reason`) for refusals, field names → messages for a 400."""
+
+    detail = serializers.CharField(required=False, help_text="what went wrong and what to change")
+    reason = serializers.CharField(
+        required=False, help_text="a stable code: overloaded, too_many_in_flight, rate_limited, too_large, "
+                                  "idempotency_conflict, unavailable, or why a step change was refused")
+    retry_after = serializers.IntegerField(required=False, help_text="seconds; also in the Retry-After header")
+    non_field_errors = serializers.ListField(child=serializers.CharField(), required=False)
+
+    class Meta:
+        # A 400 names each bad field as a key with a list of messages: the object is open.
+        ref_name = "Error"
+
+
+_WHY = {
+    400: "field errors: each bad field (or `non_field_errors`) with a list of messages",
+    401: "no token, or an unknown one: send `Authorization: Token <key>` (or `Bearer <key>`)",
+    404: "no such job of yours (another user's job is a 404 too), or the file is gone",
+    409: "the job is in a state that refuses this; see `reason`",
+    413: "the request body is too large; see `limit_bytes`",
+    415: "the body is not JSON: send Content-Type: application/json",
+    422: "the Idempotency-Key was used for a different request",
+    429: "overloaded, too many jobs in flight, or submitting too fast; see Retry-After and `reason`",
+    503: "the database or the broker is unavailable; retry after Retry-After",
+}
+
+
+def error_responses(*statuses: int, **described: str) -> dict[int, OpenApiResponse]:
+    """`{status: OpenApiResponse(ErrorSerializer)}` for 401 and 503 (every operation) plus `statuses`.
+
+    `described` overrides a status's description, keyed `s409="..."`.
+    """
+    wanted = sorted({401, 503, *statuses})
+    return {code: OpenApiResponse(ErrorSerializer, description=described.get(f"s{code}", _WHY[code]))
+            for code in wanted}
+
+
+class RegistryModelField(serializers.CharField):
+    """A model name of the registry; the schema lists the names as an enum (read when the schema is built)."""
+
+    def __init__(self, kind: str = "", **kwargs: Any) -> None:
+        self.kind = kind  # "image" or "video" narrows the enum; "" lists every model
+        super().__init__(**kwargs)
+
+    def names(self) -> list[str]:
+        reg = deployment.registry()
+        return [n for n in reg.names() if not self.kind or reg.get(n).kind == self.kind]
+
+
+class RegistryModelFieldExtension(OpenApiSerializerFieldExtension):
+    target_class = RegistryModelField
+
+    def map_serializer_field(self, auto_schema, direction) -> dict[str, Any]:
+        return {"type": "string", "enum": self.target.names()}
+
+
+class BearerScheme(OpenApiAuthenticationExtension):
+    """The Bearer keyword gets its own security scheme (DRF's Token one is `tokenAuth`)."""
+
+    target_class = "genserver.jobs.api.auth.BearerTokenAuthentication"
+    name = "bearerAuth"
+
+    def get_security_definition(self, auto_schema) -> dict[str, Any]:
+        return build_bearer_security_scheme_object(header_name="Authorization", token_prefix="Bearer")
+
+
+class LimitsSerializer(serializers.Serializer):
+    min_size = serializers.IntegerField()
+    max_width = serializers.IntegerField()
+    max_height = serializers.IntegerField()
+    size_multiple = serializers.IntegerField()
+    max_frames = serializers.IntegerField()
+    frames_step = serializers.IntegerField()
+    max_steps = serializers.IntegerField()
+    max_prompt_chars = serializers.IntegerField()
+    max_guidance = serializers.FloatField()
+    max_outputs = serializers.IntegerField()
+
+
+class DefaultsSerializer(serializers.Serializer):
+    width = serializers.IntegerField()
+    height = serializers.IntegerField()
+    num_frames = serializers.IntegerField()
+    steps = serializers.IntegerField()
+    guidance_scale = serializers.FloatField()
+
+
+class ModelInfoSerializer(serializers.Serializer):
+    """One entry of GET /api/v1/models/ (the registry's public view of a model)."""
+
+    name = serializers.CharField()
+    family = serializers.CharField()
+    kind = serializers.ChoiceField(choices=["image", "video"])
+    backend = serializers.CharField()
+    description = serializers.CharField(allow_blank=True)
+    limits = LimitsSerializer()
+    defaults = DefaultsSerializer()
+    segment_frames = serializers.IntegerField()
+    max_merge = serializers.IntegerField()
+
+
+class QueueInfoSerializer(serializers.Serializer):
+    """One duration class of GET /api/v1/queues/."""
+
+    name = serializers.ChoiceField(choices=["short", "medium", "long"])
+    depth = serializers.IntegerField(help_text="jobs of the class waiting")
+    running = serializers.IntegerField()
+    backlog_seconds = serializers.FloatField()
+    workers = serializers.ListField(child=serializers.CharField(), help_text="workers of the layout serving it")
+    expected_wait_seconds = serializers.FloatField(allow_null=True, help_text="null: no worker serves the class")
+    wait_limit_seconds = serializers.FloatField()
+    accepting = serializers.BooleanField()
+    live_workers = serializers.ListField(child=serializers.CharField(), required=False)
+    broker_messages = serializers.IntegerField(required=False, allow_null=True)
+
+
+class PromptField(serializers.CharField):
+    """A prompt: text with at least one non-blank character (it is trimmed)."""
+
+
+class PromptFieldExtension(OpenApiSerializerFieldExtension):
+    target_class = PromptField
+
+    def map_serializer_field(self, auto_schema, direction) -> dict[str, Any]:
+        return {"type": "string", "minLength": 1, "maxLength": self.target.max_length or 20000, "pattern": r"\S"}
+
+
+# Request bodies whose unknown fields are refused (400): the schema says so, so generated clients and
+# schemathesis do not send extras.
+CLOSED_REQUEST_BODIES = ("JobCreateRequest", "StepsChangeRequest", "ImageGenerationRequestRequest",
+                         "JobCreate", "StepsChange", "ImageGenerationRequest")
+
+
+def close_request_bodies(result: dict[str, Any], generator: Any, request: Any, public: bool) -> dict[str, Any]:
+    """drf-spectacular postprocessing hook: `additionalProperties: false` on the request bodies above."""
+    for name, component in result.get("components", {}).get("schemas", {}).items():
+        if name in CLOSED_REQUEST_BODIES:
+            component["additionalProperties"] = False
+    return result
