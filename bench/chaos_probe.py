@@ -17,6 +17,7 @@ computed twice (a live worker taken for dead) but recorded once. A run killed
 before it records is an interrupted run: its steps counted twice are the work
 redone after the crash (which must stay within the interrupted chunk).
 """
+
 from __future__ import annotations
 
 import functools
@@ -81,6 +82,7 @@ _install()
 
 # --- reading (the drills) ----------------------------------------------------------------
 
+
 def _hash(key: str) -> dict[str, int]:
     from genserver.redis_client import client
 
@@ -100,8 +102,9 @@ def chunk_completions(job_id: Any) -> dict[int, int]:
 def chunks_superseded(job_id: Any) -> dict[int, int]:
     """Step a chunk ended at → times a run of it got to the end but found the job taken over
     (its lease had expired and another worker had it): computed, saved, and discarded."""
-    return {int(k[:-len(SUPERSEDED)]): v for k, v in _hash(CHUNKS.format(job=job_id)).items()
-            if k.endswith(SUPERSEDED)}
+    return {
+        int(k[: -len(SUPERSEDED)]): v for k, v in _hash(CHUNKS.format(job=job_id)).items() if k.endswith(SUPERSEDED)
+    }
 
 
 def decode_completions(job_id: Any) -> int:

@@ -13,6 +13,7 @@ counts every command it serves (INFO commandstats). Then:
    backend): submit, poll GET /api/v1/jobs/{id}/ once a second as a client does,
    until it ends; the counts in its window minus the idle rate over that window.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -24,10 +25,15 @@ from bench.livestack import LiveStack, live_stack
 
 SQL_LINE = re.compile(r"^\(\d+\.\d+\) ")  # django.db.backends' DEBUG line: "(0.001) SELECT ...; args=..."
 JOBS = {
-    "image 1024² 30 steps": {"model": "sdxl-sim", "prompt": "a lighthouse", "width": 1024, "height": 1024,
-                             "steps": 30},
-    "video 480p 81 frames 50 steps": {"model": "wan-sim", "prompt": "a wave", "width": 832, "height": 480,
-                                      "num_frames": 81, "steps": 50},
+    "image 1024² 30 steps": {"model": "sdxl-sim", "prompt": "a lighthouse", "width": 1024, "height": 1024, "steps": 30},
+    "video 480p 81 frames 50 steps": {
+        "model": "wan-sim",
+        "prompt": "a wave",
+        "width": 832,
+        "height": 480,
+        "num_frames": 81,
+        "steps": 50,
+    },
 }
 
 
@@ -71,17 +77,24 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--idle", type=float, default=20.0, help="seconds of the idle window")
     args = parser.parse_args()
-    env = {"DJANGO_DEBUG": "1", "GENSERVER_LOG_LEVEL": "DEBUG", "GENSERVER_WORKER_LOGLEVEL": "DEBUG",
-           "GENSERVER_TIME_SCALE": "0.02",
-           "GENSERVER_CPU_WORKERS": "2", "GENSERVER_REAPER_INTERVAL": "5"}
+    env = {
+        "DJANGO_DEBUG": "1",
+        "GENSERVER_LOG_LEVEL": "DEBUG",
+        "GENSERVER_WORKER_LOGLEVEL": "DEBUG",
+        "GENSERVER_TIME_SCALE": "0.02",
+        "GENSERVER_CPU_WORKERS": "2",
+        "GENSERVER_REAPER_INTERVAL": "5",
+    }
     with live_stack(env, boot_timeout=600) as stack:
         log = Path(stack.env["GENSERVER_DATA_DIR"]) / "stack.log"
         counters = Counters(log)
         time.sleep(args.idle)
         idle_s, idle_calls, idle_sql = counters.read()
         idle_redis = sum(idle_calls.values()) / idle_s
-        print(f"idle cluster (API, encode, decode, 2 cards, beat): {idle_redis:.1f} Redis commands/s, "
-              f"{idle_sql / idle_s:.2f} SQL statements/s")
+        print(
+            f"idle cluster (API, encode, decode, 2 cards, beat): {idle_redis:.1f} Redis commands/s, "
+            f"{idle_sql / idle_s:.2f} SQL statements/s"
+        )
         print(f"  idle Redis by command: {dict(sorted(idle_calls.items(), key=lambda kv: -kv[1]))}")
         print("\n| job | wall s | Redis commands (net of idle) | SQL statements (net of idle) | top Redis commands |")
         print("| --- | ---: | ---: | ---: | --- |")

@@ -25,6 +25,7 @@ bit-exact resume. Targets (docs/BENCHMARKS.md): ours ÷ stock ≤ 1.03, save + r
 of a step, preview ≤ 1 % of a step. Without CUDA it exits 2 at once; `--device cpu
 --tiny` runs the same code on the tiny checkpoints (what tests/bench runs).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -63,12 +64,15 @@ BENCH_SHAPES: dict[str, tuple[int, int, int, int]] = {
 }
 # --tiny: the tiny checkpoints (weights from their files) at a tiny shape: (steps, (width, height, frames)).
 TINY: dict[str, tuple[int, tuple[int, int, int]]] = {
-    "tiny-sdxl": (4, (64, 64, 1)), "tiny-flux": (4, (64, 64, 1)), "tiny-wan": (4, (64, 64, 9)),
+    "tiny-sdxl": (4, (64, 64, 1)),
+    "tiny-flux": (4, (64, 64, 1)),
+    "tiny-wan": (4, (64, 64, 9)),
 }
 STOCK_PIPELINES = {"unet": "StableDiffusionXLPipeline", "flux": "FluxPipeline", "wan": "WanPipeline"}
 
 
 # 1. build --------------------------------------------------------------------------------------
+
 
 def config_tree_with_tokenizers(spec: ModelSpec, into: Path, data_dir: Path | None = None) -> ModelSpec:
     """The entry with an absolute path; where a tokenizer folder holds no tokenizer files (the
@@ -77,8 +81,11 @@ def config_tree_with_tokenizers(spec: ModelSpec, into: Path, data_dir: Path | No
     and 512 for T5 / UMT5, are the real ones)."""
     source = components.checkpoint_dir(spec, data_dir).resolve()
     spec = dataclasses.replace(spec, path=str(source))
-    bare = [name for name, cls in components.stage_components(spec, "encode").items()
-            if components.is_tokenizer(cls) and not any((source / name).glob("*.json"))]
+    bare = [
+        name
+        for name, cls in components.stage_components(spec, "encode").items()
+        if components.is_tokenizer(cls) and not any((source / name).glob("*.json"))
+    ]
     if not bare:
         return spec
     tree = into / spec.name
@@ -120,8 +127,12 @@ def prebuilt(modules: dict[str, dict[str, Any]]) -> Iterator[None]:
         return modules[stage]
 
     patched = []
-    for module_name in ("workers.runtime.components", "workers.runtime.unet", "workers.runtime.flux",
-                        "workers.runtime.wan"):
+    for module_name in (
+        "workers.runtime.components",
+        "workers.runtime.unet",
+        "workers.runtime.flux",
+        "workers.runtime.wan",
+    ):
         module = importlib.import_module(module_name)
         if hasattr(module, "build_stage"):
             patched.append((module, module.build_stage))
@@ -134,6 +145,7 @@ def prebuilt(modules: dict[str, dict[str, Any]]) -> Iterator[None]:
 
 
 # 2. stock ------------------------------------------------------------------------------------
+
 
 def stock_pipeline(spec: ModelSpec, modules: dict[str, dict[str, Any]], device: str) -> Any:
     import diffusers
@@ -161,10 +173,15 @@ def run_stock(spec: ModelSpec, pipe: Any, request: GenerationRequest, device: st
         marks.append(time.perf_counter())
         return kwargs
 
-    call: dict[str, Any] = {"prompt": request.prompt, "height": request.height, "width": request.width,
-                            "num_inference_steps": request.steps, "guidance_scale": request.guidance_scale,
-                            "generator": torch.Generator("cpu").manual_seed(request.seed),
-                            "callback_on_step_end": on_step_end}
+    call: dict[str, Any] = {
+        "prompt": request.prompt,
+        "height": request.height,
+        "width": request.width,
+        "num_inference_steps": request.steps,
+        "guidance_scale": request.guidance_scale,
+        "generator": torch.Generator("cpu").manual_seed(request.seed),
+        "callback_on_step_end": on_step_end,
+    }
     if spec.family != "flux":
         call["negative_prompt"] = request.negative_prompt
     if spec.family == "wan":
@@ -175,6 +192,7 @@ def run_stock(spec: ModelSpec, pipe: Any, request: GenerationRequest, device: st
 
 
 # 3. ours, 4. resume --------------------------------------------------------------------------
+
 
 @dataclass
 class BenchResult:
@@ -194,14 +212,19 @@ class BenchResult:
 
     def row(self) -> str:
         r = self
-        cells = [r.spec.name, shape_text(r.request), str(r.request.steps),
-                 f"{ms(r.stock_step_s)} / {ms(r.ours_step_s)} ({r.ours_step_s / r.stock_step_s:.3f})",
-                 f"{r.stock_total_s:.2f} / {r.ours_total_s:.2f} ({r.ours_total_s / r.stock_total_s:.3f})",
-                 f"{ms(r.save_s)} / {ms(r.restore_s)} ({(r.save_s + r.restore_s) / r.ours_step_s:.2%})",
-                 f"{ms(r.preview_s)} ({r.preview_s / r.ours_step_s:.2%})", ms(r.decode_s),
-                 " / ".join(size(r.weights[s]) for s in components.STAGES),
-                 " / ".join(size(r.peaks[s]) for s in components.STAGES),
-                 "yes" if r.bit_exact else "NO"]
+        cells = [
+            r.spec.name,
+            shape_text(r.request),
+            str(r.request.steps),
+            f"{ms(r.stock_step_s)} / {ms(r.ours_step_s)} ({r.ours_step_s / r.stock_step_s:.3f})",
+            f"{r.stock_total_s:.2f} / {r.ours_total_s:.2f} ({r.ours_total_s / r.stock_total_s:.3f})",
+            f"{ms(r.save_s)} / {ms(r.restore_s)} ({(r.save_s + r.restore_s) / r.ours_step_s:.2%})",
+            f"{ms(r.preview_s)} ({r.preview_s / r.ours_step_s:.2%})",
+            ms(r.decode_s),
+            " / ".join(size(r.weights[s]) for s in components.STAGES),
+            " / ".join(size(r.peaks[s]) for s in components.STAGES),
+            "yes" if r.bit_exact else "NO",
+        ]
         return "| " + " | ".join(cells) + " |"
 
 
@@ -243,8 +266,9 @@ def stage_peak(device: str, peaks: dict[str, int | None], stage: str) -> Iterato
     peaks[stage] = torch.cuda.max_memory_allocated(device) - resident
 
 
-def bench_model(spec: ModelSpec, request: GenerationRequest, device: str, weights: str,
-                storage: LocalStorage) -> BenchResult:
+def bench_model(
+    spec: ModelSpec, request: GenerationRequest, device: str, weights: str, storage: LocalStorage
+) -> BenchResult:
     """One model: build once, stock pipeline, our stages on the same modules, a resume check."""
     modules = build_modules(spec, device, weights)
     pipe = stock_pipeline(spec, modules, device)
@@ -255,8 +279,10 @@ def bench_model(spec: ModelSpec, request: GenerationRequest, device: str, weight
         family = load_family(spec, device, REPO_ROOT / "var")
     shared = {name: m for stage in modules.values() for name, m in stage.items()}
     if any(family.components.get(name) is not module for name, module in shared.items()):
-        raise RuntimeError(f"{spec.name}: the family adapter did not get the stock pipeline's modules "
-                           "(its loaders no longer go through components.build_stage?)")
+        raise RuntimeError(
+            f"{spec.name}: the family adapter did not get the stock pipeline's modules "
+            "(its loaders no longer go through components.build_stage?)"
+        )
     peaks: dict[str, int | None] = {}
     started = time.perf_counter()
     with stage_peak(device, peaks, "encode"):
@@ -275,8 +301,9 @@ def bench_model(spec: ModelSpec, request: GenerationRequest, device: str, weight
                 # What the next chunk's task pays on another worker: restore from the checkpoint.
                 # The run goes on in memory, so its end is the uninterrupted reference for the resume.
                 key = result.checkpoint_key
-                _, restore_s = timed(lambda key=key: stages.load_state(family, storage, request, encoded.key, key),
-                                     device)
+                _, restore_s = timed(
+                    lambda key=key: stages.load_state(family, storage, request, encoded.key, key), device
+                )
                 restores.append(restore_s)
     with stage_peak(device, peaks, "decode"):
         _, decode_s = timed(lambda: family.decode(state), device)
@@ -284,34 +311,69 @@ def bench_model(spec: ModelSpec, request: GenerationRequest, device: str, weight
     preview_s = preview_seconds(family, state)
     # 4. resume: from the middle checkpoint to the end again, against the uninterrupted latents.
     resumed = stages.load_state(family, storage, request, encoded.key, middle)
-    stages.run_chunk(family, storage, resumed, until_step=request.steps, preview_every=0,
-                     should_stop=lambda step: "", on_preview=lambda key, step: None)
+    stages.run_chunk(
+        family,
+        storage,
+        resumed,
+        until_step=request.steps,
+        preview_every=0,
+        should_stop=lambda step: "",
+        on_preview=lambda key, step: None,
+    )
     bit_exact = bitwise_equal(state.latents, resumed.latents)
-    return BenchResult(spec, request, stock_total, median(stock_steps), ours_total, median(timer.step_seconds),
-                       median(saves), median(restores) if restores else float("nan"), preview_s, decode_s,
-                       peaks, {stage: sum(components.component_bytes(m) for m in built.values())
-                               for stage, built in modules.items()}, bit_exact)
+    return BenchResult(
+        spec,
+        request,
+        stock_total,
+        median(stock_steps),
+        ours_total,
+        median(timer.step_seconds),
+        median(saves),
+        median(restores) if restores else float("nan"),
+        preview_s,
+        decode_s,
+        peaks,
+        {stage: sum(components.component_bytes(m) for m in built.values()) for stage, built in modules.items()},
+        bit_exact,
+    )
 
 
-def bench_request(spec: ModelSpec, steps: int | None = None, shape: tuple[int, int, int] | None = None
-                  ) -> GenerationRequest:
+def bench_request(
+    spec: ModelSpec, steps: int | None = None, shape: tuple[int, int, int] | None = None
+) -> GenerationRequest:
     width, height, frames, default_steps = BENCH_SHAPES.get(
-        spec.name, (spec.defaults.width, spec.defaults.height, spec.defaults.num_frames, spec.defaults.steps))
+        spec.name, (spec.defaults.width, spec.defaults.height, spec.defaults.num_frames, spec.defaults.steps)
+    )
     if shape:
         width, height, frames = shape
-    return dataclasses.replace(make_request(spec, f"bench-{spec.name}", PROMPT, steps=steps or default_steps,
-                                            width=width, height=height, num_frames=frames), seed=SEED)
+    return dataclasses.replace(
+        make_request(
+            spec,
+            f"bench-{spec.name}",
+            PROMPT,
+            steps=steps or default_steps,
+            width=width,
+            height=height,
+            num_frames=frames,
+        ),
+        seed=SEED,
+    )
 
 
 # The command line ------------------------------------------------------------------------------
+
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m bench.gpu_bench", description=__doc__.split("\n\n")[0])
     parser.add_argument("--registry", default=str(DEFAULT_REGISTRY))
     parser.add_argument("--models", default="", help="comma-separated entries (default: every diffusers entry)")
     parser.add_argument("--device", default="cuda")
-    parser.add_argument("--weights", default="random", choices=("random", "checkpoint"),
-                        help="random (the config-only trees) or checkpoint (real or tiny weights)")
+    parser.add_argument(
+        "--weights",
+        default="random",
+        choices=("random", "checkpoint"),
+        help="random (the config-only trees) or checkpoint (real or tiny weights)",
+    )
     parser.add_argument("--tiny", action="store_true", help="the tiny checkpoints at a tiny shape (CPU check)")
     parser.add_argument("--out", default=os.environ.get("OUT", ""), help="also write the table to this folder")
     return parser.parse_args(argv)
@@ -320,13 +382,17 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     if args.device.startswith("cuda") and not torch.cuda.is_available():
-        print(f"bench.gpu_bench: no CUDA GPU is visible (torch {torch.__version__}); nothing run. "
-              "Run bench/gpu_check.sh on a machine with a GPU.", file=sys.stderr)
+        print(
+            f"bench.gpu_bench: no CUDA GPU is visible (torch {torch.__version__}); nothing run. "
+            "Run bench/gpu_check.sh on a machine with a GPU.",
+            file=sys.stderr,
+        )
         return NO_GPU_STATUS
     quiet_loading()
     registry = load_registry(None if args.tiny else args.registry)
-    names = [n for n in args.models.split(",") if n] or (list(TINY) if args.tiny else [
-        n for n, s in registry.models.items() if s.backend == "diffusers"])
+    names = [n for n in args.models.split(",") if n] or (
+        list(TINY) if args.tiny else [n for n, s in registry.models.items() if s.backend == "diffusers"]
+    )
     device = torch.cuda.get_device_name(args.device) if args.device.startswith("cuda") else "CPU"
     weights = "tiny checkpoints'" if args.tiny else args.weights
     table = Table(Path(args.out) / "gpu_bench.md" if args.out else None)
@@ -345,8 +411,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             try:
                 spec = config_tree_with_tokenizers(registry.get(name), Path(tmp), data_dir)
                 request = bench_request(spec, *TINY[name]) if args.tiny else bench_request(spec)
-                result = bench_model(spec, request, args.device, "checkpoint" if args.tiny else args.weights,
-                                     storage)
+                result = bench_model(spec, request, args.device, "checkpoint" if args.tiny else args.weights, storage)
                 table.add(result.row())
             except Exception as exc:  # noqa: BLE001 (report every model, then fail)
                 import traceback

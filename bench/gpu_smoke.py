@@ -28,6 +28,7 @@ float32 figures: more memory and slower steps than a bf16 deployment.
 bundled registry's tiny-* entries (unless --registry is given too); with
 `--device cpu` the whole script runs without a GPU. No test imports this module.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -104,13 +105,23 @@ class SmokeResult:
     weights_bytes: int
 
 
-def run_chunk_timed(timer: StepTimer, storage: LocalStorage, state: DenoiseState,
-                    until_step: int) -> tuple[stages.ChunkResult, float]:
+def run_chunk_timed(
+    timer: StepTimer, storage: LocalStorage, state: DenoiseState, until_step: int
+) -> tuple[stages.ChunkResult, float]:
     """stages.run_chunk up to `until_step`; (result, seconds of the chunk not spent in steps: the save)."""
     before = len(timer.step_seconds)
-    result, wall = timed(lambda: stages.run_chunk(
-        timer, storage, state, until_step=until_step, preview_every=0,  # type: ignore[arg-type]
-        should_stop=never_stop, on_preview=ignore_preview), timer.device)
+    result, wall = timed(
+        lambda: stages.run_chunk(
+            timer,
+            storage,
+            state,
+            until_step=until_step,
+            preview_every=0,  # type: ignore[arg-type]
+            should_stop=never_stop,
+            on_preview=ignore_preview,
+        ),
+        timer.device,
+    )
     if result.stopped or result.step != until_step:
         raise RuntimeError(f"chunk stopped at step {result.step} ({result.stopped or 'no reason'})")
     return result, wall - sum(timer.step_seconds[before:])
@@ -126,8 +137,9 @@ def check_finite(spec: ModelSpec, state: DenoiseState) -> None:
         raise RuntimeError(f"{spec.name}: the final latents hold NaN or inf")
 
 
-def smoke_one(spec: ModelSpec, device: str, data_dir: Path, storage: LocalStorage,
-              overrides: dict[str, int | None]) -> SmokeResult:
+def smoke_one(
+    spec: ModelSpec, device: str, data_dir: Path, storage: LocalStorage, overrides: dict[str, int | None]
+) -> SmokeResult:
     """Load `spec` on `device` and run one job through the stages, timing each part."""
     if device.startswith("cuda"):
         torch.cuda.reset_peak_memory_stats(device)
@@ -140,18 +152,33 @@ def smoke_one(spec: ModelSpec, device: str, data_dir: Path, storage: LocalStorag
     timer = StepTimer(family)
     first, save_1 = run_chunk_timed(timer, storage, state, request.steps // 2)
     preview_s = preview_seconds(family, state)
-    state, restore_s = timed(lambda: stages.load_state(family, storage, request, encoded.key,
-                                                       first.checkpoint_key), device)
+    state, restore_s = timed(
+        lambda: stages.load_state(family, storage, request, encoded.key, first.checkpoint_key), device
+    )
     last, save_2 = run_chunk_timed(timer, storage, state, request.steps)
     check_finite(spec, state)
-    outputs, decode_s = timed(lambda: stages.decode(family, storage, request, embeddings_ref=encoded.key,
-                                                    checkpoint_ref=last.checkpoint_key), device)
+    outputs, decode_s = timed(
+        lambda: stages.decode(family, storage, request, embeddings_ref=encoded.key, checkpoint_ref=last.checkpoint_key),
+        device,
+    )
     if not outputs:
         raise RuntimeError(f"{spec.name}: decode produced no output")
     peak = torch.cuda.max_memory_allocated(device) if device.startswith("cuda") else None
-    return SmokeResult(spec, request, device, load_s, encode_s, timer.step_seconds, preview_s,
-                       median([save_1, save_2]), restore_s, decode_s, len(outputs), peak,
-                       family.memory_bytes())
+    return SmokeResult(
+        spec,
+        request,
+        device,
+        load_s,
+        encode_s,
+        timer.step_seconds,
+        preview_s,
+        median([save_1, save_2]),
+        restore_s,
+        decode_s,
+        len(outputs),
+        peak,
+        family.memory_bytes(),
+    )
 
 
 def release(device: str) -> None:
@@ -179,10 +206,19 @@ TABLE_HEADER = (
 def table_row(r: SmokeResult) -> str:
     step = median(r.steps_s)
     cells = [
-        r.spec.name, f"{r.spec.family} / {r.spec.scheduler}", r.device, shape_label(r.spec, r.request),
-        str(r.request.steps), f"{r.load_s:.2f}", ms(r.encode_s), f"{ms(step)} / {ms(r.steps_s[0])}",
-        f"{ms(r.preview_s)} ({r.preview_s / step:.2f})", f"{ms(r.save_s)} / {ms(r.restore_s)}",
-        ms(r.decode_s), size(r.peak_bytes), size(r.weights_bytes),
+        r.spec.name,
+        f"{r.spec.family} / {r.spec.scheduler}",
+        r.device,
+        shape_label(r.spec, r.request),
+        str(r.request.steps),
+        f"{r.load_s:.2f}",
+        ms(r.encode_s),
+        f"{ms(step)} / {ms(r.steps_s[0])}",
+        f"{ms(r.preview_s)} ({r.preview_s / step:.2f})",
+        f"{ms(r.save_s)} / {ms(r.restore_s)}",
+        ms(r.decode_s),
+        size(r.peak_bytes),
+        size(r.weights_bytes),
     ]
     return "| " + " | ".join(cells) + " |"
 
@@ -197,16 +233,24 @@ def parse_size(text: str) -> tuple[int, int]:
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m bench.gpu_smoke", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--registry", default=None,
-                        help="registry TOML with the diffusers entries (default: the bundled one)")
-    parser.add_argument("--models", default="",
-                        help="comma-separated entries (default: every diffusers entry; with --tiny, the tiny-* ones)")
-    parser.add_argument("--tiny", action="store_true",
-                        help="use the tiny checkpoints, generated into a temporary directory")
+    parser.add_argument(
+        "--registry", default=None, help="registry TOML with the diffusers entries (default: the bundled one)"
+    )
+    parser.add_argument(
+        "--models",
+        default="",
+        help="comma-separated entries (default: every diffusers entry; with --tiny, the tiny-* ones)",
+    )
+    parser.add_argument(
+        "--tiny", action="store_true", help="use the tiny checkpoints, generated into a temporary directory"
+    )
     parser.add_argument("--device", default="cuda", help="torch device (default cuda)")
-    parser.add_argument("--data-dir", type=Path, default=None,
-                        help="what {data_dir} in the registry's paths stands for "
-                             "(default $GENSERVER_DATA_DIR, else ./var)")
+    parser.add_argument(
+        "--data-dir",
+        type=Path,
+        default=None,
+        help="what {data_dir} in the registry's paths stands for (default $GENSERVER_DATA_DIR, else ./var)",
+    )
     parser.add_argument("--steps", type=int, default=None, help="steps per job (default: the entry's default)")
     parser.add_argument("--size", type=parse_size, default=None, help="WIDTHxHEIGHT (default: the entry's)")
     parser.add_argument("--frames", type=int, default=None, help="frames of a video job (default: the entry's)")
@@ -219,17 +263,20 @@ def require_device(device: str) -> str | None:
     if not device.startswith("cuda"):
         return None
     if not torch.cuda.is_available():
-        return (f"bench.gpu_smoke: no CUDA GPU is visible (torch {torch.__version__}, built with CUDA "
-                f"{torch.version.cuda or 'none'}). Run it on a machine with a GPU, or exercise the "
-                f"script on the CPU with `--tiny --device cpu`.")
+        return (
+            f"bench.gpu_smoke: no CUDA GPU is visible (torch {torch.__version__}, built with CUDA "
+            f"{torch.version.cuda or 'none'}). Run it on a machine with a GPU, or exercise the "
+            f"script on the CPU with `--tiny --device cpu`."
+        )
     return None
 
 
 def select_models(registry: Registry, names: str, tiny: bool) -> list[ModelSpec]:
     chosen = [n.strip() for n in names.split(",") if n.strip()]
     if not chosen:
-        chosen = (tiny_model_names(registry) if tiny
-                  else [n for n, s in registry.models.items() if s.backend == "diffusers"])
+        chosen = (
+            tiny_model_names(registry) if tiny else [n for n, s in registry.models.items() if s.backend == "diffusers"]
+        )
     specs = [registry.get(name) for name in chosen]
     simulated = [s.name for s in specs if s.backend != "diffusers"]
     if simulated:
@@ -258,8 +305,10 @@ def run(args: argparse.Namespace, data_dir: Path, storage_dir: Path) -> int:
             failures.append(f"{spec.name}: {type(exc).__name__}: {exc}")
         release(args.device)
     device_name = torch.cuda.get_device_name(args.device) if args.device.startswith("cuda") else "CPU"
-    print(f"# bench.gpu_smoke on {device_name}, torch {torch.__version__}; float32 adapters; "
-          f"one job per model: encode → chunk → checkpoint/restore → chunk → decode")
+    print(
+        f"# bench.gpu_smoke on {device_name}, torch {torch.__version__}; float32 adapters; "
+        f"one job per model: encode → chunk → checkpoint/restore → chunk → decode"
+    )
     print(TABLE_HEADER)
     for result in results:
         print(table_row(result))
@@ -278,8 +327,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
     quiet_loading()
     with tempfile.TemporaryDirectory(prefix="genserver-gpu-smoke-") as tmp:
-        data_dir = (Path(tmp) if args.tiny else
-                    args.data_dir or config.data_dir())
+        data_dir = Path(tmp) if args.tiny else args.data_dir or config.data_dir()
         return run(args, data_dir.resolve(), Path(tmp) / "storage")
 
 

@@ -3,6 +3,7 @@
 Everything goes in a private data directory; the broker is the bundled Redis
 unless REDIS_URL is set (then a private database number on it is used).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -40,8 +41,12 @@ class LiveStack:
 
     def request(self, method: str, path: str, body: Any = None, timeout: float = 30) -> tuple[int, Any, dict]:
         data = json.dumps(body).encode() if body is not None else None
-        req = urllib.request.Request(self.url + path, data=data, method=method, headers={
-            "Authorization": f"Token {self.token}", "Content-Type": "application/json"})
+        req = urllib.request.Request(
+            self.url + path,
+            data=data,
+            method=method,
+            headers={"Authorization": f"Token {self.token}", "Content-Type": "application/json"},
+        )
         try:
             with urllib.request.urlopen(req, timeout=timeout) as resp:
                 return resp.status, json.loads(resp.read() or b"null"), dict(resp.headers)
@@ -82,18 +87,34 @@ def live_stack(env: dict[str, str], boot_timeout: float = 180) -> Iterator[LiveS
     data_dir = tempfile.mkdtemp(prefix="genserver-bench-")
     port, flower = free_port(), free_port()
     redis_url, redis_env = broker_url()
-    full = os.environ.copy() | {"GENSERVER_DATA_DIR": data_dir, "GENSERVER_PORT": str(port),
-                                "FLOWER_PORT": str(flower), "GENSERVER_LOG_LEVEL": "WARNING",
-                                "PYTHONUNBUFFERED": "1",
-                                # One benchmark user stands for many: per-user limits off.
-                                "GENSERVER_MAX_JOBS_IN_FLIGHT": "0", "GENSERVER_SUBMIT_RATE_LIMIT": "0",
-                                } | redis_env | env
+    full = (
+        os.environ.copy()
+        | {
+            "GENSERVER_DATA_DIR": data_dir,
+            "GENSERVER_PORT": str(port),
+            "FLOWER_PORT": str(flower),
+            "GENSERVER_LOG_LEVEL": "WARNING",
+            "PYTHONUNBUFFERED": "1",
+            # One benchmark user stands for many: per-user limits off.
+            "GENSERVER_MAX_JOBS_IN_FLIGHT": "0",
+            "GENSERVER_SUBMIT_RATE_LIMIT": "0",
+        }
+        | redis_env
+        | env
+    )
     if "REDIS_URL" not in redis_env:
         full.pop("REDIS_URL", None)
     full.pop("DATABASE_URL", None)  # a private SQLite file: the benchmark never touches a shared database
     log = open(Path(data_dir) / "stack.log", "w")
-    proc = subprocess.Popen([sys.executable, "-m", "workers.stack"], cwd=ROOT, env=full, stdout=subprocess.PIPE,
-                            stderr=log, text=True, start_new_session=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "workers.stack"],
+        cwd=ROOT,
+        env=full,
+        stdout=subprocess.PIPE,
+        stderr=log,
+        text=True,
+        start_new_session=True,
+    )
     token = ""
     deadline = time.monotonic() + boot_timeout
     assert proc.stdout is not None
@@ -107,8 +128,10 @@ def live_stack(env: dict[str, str], boot_timeout: float = 180) -> Iterator[LiveS
         os.killpg(proc.pid, signal.SIGTERM)
         raise RuntimeError(f"the stack did not come up; see {data_dir}/stack.log")
     stack = LiveStack(f"http://127.0.0.1:{port}", token, full, proc)
-    os.environ.update({k: full[k] for k in ("GENSERVER_DATA_DIR", "GENSERVER_REGISTRY", "GENSERVER_TIME_SCALE")
-                       if k in full} | {"REDIS_URL": redis_url})
+    os.environ.update(
+        {k: full[k] for k in ("GENSERVER_DATA_DIR", "GENSERVER_REGISTRY", "GENSERVER_TIME_SCALE") if k in full}
+        | {"REDIS_URL": redis_url}
+    )
     os.environ.setdefault("DJANGO_SETTINGS_MODULE", "genserver.settings")
     import django
 

@@ -20,6 +20,7 @@ The simulated models have no weights; their rows give the cost model's
 prediction only (sdxl-turbo-sim: a few-step 512² model that leaves an H100
 idle; sdxl-sim: a compute-bound one, where merging saves nothing).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -48,9 +49,21 @@ SIMULATED = [("sdxl-turbo-sim", 512, 512, 4, 0.0, (2, 4, 8)), ("sdxl-sim", 1024,
 
 def requests(model: str, width: int, height: int, frames: int, jobs: int, steps: int) -> list[GenerationRequest]:
     spec = load_registry().get(model)
-    return [GenerationRequest(job_id=f"j{i}", model=model, prompt=f"prompt number {i % 3}", negative_prompt="",
-                              width=width, height=height, num_frames=frames, steps=steps,
-                              guidance_scale=spec.defaults.guidance_scale, seed=i) for i in range(jobs)]
+    return [
+        GenerationRequest(
+            job_id=f"j{i}",
+            model=model,
+            prompt=f"prompt number {i % 3}",
+            negative_prompt="",
+            width=width,
+            height=height,
+            num_frames=frames,
+            steps=steps,
+            guidance_scale=spec.defaults.guidance_scale,
+            seed=i,
+        )
+        for i in range(jobs)
+    ]
 
 
 def prepared(family: Family, batch: list[GenerationRequest], embeddings: dict[str, dict]) -> list[DenoiseState]:
@@ -66,11 +79,12 @@ def run_alone(family: Family, reqs: list[GenerationRequest], embeddings: dict) -
     return time.perf_counter() - started, out
 
 
-def run_merged(family: Family, reqs: list[GenerationRequest], embeddings: dict,
-               k: int) -> tuple[float, list[torch.Tensor]]:
+def run_merged(
+    family: Family, reqs: list[GenerationRequest], embeddings: dict, k: int
+) -> tuple[float, list[torch.Tensor]]:
     started, out = time.perf_counter(), []
     for i in range(0, len(reqs), k):
-        states = prepared(family, reqs[i:i + k], embeddings)
+        states = prepared(family, reqs[i : i + k], embeddings)
         while not states[0].done:
             family.step_many(states)
         out.extend(s.latents for s in states)
@@ -88,10 +102,13 @@ def main() -> None:
     registry = load_registry()
     data_dir = Path(tempfile.mkdtemp(prefix="bench-merging-"))
     ensure_tiny_models(data_dir / "models")
-    print(f"# bench.merging --jobs {args.jobs} --steps {args.steps} --rounds {args.rounds} "
-          f"--threads {args.threads} (torch {torch.__version__}, CPU)")
-    print("| model | shape | k | alone jobs/s | merged jobs/s | merged ÷ alone | cost model predicts | "
-          "max latent diff |")
+    print(
+        f"# bench.merging --jobs {args.jobs} --steps {args.steps} --rounds {args.rounds} "
+        f"--threads {args.threads} (torch {torch.__version__}, CPU)"
+    )
+    print(
+        "| model | shape | k | alone jobs/s | merged jobs/s | merged ÷ alone | cost model predicts | max latent diff |"
+    )
     print("|---|---|---|---|---|---|---|---|")
     families: dict[str, Family] = {}
     for model, width, height, frames, sizes in CASES:
@@ -101,8 +118,12 @@ def main() -> None:
             families[model] = getattr(importlib.import_module(module_name), class_name)(spec, "cpu", data_dir)
         family = families[model]
         reqs = requests(model, width, height, frames, args.jobs, args.steps)
-        embeddings = {p: e for p, e in zip(sorted({r.prompt for r in reqs}),
-                                           family.encode([(p, "") for p in sorted({r.prompt for r in reqs})]))}
+        embeddings = {
+            p: e
+            for p, e in zip(
+                sorted({r.prompt for r in reqs}), family.encode([(p, "") for p in sorted({r.prompt for r in reqs})])
+            )
+        }
         run_alone(family, reqs[:2], embeddings)  # warm-up
         shape = JobShape(spec.family, width, height, frames, args.steps, reqs[0].guidance_scale)
         for k in sizes:
@@ -116,14 +137,18 @@ def main() -> None:
             alone_rate = args.jobs / statistics.median(alone_s)
             merged_rate = args.jobs / statistics.median(merged_s)
             size = f"{width}×{height}" + (f"×{frames}" if frames > 1 else "")
-            print(f"| {model} | {size} | {k} | {alone_rate:.1f} | {merged_rate:.1f} | "
-                  f"{merged_rate / alone_rate:.2f}× | {merge_speedup(shape, k, spec.cost_points):.2f}× | {diff:.1e} |")
+            print(
+                f"| {model} | {size} | {k} | {alone_rate:.1f} | {merged_rate:.1f} | "
+                f"{merged_rate / alone_rate:.2f}× | {merge_speedup(shape, k, spec.cost_points):.2f}× | {diff:.1e} |"
+            )
     for model, width, height, steps, guidance, sizes in SIMULATED:
         spec = registry.get(model)
         shape = JobShape(spec.family, width, height, 1, steps, guidance)
         for k in sizes:
-            print(f"| {model} (simulated) | {width}×{height} | {k} | — | — | — | "
-                  f"{merge_speedup(shape, k, spec.cost_points):.2f}× | — |")
+            print(
+                f"| {model} (simulated) | {width}×{height} | {k} | — | — | — | "
+                f"{merge_speedup(shape, k, spec.cost_points):.2f}× | — |"
+            )
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ Starts the real stack (simulated backend, 4 CPU "cards") and measures, in one ru
    gap is wall time minus the simulated step time, spread over the chunk boundaries);
 4. the API's submit throughput and latency under concurrent clients.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -60,8 +61,9 @@ def dispatch_latency(stack: LiveStack, samples: int) -> list[float]:
     """Submit → first step, one job at a time on an idle stack (a 2-step, 0.2 s job)."""
     out = []
     for i in range(samples):
-        status, job, _ = stack.request("POST", "/api/v1/jobs/", {
-            "model": "seed-image", "prompt": f"probe {i}", "steps": 2})
+        status, job, _ = stack.request(
+            "POST", "/api/v1/jobs/", {"model": "seed-image", "prompt": f"probe {i}", "steps": 2}
+        )
         assert status == 201, job
         job = wait_terminal(stack, job["id"])
         out.append(_ts(job["started_at"]) - _ts(job["created_at"]))
@@ -70,8 +72,7 @@ def dispatch_latency(stack: LiveStack, samples: int) -> list[float]:
 
 def chunk_gap(stack: LiveStack) -> tuple[float, int]:
     """(mean seconds between consecutive chunks of one job, chunk boundaries measured)."""
-    status, job, _ = stack.request("POST", "/api/v1/jobs/", {
-        "model": "seed-video", "prompt": "gap probe", "steps": 50})
+    status, job, _ = stack.request("POST", "/api/v1/jobs/", {"model": "seed-video", "prompt": "gap probe", "steps": 50})
     assert status == 201, job
     job = wait_terminal(stack, job["id"], timeout=300)
     from genserver.jobs.models import Job
@@ -87,8 +88,9 @@ def chunk_gap(stack: LiveStack) -> tuple[float, int]:
 def submit_load(stack: LiveStack, clients: int, requests: int) -> tuple[list[float], dict[int, int], float]:
     def one(i: int) -> tuple[float, int]:
         t = time.perf_counter()
-        status, _, _ = stack.request("POST", "/api/v1/jobs/", {
-            "model": "seed-image", "prompt": f"load {i}", "steps": 2})
+        status, _, _ = stack.request(
+            "POST", "/api/v1/jobs/", {"model": "seed-image", "prompt": f"load {i}", "steps": 2}
+        )
         return time.perf_counter() - t, status
 
     started = time.perf_counter()
@@ -111,19 +113,26 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--clients", type=int, default=8)
     parser.add_argument("--requests", type=int, default=200)
     args = parser.parse_args(argv)
-    env = {"GENSERVER_TIME_SCALE": str(SCALE), "GENSERVER_CPU_WORKERS": "4",
-           "GENSERVER_REGISTRY": "genserver/registry.toml:bench/seed-registry.toml"}
+    env = {
+        "GENSERVER_TIME_SCALE": str(SCALE),
+        "GENSERVER_CPU_WORKERS": "4",
+        "GENSERVER_REGISTRY": "genserver/registry.toml:bench/seed-registry.toml",
+    }
     with live_stack(env) as stack:
         bare = bare_round_trip(args.samples)
         dispatch = dispatch_latency(stack, args.samples)
         gap, boundaries = chunk_gap(stack)
         latencies, codes, throughput = submit_load(stack, args.clients, args.requests)
-    print(f"bare Celery round trip     P50 {ms(bare, .5)}  P99 {ms(bare, .99)}  (n={len(bare)})")
-    print(f"submit → first step        P50 {ms(dispatch, .5)}  P99 {ms(dispatch, .99)}  (n={len(dispatch)})"
-          f"  = {pct(dispatch, .5) / pct(bare, .5):.2f} × bare at P50")
+    print(f"bare Celery round trip     P50 {ms(bare, 0.5)}  P99 {ms(bare, 0.99)}  (n={len(bare)})")
+    print(
+        f"submit → first step        P50 {ms(dispatch, 0.5)}  P99 {ms(dispatch, 0.99)}  (n={len(dispatch)})"
+        f"  = {pct(dispatch, 0.5) / pct(bare, 0.5):.2f} × bare at P50"
+    )
     print(f"gap between chunks         mean {gap * 1000:7.1f} ms over {boundaries} boundaries")
-    print(f"submit under {args.clients} clients     P50 {ms(latencies, .5)}  P99 {ms(latencies, .99)}  "
-          f"{throughput:.0f} req/s  codes {codes}")
+    print(
+        f"submit under {args.clients} clients     P50 {ms(latencies, 0.5)}  P99 {ms(latencies, 0.99)}  "
+        f"{throughput:.0f} req/s  codes {codes}"
+    )
     print(f"(mean bare {statistics.mean(bare) * 1000:.1f} ms, mean dispatch {statistics.mean(dispatch) * 1000:.1f} ms)")
     return 0
 

@@ -12,6 +12,7 @@ scheduling code with the same layout, chunk length and admission limits.
 Also reports ETA accuracy: each job's `eta_seconds` in the 201 answer against
 its actual time to finish, per class.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -44,14 +45,20 @@ def _ts(text: str) -> float:
 
 def load_trace(path: Path) -> list[Request]:
     """JSON lines of {"arrival": s, "kind": "image"|"video", "seconds": one of the seed's durations}."""
-    return [Request(float(r["arrival"]), r["kind"], float(r["seconds"]))
-            for r in map(json.loads, path.read_text().splitlines()) if r]
+    return [
+        Request(float(r["arrival"]), r["kind"], float(r["seconds"]))
+        for r in map(json.loads, path.read_text().splitlines())
+        if r
+    ]
 
 
 def replay(requests: Sequence[Request], scale: float) -> dict:
-    env = {"GENSERVER_TIME_SCALE": str(scale), "GENSERVER_CPU_WORKERS": str(CARDS),
-           "GENSERVER_CHUNK_SECONDS": str(DEFAULT_CHUNK_SECONDS),
-           "GENSERVER_REGISTRY": "genserver/registry.toml:bench/seed-registry.toml"}
+    env = {
+        "GENSERVER_TIME_SCALE": str(scale),
+        "GENSERVER_CPU_WORKERS": str(CARDS),
+        "GENSERVER_CHUNK_SECONDS": str(DEFAULT_CHUNK_SECONDS),
+        "GENSERVER_REGISTRY": "genserver/registry.toml:bench/seed-registry.toml",
+    }
     sent: list[dict] = []
     with live_stack(env) as stack:
         start = time.time()
@@ -59,12 +66,19 @@ def replay(requests: Sequence[Request], scale: float) -> dict:
             delay = start + req.arrival * scale - time.time()
             if delay > 0:
                 time.sleep(delay)
-            status, body, headers = stack.request("POST", "/api/v1/jobs/", SHAPES[req.seconds] | {
-                "prompt": f"request {i}", "seed": i})
-            sent.append({"kind": req.kind, "seconds": req.seconds, "status": status,
-                         "id": body.get("id") if status == 201 else None,
-                         "eta": body.get("eta_seconds") if status == 201 else None,
-                         "submitted": time.time()})
+            status, body, headers = stack.request(
+                "POST", "/api/v1/jobs/", SHAPES[req.seconds] | {"prompt": f"request {i}", "seed": i}
+            )
+            sent.append(
+                {
+                    "kind": req.kind,
+                    "seconds": req.seconds,
+                    "status": status,
+                    "id": body.get("id") if status == 201 else None,
+                    "eta": body.get("eta_seconds") if status == 201 else None,
+                    "submitted": time.time(),
+                }
+            )
         ids = {s["id"] for s in sent if s["id"]}
         deadline = time.time() + 3600 * scale + 300
         while time.time() < deadline:
@@ -77,8 +91,9 @@ def replay(requests: Sequence[Request], scale: float) -> dict:
 
 def measured(run: dict, scale: float) -> dict:
     """Per kind: waits (arrival → first step) and delays (finish − arrival − service), in modelled seconds."""
-    out = {k: {"waits": [], "delays": [], "accepted": 0, "refused": 0, "unfinished": 0, "eta_errors": []}
-           for k in KINDS}
+    out = {
+        k: {"waits": [], "delays": [], "accepted": 0, "refused": 0, "unfinished": 0, "eta_errors": []} for k in KINDS
+    }
     for s in run["sent"]:
         entry = out[s["kind"]]
         if s["status"] != 201:
@@ -99,19 +114,28 @@ def measured(run: dict, scale: float) -> dict:
 
 
 def predicted(requests: Sequence[Request], checkpoint_seconds: float) -> dict:
-    cfg = SimConfig(layout=default_layout(0, CARDS), chunk_seconds=DEFAULT_CHUNK_SECONDS,
-                    checkpoint_seconds=checkpoint_seconds, switch_seconds=0.0, limits=AdmissionLimits())
+    cfg = SimConfig(
+        layout=default_layout(0, CARDS),
+        chunk_seconds=DEFAULT_CHUNK_SECONDS,
+        checkpoint_seconds=checkpoint_seconds,
+        switch_seconds=0.0,
+        limits=AdmissionLimits(),
+    )
     result = simulate(requests, cfg)
-    return {k: {"waits": c.waits, "delays": c.delays, "accepted": c.accepted, "refused": c.refused}
-            for k, c in result.classes.items()}
+    return {
+        k: {"waits": c.waits, "delays": c.delays, "accepted": c.accepted, "refused": c.refused}
+        for k, c in result.classes.items()
+    }
 
 
 def row(label: str, data: dict) -> str:
     cells = []
     for kind in KINDS:
         d = data[kind]
-        cells.append(f"{pct(d['waits'], .5):6.1f} {pct(d['waits'], .99):6.1f} | "
-                     f"{pct(d['delays'], .5):6.1f} {pct(d['delays'], .99):6.1f}")
+        cells.append(
+            f"{pct(d['waits'], 0.5):6.1f} {pct(d['waits'], 0.99):6.1f} | "
+            f"{pct(d['delays'], 0.5):6.1f} {pct(d['delays'], 0.99):6.1f}"
+        )
     return f"{label:<26} " + "  ‖  ".join(cells)
 
 
@@ -129,8 +153,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.save:
         args.save.write_text(json.dumps(run, indent=1, default=str))
     live = measured(run, args.scale)
-    print(f"workload: {len(requests)} requests, rate {args.rate}/s, seed {args.seed}; clock ×{args.scale}; "
-          f"{CARDS} cards (default layout), chunks of {DEFAULT_CHUNK_SECONDS} s")
+    print(
+        f"workload: {len(requests)} requests, rate {args.rate}/s, seed {args.seed}; clock ×{args.scale}; "
+        f"{CARDS} cards (default layout), chunks of {DEFAULT_CHUNK_SECONDS} s"
+    )
     print(f"{'':<26} {'images wait':>13} | {'delay':>13}  ‖  {'videos wait':>13} | {'delay':>13}   (P50 P99, s)")
     print(row("live stack (measured)", live))
     for ckpt in (0.0, 0.2, 0.4):
@@ -138,9 +164,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     for kind in KINDS:
         d = live[kind]
         errs = d["eta_errors"]
-        print(f"{kind}: accepted {d['accepted']}, refused {d['refused']}, not succeeded {d['unfinished']}; "
-              f"ETA at submit vs actual finish: "
-              f"median error {pct(errs, .5) * 100:.0f} %, P90 {pct(errs, .9) * 100:.0f} % (n={len(errs)})")
+        print(
+            f"{kind}: accepted {d['accepted']}, refused {d['refused']}, not succeeded {d['unfinished']}; "
+            f"ETA at submit vs actual finish: "
+            f"median error {pct(errs, 0.5) * 100:.0f} %, P90 {pct(errs, 0.9) * 100:.0f} % (n={len(errs)})"
+        )
     return 0
 
 

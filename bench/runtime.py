@@ -29,6 +29,7 @@ TFLOPS as the registry's calibration assumes) sits next to the measured step.
 Torch runs with one thread by default (--threads): the development machine has
 two shared cores, and the tiny models gain little from intra-op threads.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -66,6 +67,7 @@ NEGATIVE = "blurry, low quality"
 
 # Shared with bench.gpu_smoke -------------------------------------------------
 
+
 def sync(device: str) -> None:
     """Wait for queued GPU work, so a wall-clock reading covers it (no-op on the CPU)."""
     if device.startswith("cuda"):
@@ -95,8 +97,7 @@ FAMILY_ORDER = ("unet", "flux", "wan")
 
 def tiny_model_names(registry: Registry) -> list[str]:
     """The registry's diffusers entries on the tiny checkpoints: images first, then video."""
-    names = [name for name, spec in registry.models.items()
-             if spec.backend == "diffusers" and name.startswith("tiny-")]
+    names = [name for name, spec in registry.models.items() if spec.backend == "diffusers" and name.startswith("tiny-")]
     rank = {family: index for index, family in enumerate(FAMILY_ORDER)}
     return sorted(names, key=lambda n: (rank.get(registry.models[n].family, len(rank)), n))
 
@@ -110,25 +111,48 @@ def quiet_loading() -> None:
     diffusers_logging.disable_progress_bar()
 
 
-def make_request(spec: ModelSpec, job_id: str, prompt: str, *, steps: int | None = None,
-                 width: int | None = None, height: int | None = None,
-                 num_frames: int | None = None) -> GenerationRequest:
+def make_request(
+    spec: ModelSpec,
+    job_id: str,
+    prompt: str,
+    *,
+    steps: int | None = None,
+    width: int | None = None,
+    height: int | None = None,
+    num_frames: int | None = None,
+) -> GenerationRequest:
     """A one-output job at the entry's defaults, unless told otherwise."""
     d = spec.defaults
     return GenerationRequest(
-        job_id=job_id, model=spec.name, prompt=prompt, negative_prompt=NEGATIVE,
-        width=width or d.width, height=height or d.height,
+        job_id=job_id,
+        model=spec.name,
+        prompt=prompt,
+        negative_prompt=NEGATIVE,
+        width=width or d.width,
+        height=height or d.height,
         num_frames=(num_frames or d.num_frames) if spec.kind == "video" else 1,
-        steps=steps or d.steps, guidance_scale=d.guidance_scale, seed=1234, num_outputs=1)
+        steps=steps or d.steps,
+        guidance_scale=d.guidance_scale,
+        seed=1234,
+        num_outputs=1,
+    )
 
 
 def job_shape(spec: ModelSpec, request: GenerationRequest) -> JobShape:
-    return JobShape(spec.family, request.width, request.height, request.num_frames, request.steps,
-                    request.guidance_scale, request.num_outputs)
+    return JobShape(
+        spec.family,
+        request.width,
+        request.height,
+        request.num_frames,
+        request.steps,
+        request.guidance_scale,
+        request.num_outputs,
+    )
 
 
-def estimated_step_seconds(spec: ModelSpec, request: GenerationRequest,
-                           effective_tflops: float = DEFAULT_EFFECTIVE_TFLOPS) -> float:
+def estimated_step_seconds(
+    spec: ModelSpec, request: GenerationRequest, effective_tflops: float = DEFAULT_EFFECTIVE_TFLOPS
+) -> float:
     """The cost model's seconds per step for this request (what admission and chunking use)."""
     return estimate_job_seconds(job_shape(spec, request), spec.cost_points, effective_tflops) / request.steps
 
@@ -161,6 +185,7 @@ def median(values: Sequence[float]) -> float:
 
 
 # The CPU benchmark -----------------------------------------------------------
+
 
 @dataclass
 class Samples:
@@ -195,9 +220,17 @@ def publish_preview(family: Family, storage: LocalStorage, state: DenoiseState) 
 
 def save_checkpoint(bench: ModelBench, storage: LocalStorage, state: DenoiseState, keep: bool) -> str:
     """A chunk boundary's save through run_chunk (no step left to run, so it only saves)."""
-    result, seconds = timed(lambda: stages.run_chunk(
-        bench.family, storage, state, until_step=state.step, preview_every=0,
-        should_stop=never_stop, on_preview=ignore_preview))
+    result, seconds = timed(
+        lambda: stages.run_chunk(
+            bench.family,
+            storage,
+            state,
+            until_step=state.step,
+            preview_every=0,
+            should_stop=never_stop,
+            on_preview=ignore_preview,
+        )
+    )
     if keep:
         bench.samples.save.append(seconds)
         bench.samples.checkpoint_bytes.append(storage.path(result.checkpoint_key).stat().st_size)
@@ -207,13 +240,15 @@ def save_checkpoint(bench: ModelBench, storage: LocalStorage, state: DenoiseStat
 def run_round(bench: ModelBench, storage: LocalStorage, steps: int, round_index: int, keep: bool) -> None:
     """One job of `steps` steps through the stages, every part timed; `keep` records the times."""
     family, s = bench.family, bench.samples
-    request = make_request(bench.spec, f"bench-{bench.spec.name}-{round_index}",
-                           f"{PROMPT}, take {round_index}", steps=steps)
+    request = make_request(
+        bench.spec, f"bench-{bench.spec.name}-{round_index}", f"{PROMPT}, take {round_index}", steps=steps
+    )
     miss, miss_s = timed(lambda: encode_one(family, storage, request))
     hit, hit_s = timed(lambda: encode_one(family, storage, request))
     if miss.cache_hit or not hit.cache_hit:
-        raise RuntimeError(f"{bench.spec.name}: expected an encode miss then a hit, got "
-                           f"{miss.cache_hit} then {hit.cache_hit}")
+        raise RuntimeError(
+            f"{bench.spec.name}: expected an encode miss then a hit, got {miss.cache_hit} then {hit.cache_hit}"
+        )
     state = stages.load_state(family, storage, request, miss.key, "")
     step_s: list[float] = []
     preview_s: list[float] = []
@@ -227,8 +262,9 @@ def run_round(bench: ModelBench, storage: LocalStorage, steps: int, round_index:
             key = save_checkpoint(bench, storage, state, keep)
             state, restore_s = timed(partial(stages.load_state, family, storage, request, miss.key, key))
     final_key = save_checkpoint(bench, storage, state, keep)
-    _, decode_s = timed(lambda: stages.decode(family, storage, request, embeddings_ref=miss.key,
-                                              checkpoint_ref=final_key))
+    _, decode_s = timed(
+        lambda: stages.decode(family, storage, request, embeddings_ref=miss.key, checkpoint_ref=final_key)
+    )
     _, vae_s = timed(lambda: family.decode(state))
     for prefix in ("checkpoints", "previews", "outputs"):
         storage.delete_prefix(f"{prefix}/{request.job_id}")
@@ -254,12 +290,19 @@ def table_row(bench: ModelBench, steps: int) -> str:
     step, estimate = median(s.step), estimated_step_seconds(spec, request)
     preview, published, decode = median(s.preview), median(s.preview_published), median(s.decode)
     cells = [
-        spec.name, f"{spec.family} / {spec.scheduler}", shape_label(spec, request),
-        ms(step), ms(estimate), f"{step / estimate:.2f}",
-        f"{ms(preview)} ({preview / step:.2f})", f"{ms(published)} ({published / step:.2f})",
+        spec.name,
+        f"{spec.family} / {spec.scheduler}",
+        shape_label(spec, request),
+        ms(step),
+        ms(estimate),
+        f"{step / estimate:.2f}",
+        f"{ms(preview)} ({preview / step:.2f})",
+        f"{ms(published)} ({published / step:.2f})",
         f"{ms(median(s.encode_miss))} / {ms(median(s.encode_hit))}",
         f"{ms(median(s.save))} / {ms(median(s.restore))} ({median(s.checkpoint_bytes) / 1024:.0f} KB)",
-        f"{ms(decode)} ({ms(median(s.vae))})", f"{decode / step:.1f}", f"{bench.load_seconds:.2f}",
+        f"{ms(decode)} ({ms(median(s.vae))})",
+        f"{decode / step:.1f}",
+        f"{bench.load_seconds:.2f}",
     ]
     return "| " + " | ".join(cells) + " |"
 
@@ -273,20 +316,27 @@ TABLE_HEADER = (
 
 
 def machine_note(threads: int) -> str:
-    return (f"{platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__} with "
-            f"{threads} thread{'s' if threads != 1 else ''}, Python {platform.python_version()}")
+    return (
+        f"{platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__} with "
+        f"{threads} thread{'s' if threads != 1 else ''}, Python {platform.python_version()}"
+    )
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m bench.runtime", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--repeats", type=int, default=DEFAULT_REPEATS,
-                        help=f"counted rounds (one job per model each) after a warm-up round "
-                             f"(default {DEFAULT_REPEATS})")
-    parser.add_argument("--steps", type=int, default=DEFAULT_STEPS,
-                        help=f"denoising steps per job (default {DEFAULT_STEPS})")
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        default=DEFAULT_REPEATS,
+        help=f"counted rounds (one job per model each) after a warm-up round (default {DEFAULT_REPEATS})",
+    )
+    parser.add_argument(
+        "--steps", type=int, default=DEFAULT_STEPS, help=f"denoising steps per job (default {DEFAULT_STEPS})"
+    )
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1)")
-    parser.add_argument("--models", default="",
-                        help="comma-separated registry names (default: every tiny-* diffusers entry)")
+    parser.add_argument(
+        "--models", default="", help="comma-separated registry names (default: every tiny-* diffusers entry)"
+    )
     parser.add_argument("--registry", default=None, help="registry TOML (default: the bundled one)")
     args = parser.parse_args(argv)
     if args.repeats < 1 or args.steps < 2:
@@ -315,8 +365,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                 run_round(bench, storage, args.steps, round_index, keep=round_index > 0)
         elapsed = time.perf_counter() - started
     print(f"# bench.runtime: {machine_note(args.threads)}")
-    print(f"# {args.repeats} rounds × {args.steps} steps per model after a warm-up round, "
-          f"models interleaved; {elapsed:.0f} s of measuring. Medians.")
+    print(
+        f"# {args.repeats} rounds × {args.steps} steps per model after a warm-up round, "
+        f"models interleaved; {elapsed:.0f} s of measuring. Medians."
+    )
     print(TABLE_HEADER)
     for bench in benches:
         print(table_row(bench, args.steps))

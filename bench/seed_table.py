@@ -13,6 +13,7 @@ seed's) and `delay` (completion − arrival − service, the honest one for a
 preemptive system). For the seed's non-preemptive policies they are equal.
 The output is the section "Scheduling policy (simulator)" of docs/BENCHMARKS.md.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -53,7 +54,10 @@ IMAGE_FACTOR, VIDEO_FACTOR = 0.6, 1.1  # targets: images P99 ≤ 0.6 × pools', 
 # The chapter's "several cards" table (8 cards): cards per group → latency minutes, videos/hour.
 SEED_GROUP_FIGURES: dict[int, tuple[float, float]] = {1: (25.0, 19.2), 2: (13.2, 18.2), 4: (7.1, 16.9), 8: (3.9, 15.4)}
 SEED_FIGURES = {  # the chapter's printed table (rate 0.06): images P50/P99, videos P50/P99
-    "fcfs": (17, 473, 19, 423), "sjf": (2, 90, 23, 614), "pools": (0, 7, 152, 745)}
+    "fcfs": (17, 473, 19, 423),
+    "sjf": (2, 90, 23, 614),
+    "pools": (0, 7, 152, 745),
+}
 OURS, OURS_YOD = "ours", "ours + yield-on-demand"
 
 
@@ -78,8 +82,13 @@ class Outcome:
     @classmethod
     def sim(cls, name: str, config: SimConfig, rate: float, seed: int = 0) -> Outcome:
         r = simulate(seed_workload(400, rate, seed), config)
-        return cls(name, {k: c.waits for k, c in r.classes.items()}, {k: c.delays for k, c in r.classes.items()},
-                   {k: c.refused for k, c in r.classes.items()}, r)
+        return cls(
+            name,
+            {k: c.waits for k, c in r.classes.items()},
+            {k: c.delays for k, c in r.classes.items()},
+            {k: c.refused for k, c in r.classes.items()},
+            r,
+        )
 
 
 def ours(**overrides: object) -> SimConfig:
@@ -95,8 +104,10 @@ OUR_POLICIES: dict[str, Callable[..., SimConfig]] = {OURS: ours, OURS_YOD: ours_
 
 def targets(rate: float, seed: int = 0) -> tuple[float, float]:
     """(image P99 bound, video P99 bound) at `rate`: 0.6 × pools' image P99, 1.1 × FCFS' video P99."""
-    return (IMAGE_FACTOR * pct(seed_waits("pools", rate=rate, seed=seed)[IMAGE], 0.99),
-            VIDEO_FACTOR * pct(seed_waits("fcfs", rate=rate, seed=seed)[VIDEO], 0.99))
+    return (
+        IMAGE_FACTOR * pct(seed_waits("pools", rate=rate, seed=seed)[IMAGE], 0.99),
+        VIDEO_FACTOR * pct(seed_waits("fcfs", rate=rate, seed=seed)[VIDEO], 0.99),
+    )
 
 
 # --------------------------------------------------------------------------- formatting
@@ -124,31 +135,64 @@ def mark(ok: bool) -> str:
 
 def section_groups(cards: int = 8, load: float = 0.7, interactive_share: float = 0.4) -> str:
     """The seed's card-group table (closed form), then the layouts simulated on a video workload."""
-    closed = table([f"cards per group ({cards} cards)", "groups", "latency (min)", "videos/hour", "the chapter prints"],
-                   [[r.group, r.groups, f"{r.latency_minutes:.1f}", f"{r.videos_per_hour:.1f}",
-                     " / ".join(map(str, SEED_GROUP_FIGURES.get(r.group, ())))] for r in group_table(cards=cards)])
-    sims = table(["layout", "capacity videos/h", "load", "latency P50 / P99 (min)",
-                  "interactive P50 / P99", "others P50 / P99", "videos/h"],
-                 [[r.layout, f"{r.capacity_per_hour:.1f}", f"{r.load:.0%}",
-                   f"{r.p50_minutes:.1f} / {r.p99_minutes:.1f}",
-                   f"{r.interactive_p50_minutes:.1f} / {r.interactive_p99_minutes:.1f}",
-                   f"{r.other_p50_minutes:.1f} / {r.other_p99_minutes:.1f}", f"{r.videos_per_hour:.1f}"]
-                  for r in simulate_groups(cards, load, interactive_share=interactive_share)])
-    return (f"{closed}\n\nSimulated: 400 Poisson arrivals (seed 0) of {SEED_VIDEO_SECONDS / 60:.0f}-min videos "
-            f"offering {load:.0%} of {cards} single cards, {interactive_share:.0%} of them submitted on the "
-            "interactive lane, everything admitted, latency = arrival → completion (minutes):\n\n"
-            f"{sims}")
+    closed = table(
+        [f"cards per group ({cards} cards)", "groups", "latency (min)", "videos/hour", "the chapter prints"],
+        [
+            [
+                r.group,
+                r.groups,
+                f"{r.latency_minutes:.1f}",
+                f"{r.videos_per_hour:.1f}",
+                " / ".join(map(str, SEED_GROUP_FIGURES.get(r.group, ()))),
+            ]
+            for r in group_table(cards=cards)
+        ],
+    )
+    sims = table(
+        [
+            "layout",
+            "capacity videos/h",
+            "load",
+            "latency P50 / P99 (min)",
+            "interactive P50 / P99",
+            "others P50 / P99",
+            "videos/h",
+        ],
+        [
+            [
+                r.layout,
+                f"{r.capacity_per_hour:.1f}",
+                f"{r.load:.0%}",
+                f"{r.p50_minutes:.1f} / {r.p99_minutes:.1f}",
+                f"{r.interactive_p50_minutes:.1f} / {r.interactive_p99_minutes:.1f}",
+                f"{r.other_p50_minutes:.1f} / {r.other_p99_minutes:.1f}",
+                f"{r.videos_per_hour:.1f}",
+            ]
+            for r in simulate_groups(cards, load, interactive_share=interactive_share)
+        ],
+    )
+    return (
+        f"{closed}\n\nSimulated: 400 Poisson arrivals (seed 0) of {SEED_VIDEO_SECONDS / 60:.0f}-min videos "
+        f"offering {load:.0%} of {cards} single cards, {interactive_share:.0%} of them submitted on the "
+        "interactive lane, everything admitted, latency = arrival → completion (minutes):\n\n"
+        f"{sims}"
+    )
 
 
 def section_seed_table() -> str:
     rows = []
     for policy in SEED_POLICIES:
         o = Outcome.seed(policy, 0.06)
-        got = (o.p(IMAGE, "wait", .5), o.p(IMAGE, "wait", .99), o.p(VIDEO, "wait", .5), o.p(VIDEO, "wait", .99))
-        rows.append([policy, *(f"{x:.0f}" for x in got), " / ".join(map(str, SEED_FIGURES[policy])),
-                     "yes" if tuple(round(x) for x in got) == SEED_FIGURES[policy] else "NO"])
-    return table(["policy", "images P50", "images P99", "videos P50", "videos P99", "the chapter prints",
-                  "same"], rows)
+        got = (o.p(IMAGE, "wait", 0.5), o.p(IMAGE, "wait", 0.99), o.p(VIDEO, "wait", 0.5), o.p(VIDEO, "wait", 0.99))
+        rows.append(
+            [
+                policy,
+                *(f"{x:.0f}" for x in got),
+                " / ".join(map(str, SEED_FIGURES[policy])),
+                "yes" if tuple(round(x) for x in got) == SEED_FIGURES[policy] else "NO",
+            ]
+        )
+    return table(["policy", "images P50", "images P99", "videos P50", "videos P99", "the chapter prints", "same"], rows)
 
 
 def section_side_by_side(rate: float) -> tuple[str, dict[str, Outcome]]:
@@ -157,14 +201,27 @@ def section_side_by_side(rate: float) -> tuple[str, dict[str, Outcome]]:
         outcomes[name] = Outcome.sim(name, make(), rate)
     rows = []
     for name, o in outcomes.items():
-        rows.append([name,
-                     pair(o.p(IMAGE, "wait", .5), o.p(IMAGE, "wait", .99), 1),
-                     pair(o.p(IMAGE, "delay", .5), o.p(IMAGE, "delay", .99), 1),
-                     pair(o.p(VIDEO, "wait", .5), o.p(VIDEO, "wait", .99)),
-                     pair(o.p(VIDEO, "delay", .5), o.p(VIDEO, "delay", .99)),
-                     f"{o.refused[IMAGE]} / {o.refused[VIDEO]}"])
-    text = table(["policy", "images wait P50 / P99", "images delay P50 / P99", "videos wait P50 / P99",
-                  "videos delay P50 / P99", "refused img / vid"], rows)
+        rows.append(
+            [
+                name,
+                pair(o.p(IMAGE, "wait", 0.5), o.p(IMAGE, "wait", 0.99), 1),
+                pair(o.p(IMAGE, "delay", 0.5), o.p(IMAGE, "delay", 0.99), 1),
+                pair(o.p(VIDEO, "wait", 0.5), o.p(VIDEO, "wait", 0.99)),
+                pair(o.p(VIDEO, "delay", 0.5), o.p(VIDEO, "delay", 0.99)),
+                f"{o.refused[IMAGE]} / {o.refused[VIDEO]}",
+            ]
+        )
+    text = table(
+        [
+            "policy",
+            "images wait P50 / P99",
+            "images delay P50 / P99",
+            "videos wait P50 / P99",
+            "videos delay P50 / P99",
+            "refused img / vid",
+        ],
+        rows,
+    )
     return text, outcomes
 
 
@@ -174,12 +231,23 @@ def section_targets(all_outcomes: dict[float, dict[str, Outcome]]) -> str:
         ti, tv = targets(rate)
         for name in OUR_POLICIES:
             o = outcomes[name]
-            for kind, bound, label in ((IMAGE, ti, f"≤ {IMAGE_FACTOR} × pools = {ti:.2f} s"),
-                                       (VIDEO, tv, f"≤ {VIDEO_FACTOR} × FCFS = {tv:.0f} s")):
-                w, d = o.p(kind, "wait", .99), o.p(kind, "delay", .99)
+            for kind, bound, label in (
+                (IMAGE, ti, f"≤ {IMAGE_FACTOR} × pools = {ti:.2f} s"),
+                (VIDEO, tv, f"≤ {VIDEO_FACTOR} × FCFS = {tv:.0f} s"),
+            ):
+                w, d = o.p(kind, "wait", 0.99), o.p(kind, "delay", 0.99)
                 digits = 2 if kind == IMAGE else 0
-                rows.append([f"{rate}", name, f"{kind}s P99 {label}", f"{w:.{digits}f}", mark(w <= bound),
-                             f"{d:.{digits}f}", mark(d <= bound)])
+                rows.append(
+                    [
+                        f"{rate}",
+                        name,
+                        f"{kind}s P99 {label}",
+                        f"{w:.{digits}f}",
+                        mark(w <= bound),
+                        f"{d:.{digits}f}",
+                        mark(d <= bound),
+                    ]
+                )
     return table(["rate", "policy", "target", "wait", "", "delay", ""], rows)
 
 
@@ -192,21 +260,42 @@ def section_overload(base: dict[str, Outcome]) -> str:
         b = base.get(name) or Outcome.sim(name, cfg, 0.06)
         r = o.result
         assert r is not None
-        img_w, img_d = o.p(IMAGE, "wait", .99), o.p(IMAGE, "delay", .99)
-        ok_img = img_w <= b.p(IMAGE, "wait", .99) and img_d <= b.p(IMAGE, "delay", .99)
+        img_w, img_d = o.p(IMAGE, "wait", 0.99), o.p(IMAGE, "delay", 0.99)
+        ok_img = img_w <= b.p(IMAGE, "wait", 0.99) and img_d <= b.p(IMAGE, "delay", 0.99)
         start = max(o.waits[VIDEO]) if o.waits[VIDEO] else 0.0
-        rows.append([name, f"{r.classes[IMAGE].accepted} / {o.refused[IMAGE]}",
-                     f"{r.classes[VIDEO].accepted} / {o.refused[VIDEO]}",
-                     f"{pair(img_w, img_d, 1)} (at 0.06: {pair(b.p(IMAGE, 'wait', .99), b.p(IMAGE, 'delay', .99), 1)})",
-                     mark(ok_img), f"{start:.0f}", mark(start <= limit), f"{r.cap_engaged_share:.0%}"])
-    return table(["policy (rate 0.12)", "images accepted / refused", "videos accepted / refused",
-                  "images P99 wait / delay", "no worse", f"latest video start (limit {limit:.0f} s)", "",
-                  "cap engaged"], rows)
+        rows.append(
+            [
+                name,
+                f"{r.classes[IMAGE].accepted} / {o.refused[IMAGE]}",
+                f"{r.classes[VIDEO].accepted} / {o.refused[VIDEO]}",
+                f"{pair(img_w, img_d, 1)} (at 0.06: {pair(b.p(IMAGE, 'wait', 0.99), b.p(IMAGE, 'delay', 0.99), 1)})",
+                mark(ok_img),
+                f"{start:.0f}",
+                mark(start <= limit),
+                f"{r.cap_engaged_share:.0%}",
+            ]
+        )
+    return table(
+        [
+            "policy (rate 0.12)",
+            "images accepted / refused",
+            "videos accepted / refused",
+            "images P99 wait / delay",
+            "no worse",
+            f"latest video start (limit {limit:.0f} s)",
+            "",
+            "cap engaged",
+        ],
+        rows,
+    )
 
 
 def _curve_configs(chunk: float) -> dict[str, SimConfig]:
-    return {"image card (default_layout)": SimConfig(chunk_seconds=chunk),
-            OURS: ours(chunk_seconds=chunk), OURS_YOD: ours_yod(chunk_seconds=chunk)}
+    return {
+        "image card (default_layout)": SimConfig(chunk_seconds=chunk),
+        OURS: ours(chunk_seconds=chunk),
+        OURS_YOD: ours_yod(chunk_seconds=chunk),
+    }
 
 
 def tradeoff_points() -> dict[tuple[str, float, float], Outcome]:
@@ -225,8 +314,10 @@ def section_tradeoff(points: dict[tuple[str, float, float], Outcome]) -> str:
             row: list[object] = [name, f"{chunk:g}"]
             for rate in RATES:
                 o = points[name, chunk, rate]
-                row += [pair(o.p(IMAGE, "wait", .99), o.p(IMAGE, "delay", .99), 1),
-                        pair(o.p(VIDEO, "wait", .99), o.p(VIDEO, "delay", .99))]
+                row += [
+                    pair(o.p(IMAGE, "wait", 0.99), o.p(IMAGE, "delay", 0.99), 1),
+                    pair(o.p(VIDEO, "wait", 0.99), o.p(VIDEO, "delay", 0.99)),
+                ]
             rows.append(row)
     header = ["policy", "chunk s"]
     for rate in RATES:
@@ -249,10 +340,15 @@ def section_caps() -> str:
         row: list[object] = [name]
         for rate in RATES:
             o = Outcome.sim(name, cfg, rate)
-            row += [pair(o.p(IMAGE, "wait", .99), o.p(IMAGE, "delay", .99), 1),
-                    pair(o.p(VIDEO, "wait", .99), o.p(VIDEO, "delay", .99))]
+            row += [
+                pair(o.p(IMAGE, "wait", 0.99), o.p(IMAGE, "delay", 0.99), 1),
+                pair(o.p(VIDEO, "wait", 0.99), o.p(VIDEO, "delay", 0.99)),
+            ]
         o = Outcome.sim(name, cfg, OVERLOAD_RATE)
-        row += [pair(o.p(IMAGE, "wait", .99), o.p(IMAGE, "delay", .99), 1), f"{o.refused[IMAGE]} / {o.refused[VIDEO]}"]
+        row += [
+            pair(o.p(IMAGE, "wait", 0.99), o.p(IMAGE, "delay", 0.99), 1),
+            f"{o.refused[IMAGE]} / {o.refused[VIDEO]}",
+        ]
         rows.append(row)
     header = ["layout / cap (chunk 4 s)"]
     for rate in RATES:
@@ -278,10 +374,9 @@ def section_costs() -> str:
             for rate in RATES:
                 ti, tv = targets(rate)
                 o = Outcome.sim(name, make(checkpoint_seconds=ckpt, switch_seconds=switch), rate)
-                iw, idl = o.p(IMAGE, "wait", .99), o.p(IMAGE, "delay", .99)
-                vw, vd = o.p(VIDEO, "wait", .99), o.p(VIDEO, "delay", .99)
-                row += [pair(iw, idl, 1), pair(vw, vd),
-                        sum([iw <= ti, idl <= ti, vw <= tv, vd <= tv])]
+                iw, idl = o.p(IMAGE, "wait", 0.99), o.p(IMAGE, "delay", 0.99)
+                vw, vd = o.p(VIDEO, "wait", 0.99), o.p(VIDEO, "delay", 0.99)
+                row += [pair(iw, idl, 1), pair(vw, vd), sum([iw <= ti, idl <= ti, vw <= tv, vd <= tv])]
             rows.append(row)
     header = ["costs", "checkpoint s", "switch s", "policy"]
     for rate in RATES:
@@ -291,7 +386,8 @@ def section_costs() -> str:
 
 def section_seeds(n: int) -> str:
     policies: dict[str, Callable[[], SimConfig]] = {
-        OURS: ours, OURS_YOD: ours_yod,
+        OURS: ours,
+        OURS_YOD: ours_yod,
         f"{OURS}, no overhead (bound)": lambda: ours(checkpoint_seconds=0.0, switch_seconds=0.0),
     }
     rows = []
@@ -301,17 +397,22 @@ def section_seeds(n: int) -> str:
             img_ratio: list[float] = []
             vid_ratio: list[tuple[float, float]] = []
             for seed in range(n):
-                pools_img = pct(seed_waits("pools", rate=rate, seed=seed)[IMAGE], .99)
-                fcfs_vid = pct(seed_waits("fcfs", rate=rate, seed=seed)[VIDEO], .99)
+                pools_img = pct(seed_waits("pools", rate=rate, seed=seed)[IMAGE], 0.99)
+                fcfs_vid = pct(seed_waits("fcfs", rate=rate, seed=seed)[VIDEO], 0.99)
                 o = Outcome.sim(name, cfg, rate, seed)
-                img_ratio.append(max(o.p(IMAGE, "wait", .99), o.p(IMAGE, "delay", .99)) / pools_img)
-                vid_ratio.append((o.p(VIDEO, "wait", .99) / fcfs_vid, o.p(VIDEO, "delay", .99) / fcfs_vid))
-            rows.append([name, f"{rate}",
-                         f"{statistics.median(img_ratio):.2f} ({sum(r <= IMAGE_FACTOR for r in img_ratio)}/{n})",
-                         f"{statistics.median(v[0] for v in vid_ratio):.2f} "
-                         f"({sum(v[0] <= VIDEO_FACTOR for v in vid_ratio)}/{n})",
-                         f"{statistics.median(v[1] for v in vid_ratio):.2f} "
-                         f"({sum(v[1] <= VIDEO_FACTOR for v in vid_ratio)}/{n})"])
+                img_ratio.append(max(o.p(IMAGE, "wait", 0.99), o.p(IMAGE, "delay", 0.99)) / pools_img)
+                vid_ratio.append((o.p(VIDEO, "wait", 0.99) / fcfs_vid, o.p(VIDEO, "delay", 0.99) / fcfs_vid))
+            rows.append(
+                [
+                    name,
+                    f"{rate}",
+                    f"{statistics.median(img_ratio):.2f} ({sum(r <= IMAGE_FACTOR for r in img_ratio)}/{n})",
+                    f"{statistics.median(v[0] for v in vid_ratio):.2f} "
+                    f"({sum(v[0] <= VIDEO_FACTOR for v in vid_ratio)}/{n})",
+                    f"{statistics.median(v[1] for v in vid_ratio):.2f} "
+                    f"({sum(v[1] <= VIDEO_FACTOR for v in vid_ratio)}/{n})",
+                ]
+            )
     for name, make in OUR_POLICIES.items():
         cfg = make()
         refused = worse = late = 0
@@ -319,23 +420,40 @@ def section_seeds(n: int) -> str:
         for seed in range(n):
             a, b = Outcome.sim(name, cfg, 0.06, seed), Outcome.sim(name, cfg, OVERLOAD_RATE, seed)
             refused += b.refused[IMAGE] > 0
-            ratio = max(b.p(IMAGE, "wait", .99) / a.p(IMAGE, "wait", .99),
-                        b.p(IMAGE, "delay", .99) / a.p(IMAGE, "delay", .99))
+            ratio = max(
+                b.p(IMAGE, "wait", 0.99) / a.p(IMAGE, "wait", 0.99),
+                b.p(IMAGE, "delay", 0.99) / a.p(IMAGE, "delay", 0.99),
+            )
             ratios.append(ratio)
             worse += ratio > 1
             late += bool(b.waits[VIDEO]) and max(b.waits[VIDEO]) > AdmissionLimits().long
-        rows.append([f"{name}: overload 0.12 vs 0.06", f"{OVERLOAD_RATE}",
-                     f"P99 ratio {statistics.median(ratios):.2f}; no worse in {n - worse}/{n}",
-                     f"no image refused in {n - refused}/{n}", f"videos start within limit in {n - late}/{n}"])
-    return table(["policy", "rate", "images P99 / pools' (met)", "videos wait P99 / FCFS' (met)",
-                  "videos delay P99 / FCFS' (met)"], rows)
+        rows.append(
+            [
+                f"{name}: overload 0.12 vs 0.06",
+                f"{OVERLOAD_RATE}",
+                f"P99 ratio {statistics.median(ratios):.2f}; no worse in {n - worse}/{n}",
+                f"no image refused in {n - refused}/{n}",
+                f"videos start within limit in {n - late}/{n}",
+            ]
+        )
+    return table(
+        [
+            "policy",
+            "rate",
+            "images P99 / pools' (met)",
+            "videos wait P99 / FCFS' (met)",
+            "videos delay P99 / FCFS' (met)",
+        ],
+        rows,
+    )
 
 
 # --------------------------------------------------------------------------- plots
 
 
-def write_plots(directory: Path, sides: dict[float, dict[str, Outcome]],
-                points: dict[tuple[str, float, float], Outcome]) -> list[Path]:
+def write_plots(
+    directory: Path, sides: dict[float, dict[str, Outcome]], points: dict[tuple[str, float, float], Outcome]
+) -> list[Path]:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -343,8 +461,13 @@ def write_plots(directory: Path, sides: dict[float, dict[str, Outcome]],
 
     directory.mkdir(parents=True, exist_ok=True)
     written = []
-    styles = {"fcfs": ("tab:red", "-"), "sjf": ("tab:orange", "-"), "pools": ("tab:purple", "-"),
-              OURS: ("tab:blue", "-"), OURS_YOD: ("tab:green", "-")}
+    styles = {
+        "fcfs": ("tab:red", "-"),
+        "sjf": ("tab:orange", "-"),
+        "pools": ("tab:purple", "-"),
+        OURS: ("tab:blue", "-"),
+        OURS_YOD: ("tab:green", "-"),
+    }
     for rate, outcomes in sides.items():
         fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
         for ax, kind in zip(axes, KINDS):
@@ -379,7 +502,7 @@ def write_plots(directory: Path, sides: dict[float, dict[str, Outcome]],
     for ax, kind in zip(axes, KINDS):
         for name, color in colors.items():
             for rate, ls in zip(RATES, ("-", "--")):
-                ys = [points[name, c, rate].p(kind, "delay", .99) for c in CHUNKS]
+                ys = [points[name, c, rate].p(kind, "delay", 0.99) for c in CHUNKS]
                 ax.plot(CHUNKS, ys, marker="o", color=color, linestyle=ls, label=f"{name}, rate {rate}")
         for rate, ls in zip(RATES, ("-", "--")):
             bound = targets(rate)[0 if kind == IMAGE else 1]
@@ -412,17 +535,23 @@ def write_plots(directory: Path, sides: dict[float, dict[str, Outcome]],
         ti, tv = targets(rate)
         ax.fill_between([1, tv], 0.1, ti, color="tab:green", alpha=0.08, label="both targets met")
         for name, color in colors.items():
-            xs = [points[name, c, rate].p(VIDEO, "delay", .99) for c in CHUNKS]
-            ys = [points[name, c, rate].p(IMAGE, "delay", .99) for c in CHUNKS]
+            xs = [points[name, c, rate].p(VIDEO, "delay", 0.99) for c in CHUNKS]
+            ys = [points[name, c, rate].p(IMAGE, "delay", 0.99) for c in CHUNKS]
             ax.plot(xs, ys, marker="o", color=color, label=f"{name} (chunk 1…60 s)")
             for c, x, y in zip(CHUNKS, xs, ys):
                 if c in (1.0, DEFAULT_CHUNK_SECONDS, 12.0, 60.0):
-                    ax.annotate(f"{c:g}s", (x, y), textcoords="offset points", xytext=(4, 4), fontsize=7,
-                                color=color)
+                    ax.annotate(f"{c:g}s", (x, y), textcoords="offset points", xytext=(4, 4), fontsize=7, color=color)
         for policy, color in (("fcfs", "tab:red"), ("sjf", "tab:orange"), ("pools", "black")):
             o = sides[rate][policy]
-            ax.scatter([o.p(VIDEO, "delay", .99)], [o.p(IMAGE, "delay", .99)], marker="s", s=50,
-                       color=color, label=f"seed {policy}", zorder=3)
+            ax.scatter(
+                [o.p(VIDEO, "delay", 0.99)],
+                [o.p(IMAGE, "delay", 0.99)],
+                marker="s",
+                s=50,
+                color=color,
+                label=f"seed {policy}",
+                zorder=3,
+            )
         ax.set_xscale("log")
         ax.set_yscale("log")
         ax.set_xticks([300, 400, 500, 600, 800, 1000, 1500, 2000])
@@ -462,9 +591,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
 
     out("## Scheduling policy (simulator)\n\n")
-    out(f"Costs modelled: checkpoint save + restore {DEFAULT_CHECKPOINT_SECONDS} s per chunk boundary, "
+    out(
+        f"Costs modelled: checkpoint save + restore {DEFAULT_CHECKPOINT_SECONDS} s per chunk boundary, "
         f"model switch {DEFAULT_SWITCH_SECONDS} s; chunk {DEFAULT_CHUNK_SECONDS} s; "
-        f"load {', '.join(f'{r}/s = {offered_load(r):.0%}' for r in (*RATES, OVERLOAD_RATE))} of 4 cards.\n\n")
+        f"load {', '.join(f'{r}/s = {offered_load(r):.0%}' for r in (*RATES, OVERLOAD_RATE))} of 4 cards.\n\n"
+    )
     out("### The seed's table (rate 0.06, wait before the first step)\n\n")
     out(section_seed_table() + "\n\n")
 

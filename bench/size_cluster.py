@@ -23,6 +23,7 @@ count where some split meets both P99s of the chosen metric (`wait`: arrival
 to first step, the seed's metric; `latency`: arrival to finished denoising).
 The table printed is every row searched.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -98,21 +99,37 @@ def offered_cards(rate: float, image_share: float) -> float:
 
 def splits(cards: int) -> list[tuple[str, Callable[[], SimConfig]]]:
     """The splits of `cards` tried: the production policy, static pools, one group beside singles."""
-    options: list[tuple[str, Callable[[], SimConfig]]] = [
-        ("policy", lambda: service_policy_config(cards, limits=None))]
+    options: list[tuple[str, Callable[[], SimConfig]]] = [("policy", lambda: service_policy_config(cards, limits=None))]
     for image_only in range(1, cards):
-        options.append((f"pools {image_only} image + {cards - image_only} all",
-                        lambda i=image_only: SimConfig(layout=mixed_layout(cards, i), limits=None)))
+        options.append(
+            (
+                f"pools {image_only} image + {cards - image_only} all",
+                lambda i=image_only: SimConfig(layout=mixed_layout(cards, i), limits=None),
+            )
+        )
     for k in sorted(GROUP_EFFICIENCY):
         if 1 < k < cards:
-            options.append((f"group {k} + {cards - k} single",
-                            lambda k=k: SimConfig(layout=group_layout([k] + [1] * (cards - k)), limits=None)))
+            options.append(
+                (
+                    f"group {k} + {cards - k} single",
+                    lambda k=k: SimConfig(layout=group_layout([k] + [1] * (cards - k)), limits=None),
+                )
+            )
     return options
 
 
-def size_cluster(rate: float, image_p99: float, video_p99: float, *, image_share: float = SEED_IMAGE_SHARE,
-                 metric: str = "wait", arrivals: int = 400, seed: int = 0, max_cards: int = 32,
-                 on_row: Callable[[Row], None] = lambda row: None) -> tuple[Row | None, list[Row]]:
+def size_cluster(
+    rate: float,
+    image_p99: float,
+    video_p99: float,
+    *,
+    image_share: float = SEED_IMAGE_SHARE,
+    metric: str = "wait",
+    arrivals: int = 400,
+    seed: int = 0,
+    max_cards: int = 32,
+    on_row: Callable[[Row], None] = lambda row: None,
+) -> tuple[Row | None, list[Row]]:
     """(the first row meeting both targets, every row searched), cards counted up from 1."""
     requests = workload(rate, image_share, arrivals, seed)
     offered = offered_cards(rate, image_share)
@@ -125,10 +142,18 @@ def size_cluster(rate: float, image_p99: float, video_p99: float, *, image_share
         met: list[Row] = []
         for name, config in splits(cards):
             result = simulate(requests, config())
-            p99 = {kind: (pct(c.waits if metric == "wait" else c.latencies, 0.99) if c.waits else 0.0)
-                   for kind, c in result.classes.items()}
-            row = Row(cards, name, p99.get(IMAGE, 0.0), p99.get(VIDEO, 0.0), result.utilization,
-                      p99.get(IMAGE, 0.0) <= image_p99 and p99.get(VIDEO, 0.0) <= video_p99)
+            p99 = {
+                kind: (pct(c.waits if metric == "wait" else c.latencies, 0.99) if c.waits else 0.0)
+                for kind, c in result.classes.items()
+            }
+            row = Row(
+                cards,
+                name,
+                p99.get(IMAGE, 0.0),
+                p99.get(VIDEO, 0.0),
+                result.utilization,
+                p99.get(IMAGE, 0.0) <= image_p99 and p99.get(VIDEO, 0.0) <= video_p99,
+            )
             rows.append(row)
             on_row(row)
             if row.meets:
@@ -143,8 +168,11 @@ def _cell(value: float | None, digits: int = 1) -> str:
 
 
 def print_row(row: Row) -> None:
-    print(f"| {row.cards} | {row.split} | {_cell(row.image_p99)} | {_cell(row.video_p99)} | "
-          f"{_cell(row.utilization, 2)} | {'yes' if row.meets else ''} |", flush=True)
+    print(
+        f"| {row.cards} | {row.split} | {_cell(row.image_p99)} | {_cell(row.video_p99)} | "
+        f"{_cell(row.utilization, 2)} | {'yes' if row.meets else ''} |",
+        flush=True,
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -152,27 +180,48 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--rate", type=float, required=True, help="arrivals per second")
     parser.add_argument("--image-p99", type=float, required=True, help="images' P99 target, seconds")
     parser.add_argument("--video-p99", type=float, required=True, help="videos' P99 target, seconds")
-    parser.add_argument("--mix", type=parse_mix, default=SEED_IMAGE_SHARE,
-                        help="image=SHARE,video=SHARE (default the seed's image=0.8,video=0.2)")
-    parser.add_argument("--metric", choices=("wait", "latency"), default="wait",
-                        help="wait: arrival → first step (the seed's); latency: arrival → denoised")
+    parser.add_argument(
+        "--mix",
+        type=parse_mix,
+        default=SEED_IMAGE_SHARE,
+        help="image=SHARE,video=SHARE (default the seed's image=0.8,video=0.2)",
+    )
+    parser.add_argument(
+        "--metric",
+        choices=("wait", "latency"),
+        default="wait",
+        help="wait: arrival → first step (the seed's); latency: arrival → denoised",
+    )
     parser.add_argument("--arrivals", type=int, default=400, help="requests simulated (the seed's 400)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--max-cards", type=int, default=32)
     args = parser.parse_args(argv)
     if args.rate <= 0 or args.arrivals < 1:
         parser.error("--rate must be positive and --arrivals at least 1")
-    print(f"rate {args.rate}/s, image share {args.mix:.2f}, {args.arrivals} arrivals (seed {args.seed}); "
-          f"targets: {args.metric} P99 images ≤ {args.image_p99} s, videos ≤ {args.video_p99} s\n")
+    print(
+        f"rate {args.rate}/s, image share {args.mix:.2f}, {args.arrivals} arrivals (seed {args.seed}); "
+        f"targets: {args.metric} P99 images ≤ {args.image_p99} s, videos ≤ {args.video_p99} s\n"
+    )
     print(f"| cards | split | image P99 {args.metric} (s) | video P99 {args.metric} (s) | utilization | meets |")
     print("| ---: | --- | ---: | ---: | ---: | --- |")
-    best, _ = size_cluster(args.rate, args.image_p99, args.video_p99, image_share=args.mix, metric=args.metric,
-                           arrivals=args.arrivals, seed=args.seed, max_cards=args.max_cards, on_row=print_row)
+    best, _ = size_cluster(
+        args.rate,
+        args.image_p99,
+        args.video_p99,
+        image_share=args.mix,
+        metric=args.metric,
+        arrivals=args.arrivals,
+        seed=args.seed,
+        max_cards=args.max_cards,
+        on_row=print_row,
+    )
     if best is None:
         print(f"\nno split of up to {args.max_cards} cards meets the targets")
         return 1
-    print(f"\nanswer: {best.cards} cards, split: {best.split} "
-          f"(image P99 {best.image_p99:.1f} s, video P99 {best.video_p99:.1f} s)")
+    print(
+        f"\nanswer: {best.cards} cards, split: {best.split} "
+        f"(image P99 {best.image_p99:.1f} s, video P99 {best.video_p99:.1f} s)"
+    )
     return 0
 
 

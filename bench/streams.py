@@ -13,6 +13,7 @@ processes), then:
 5. prints both as a table (P50, P99, throughput, the codes answered) and the ratio, which the
    target holds within 1.5×.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -27,8 +28,14 @@ from bench.livestack import LiveStack, live_stack
 from genserver.scheduling.simulator import pct
 
 SCALE = 0.05  # the cost model's seconds × this: a 480p Wan video runs for minutes, a turbo image instantly
-WATCHED = {"model": "wan-sim", "prompt": "a stream of progress", "width": 832, "height": 480, "num_frames": 81,
-           "steps": 50}
+WATCHED = {
+    "model": "wan-sim",
+    "prompt": "a stream of progress",
+    "width": 832,
+    "height": 480,
+    "num_frames": 81,
+    "steps": 50,
+}
 SUBMIT = {"model": "sdxl-turbo-sim", "prompt": "a lighthouse at dusk", "width": 512, "height": 512, "steps": 4}
 
 
@@ -39,8 +46,9 @@ class Streams:
         self.stack, self.stop = stack, threading.Event()
         self.opened, self.events, self.ended, self.errors = 0, 0, 0, []
         self.lock = threading.Lock()
-        self.threads = [threading.Thread(target=self._read, args=(job_ids[i % len(job_ids)],), daemon=True)
-                        for i in range(count)]
+        self.threads = [
+            threading.Thread(target=self._read, args=(job_ids[i % len(job_ids)],), daemon=True) for i in range(count)
+        ]
         for thread in self.threads:
             thread.start()
 
@@ -48,8 +56,11 @@ class Streams:
         parts = urlsplit(self.stack.url)
         conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=600)
         try:
-            conn.request("GET", f"/api/v1/jobs/{job_id}/events/",
-                         headers={"Authorization": f"Token {self.stack.token}", "Accept": "text/event-stream"})
+            conn.request(
+                "GET",
+                f"/api/v1/jobs/{job_id}/events/",
+                headers={"Authorization": f"Token {self.stack.token}", "Accept": "text/event-stream"},
+            )
             response = conn.getresponse()
             if response.status != 200:
                 raise RuntimeError(f"stream answered {response.status}")
@@ -133,16 +144,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         streams.close()
         for job_id in watched:
             stack.request("POST", f"/api/v1/jobs/{job_id}/cancel/")
-    print(f"\n{args.submits} submits from {args.clients} clients; {len(watched)} watched job(s); "
-          f"{events_during} events delivered to the streams during the second run; "
-          f"{still_open}/{args.streams} streams still open at its end\n")
+    print(
+        f"\n{args.submits} submits from {args.clients} clients; {len(watched)} watched job(s); "
+        f"{events_during} events delivered to the streams during the second run; "
+        f"{still_open}/{args.streams} streams still open at its end\n"
+    )
     print("| run | submit P50 | submit P99 | submits/s | answers |")
     print("| --- | --- | --- | --- | --- |")
     for name, latencies, codes, throughput in rows:
-        print(f"| {name} | {pct(latencies, .5) * 1000:.1f} ms | {pct(latencies, .99) * 1000:.1f} ms | "
-              f"{throughput:.1f} | {', '.join(f'{c}×{n}' for c, n in sorted(codes.items()))} |")
+        print(
+            f"| {name} | {pct(latencies, 0.5) * 1000:.1f} ms | {pct(latencies, 0.99) * 1000:.1f} ms | "
+            f"{throughput:.1f} | {', '.join(f'{c}×{n}' for c, n in sorted(codes.items()))} |"
+        )
     base, loaded = rows[0][1], rows[1][1]
-    p50, p99 = pct(loaded, .5) / pct(base, .5), pct(loaded, .99) / pct(base, .99)
+    p50, p99 = pct(loaded, 0.5) / pct(base, 0.5), pct(loaded, 0.99) / pct(base, 0.99)
     print(f"\nratio with streams: P50 {p50:.2f}×, P99 {p99:.2f}× (target: both ≤ 1.5×)")
     return 0 if p50 <= 1.5 and p99 <= 1.5 else 1
 

@@ -1,4 +1,5 @@
 """ASGI entry point: `make up` serves it with uvicorn workers under gunicorn (event streams are async views)."""
+
 import os
 
 from django.core.asgi import get_asgi_application

@@ -1,4 +1,5 @@
 """The Celery application; its configuration lives in settings (CELERY_ prefix)."""
+
 import os
 
 from celery import Celery

@@ -12,6 +12,7 @@ raises `SettingsError` naming the variable and what it accepts. Entry points
 (`manage.py`, `python -m workers.stack`, `python -m workers.launcher`) print it as
 one line, `genserver: NAME: problem (accepted: ...)`, and exit with status 2.
 """
+
 from __future__ import annotations
 
 import json
@@ -89,12 +90,15 @@ def _range_text(minimum: float | None, maximum: float | None, above: float | Non
     return " and ".join(parts)
 
 
-def _check_range(name: str, value: float, kind: str, minimum: float | None, maximum: float | None,
-                 above: float | None) -> None:
-    if ((minimum is not None and value < minimum) or (maximum is not None and value > maximum)
-            or (above is not None and value <= above)):
-        raise SettingsError(name, f"{value:g} is out of range",
-                            f"{kind} {_range_text(minimum, maximum, above)}")
+def _check_range(
+    name: str, value: float, kind: str, minimum: float | None, maximum: float | None, above: float | None
+) -> None:
+    if (
+        (minimum is not None and value < minimum)
+        or (maximum is not None and value > maximum)
+        or (above is not None and value <= above)
+    ):
+        raise SettingsError(name, f"{value:g} is out of range", f"{kind} {_range_text(minimum, maximum, above)}")
 
 
 def env_int(name: str, default: int, *, minimum: int | None = None, maximum: int | None = None) -> int:
@@ -116,14 +120,14 @@ def env_optional_int(name: str, *, minimum: int | None = None, maximum: int | No
     return value
 
 
-def env_float(name: str, default: float, *, minimum: float | None = None, maximum: float | None = None,
-              above: float | None = None) -> float:
+def env_float(
+    name: str, default: float, *, minimum: float | None = None, maximum: float | None = None, above: float | None = None
+) -> float:
     """A finite number; `above` is an exclusive lower bound (a time scale must be > 0)."""
     raw = _raw(name)
     if raw is None:
         return default
-    kind = "a number" + (f" {_range_text(minimum, maximum, above)}" if (minimum, maximum, above) != (None,) * 3
-                         else "")
+    kind = "a number" + (f" {_range_text(minimum, maximum, above)}" if (minimum, maximum, above) != (None,) * 3 else "")
     try:
         value = float(raw)
     except ValueError:
@@ -160,8 +164,9 @@ def env_url(name: str, default: str, schemes: Sequence[str] = ("http", "https"))
         return default
     parts = urlsplit(raw)
     if parts.scheme not in schemes or not parts.netloc:
-        raise SettingsError(name, f"{raw!r} is not an absolute URL",
-                            f"{' or '.join(schemes)} URLs such as https://gen.example.com")
+        raise SettingsError(
+            name, f"{raw!r} is not an absolute URL", f"{' or '.join(schemes)} URLs such as https://gen.example.com"
+        )
     return raw.rstrip("/")
 
 
@@ -178,10 +183,13 @@ def env_pools(name: str = "GENSERVER_POOLS") -> str:
         problem = str(exc).replace(f"{name} names ", "")
         if isinstance(exc, json.JSONDecodeError | tomllib.TOMLDecodeError):
             problem = f"not valid {'JSON' if isinstance(exc, json.JSONDecodeError) else 'TOML'} ({exc})"
-        raise SettingsError(name, problem,
-                            'inline JSON {"workers": [{"name": "gpu0", "queues": ["short", "medium", "long"], '
-                            '"devices": [0]}, ...]} or the path of a .json/.toml file with the same; '
-                            "unset for the generated layout") from None
+        raise SettingsError(
+            name,
+            problem,
+            'inline JSON {"workers": [{"name": "gpu0", "queues": ["short", "medium", "long"], '
+            '"devices": [0]}, ...]} or the path of a .json/.toml file with the same; '
+            "unset for the generated layout",
+        ) from None
     return raw
 
 
@@ -194,14 +202,19 @@ def env_registry(name: str, default: str) -> str:
         load_registry(raw)
     except (RegistryError, OSError, ValueError) as exc:  # tomllib's decode error is a ValueError
         problem = str(exc).replace("; set GENSERVER_REGISTRY to a TOML file", "")
-        raise SettingsError(name, problem, f"TOML files in genserver/registry.toml's format, joined by "
-                                           f"{os.pathsep!r} (later files add or replace models)") from None
+        raise SettingsError(
+            name,
+            problem,
+            f"TOML files in genserver/registry.toml's format, joined by "
+            f"{os.pathsep!r} (later files add or replace models)",
+        ) from None
     return raw
 
 
 # --- The Django-free parts' settings ---------------------------------------------------------
 # Read at call time: the launcher sets some of them per worker process, and the runtime reads
 # them in that process. genserver/settings.py calls each once, so a bad value stops start-up.
+
 
 def data_dir() -> Path:
     """Where everything the service writes lives (GENSERVER_DATA_DIR, default ./var of the checkout)."""
@@ -285,8 +298,11 @@ def s3_bucket() -> str:
     """The bucket of the s3 backend; required when GENSERVER_STORAGE=s3."""
     bucket = env_str("GENSERVER_S3_BUCKET", "")
     if not bucket and storage_backend() == "s3":
-        raise SettingsError("GENSERVER_S3_BUCKET", "is unset but GENSERVER_STORAGE=s3",
-                            "the name of an existing bucket, such as genserver-data")
+        raise SettingsError(
+            "GENSERVER_S3_BUCKET",
+            "is unset but GENSERVER_STORAGE=s3",
+            "the name of an existing bucket, such as genserver-data",
+        )
     return bucket
 
 
@@ -322,6 +338,9 @@ def node() -> str:
 
     name = env_str("GENSERVER_NODE", "") or socket.gethostname().split(".")[0] or "localhost"
     if not set(name) <= _NODE_NAME_CHARS or len(name) > 64:
-        raise SettingsError("GENSERVER_NODE", f"{name!r} is not a node name",
-                            "up to 64 letters, digits, '.', '-' and '_' (it becomes part of Celery hostnames)")
+        raise SettingsError(
+            "GENSERVER_NODE",
+            f"{name!r} is not a node name",
+            "up to 64 letters, digits, '.', '-' and '_' (it becomes part of Celery hostnames)",
+        )
     return name

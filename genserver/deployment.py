@@ -1,4 +1,5 @@
 """This deployment's scheduling objects, built once from settings: registry, thresholds, limits, layout."""
+
 from __future__ import annotations
 
 from functools import lru_cache
@@ -23,8 +24,9 @@ def thresholds() -> ClassThresholds:
 
 @lru_cache(maxsize=1)
 def limits() -> AdmissionLimits:
-    return AdmissionLimits(short=settings.ADMIT_SHORT_SECONDS, medium=settings.ADMIT_MEDIUM_SECONDS,
-                           long=settings.ADMIT_LONG_SECONDS)
+    return AdmissionLimits(
+        short=settings.ADMIT_SHORT_SECONDS, medium=settings.ADMIT_MEDIUM_SECONDS, long=settings.ADMIT_LONG_SECONDS
+    )
 
 
 def num_gpus() -> int:
@@ -33,8 +35,14 @@ def num_gpus() -> int:
 
 @lru_cache(maxsize=1)
 def layout() -> PoolLayout:
-    return load_layout(settings.POOLS, num_gpus(), settings.CPU_WORKERS, settings.IMAGE_CARDS,
-                       settings.MAX_LONG_CARDS, settings.GROUP_CARDS)
+    return load_layout(
+        settings.POOLS,
+        num_gpus(),
+        settings.CPU_WORKERS,
+        settings.IMAGE_CARDS,
+        settings.MAX_LONG_CARDS,
+        settings.GROUP_CARDS,
+    )
 
 
 def clock_scale(backend: str) -> float:

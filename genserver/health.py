@@ -14,6 +14,7 @@ Worker liveness is the heartbeat key each worker's main process renews every
 <data dir>/run/supervisor.json: a process restarted again and again (a crash
 loop: Redis that cannot bind, a worker that dies at import) makes /readyz 503.
 """
+
 from __future__ import annotations
 
 import json
@@ -76,18 +77,23 @@ def _waiting_by_queue() -> dict[str, dict[str, Any]]:
         if oldest is not None and (entry["oldest"] is None or oldest < entry["oldest"]):
             entry["oldest"] = oldest
 
-    agg = unheld.filter(status__in=(JobStatus.QUEUED, JobStatus.ENCODING)).aggregate(n=Count("pk"),
-                                                                                    oldest=Min("published_at"))
+    agg = unheld.filter(status__in=(JobStatus.QUEUED, JobStatus.ENCODING)).aggregate(
+        n=Count("pk"), oldest=Min("published_at")
+    )
     put(ENCODE, agg["n"], agg["oldest"])
     agg = unheld.filter(status=JobStatus.DECODING).aggregate(n=Count("pk"), oldest=Min("published_at"))
     put(DECODE, agg["n"], agg["oldest"])
-    for row in (unheld.filter(status=JobStatus.DENOISING).values("queue", "duration_class")
-                .annotate(n=Count("pk"), oldest=Min("published_at"))):
+    for row in (
+        unheld.filter(status=JobStatus.DENOISING)
+        .values("queue", "duration_class")
+        .annotate(n=Count("pk"), oldest=Min("published_at"))
+    ):
         put(row["queue"] or row["duration_class"], row["n"], row["oldest"])
     for entry in waiting.values():
         oldest = entry.pop("oldest")
-        entry["oldest_message_age_seconds"] = (round(max(0.0, (now - oldest).total_seconds()), 3)
-                                               if oldest is not None else None)
+        entry["oldest_message_age_seconds"] = (
+            round(max(0.0, (now - oldest).total_seconds()), 3) if oldest is not None else None
+        )
     return waiting
 
 
@@ -135,8 +141,12 @@ def readyz(request: HttpRequest) -> JsonResponse:
                 depth = broker_depth(queue)
             except Exception:  # noqa: BLE001 - a probe reports an unknown depth, it never raises
                 depth = None
-        entry = {"live_workers": names, "broker_messages": depth,
-                 "waiting_jobs": 0, "oldest_message_age_seconds": None} | waiting.get(queue, {})
+        entry = {
+            "live_workers": names,
+            "broker_messages": depth,
+            "waiting_jobs": 0,
+            "oldest_message_age_seconds": None,
+        } | waiting.get(queue, {})
         if queue in (CONTROL, WEBHOOKS):  # no job waits there
             entry.pop("waiting_jobs")
             entry.pop("oldest_message_age_seconds")
@@ -148,13 +158,16 @@ def readyz(request: HttpRequest) -> JsonResponse:
         looping = sorted(name for name, child in processes.get("children", {}).items() if child.get("crash_looping"))
         for name in looping:
             child = processes["children"][name]
-            problems.append(f"process {name!r} is crash-looping: restarted {child['restarts']} times in a row "
-                            f"(last exit status {child['last_exit']}); see the `make up` log")
+            problems.append(
+                f"process {name!r} is crash-looping: restarted {child['restarts']} times in a row "
+                f"(last exit status {child['last_exit']}); see the `make up` log"
+            )
         checks["processes"] = {"ok": not looping, "children": processes.get("children", {})}
-    checks["workers"] = {"ok": redis_ok and all(q["live_workers"] for q in queues.values()),
-                         "live": sorted(w.get("name", "?") for w in live)}
-    body = {"status": "unavailable" if problems else "ready", "problems": problems, "checks": checks,
-            "queues": queues}
+    checks["workers"] = {
+        "ok": redis_ok and all(q["live_workers"] for q in queues.values()),
+        "live": sorted(w.get("name", "?") for w in live),
+    }
+    body = {"status": "unavailable" if problems else "ready", "problems": problems, "checks": checks, "queues": queues}
     if problems:
         log.warning("not ready: %s", "; ".join(problems))
     return JsonResponse(body, status=503 if problems else 200, headers={"Cache-Control": "no-store"})

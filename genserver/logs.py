@@ -1,4 +1,5 @@
 """Log formatting: one JSON object per line (GENSERVER_LOG_FORMAT=json) for log collectors, or plain text."""
+
 from __future__ import annotations
 
 import json
@@ -7,8 +8,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 # What every LogRecord carries; anything else on a record came from `extra=` and is a field of its line.
-_RECORD_ATTRIBUTES = frozenset(vars(logging.LogRecord("", 0, "", 0, "", (), None))) | {"message", "asctime",
-                                                                                      "taskName"}
+_RECORD_ATTRIBUTES = frozenset(vars(logging.LogRecord("", 0, "", 0, "", (), None))) | {"message", "asctime", "taskName"}
 TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s %(message)s"
 
 

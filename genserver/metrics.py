@@ -19,6 +19,7 @@ Two kinds of metric (docs/METRICS.md lists every name):
 The Redis counters below predate /metrics and stay: GET /api/v1/workers/
 reads them too, and they are shared by every node without a scrape.
 """
+
 from __future__ import annotations
 
 import logging
@@ -68,8 +69,10 @@ CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 # process's memory, and /metrics shows this process's counts only.
 IN_MEMORY = _values.ValueClass.__name__ != "MmapedValue"
 if IN_MEMORY:
-    log.warning("prometheus-client was imported before genserver.metrics set PROMETHEUS_MULTIPROC_DIR: "
-                "/metrics shows this process's counts only; import genserver.metrics first")
+    log.warning(
+        "prometheus-client was imported before genserver.metrics set PROMETHEUS_MULTIPROC_DIR: "
+        "/metrics shows this process's counts only; import genserver.metrics first"
+    )
 
 # --- Counted where it happens (one file per process) --------------------------------------------------------
 _PROCESS = CollectorRegistry()  # only read when IN_MEMORY; the files are the truth otherwise
@@ -78,29 +81,72 @@ STEP_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, mat
 BOUNDARY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, math.inf)
 BYTES_BUCKETS = (1e3, 1e4, 1e5, 1e6, 1e7, 1e8, 1e9, 1e10, math.inf)
 
-SUBMITS = Counter("genserver_submits", "Submits by duration class and outcome (accepted, or refused and why)",
-                  ["class", "outcome", "reason"], registry=_PROCESS)
-JOB_WAIT = Histogram("genserver_job_wait_seconds", "Arrival to the job's first denoising step, per class",
-                     ["class"], buckets=SECONDS_BUCKETS, registry=_PROCESS)
-JOB_DELAY = Histogram("genserver_job_delay_seconds",
-                      "Completion − arrival − expected service seconds of each succeeded job, per class",
-                      ["class"], buckets=SECONDS_BUCKETS, registry=_PROCESS)
-STEP_SECONDS = Histogram("genserver_step_seconds", "Mean seconds per denoising step of each chunk run alone, "
-                         "per model", ["model"], buckets=STEP_BUCKETS, registry=_PROCESS)
-CHUNK_BOUNDARY = Histogram("genserver_chunk_boundary_seconds",
-                           "Seconds at a chunk's end: checkpoint writes, recording, the yield test, per model",
-                           ["model"], buckets=BOUNDARY_BUCKETS, registry=_PROCESS)
-DECODE_SECONDS = Histogram("genserver_decode_seconds", "Seconds of each VAE decode (a job's, or one "
-                           "segment's of a long video), per model", ["model"], buckets=SECONDS_BUCKETS,
-                           registry=_PROCESS)
-CHECKPOINT_BYTES = Histogram("genserver_checkpoint_bytes", "Size of each chunk checkpoint written, per model",
-                             ["model"], buckets=BYTES_BUCKETS, registry=_PROCESS)
-REAPER_ACTIONS = Counter("genserver_reaper_actions", "What the reaper did: republished a lost message, or "
-                         "failed an attempt whose lease expired", ["action"], registry=_PROCESS)
-HTTP_REQUESTS = Counter("genserver_http_requests", "Django requests by method, URL name and status code",
-                        ["method", "view", "status"], registry=_PROCESS)
-HTTP_SECONDS = Histogram("genserver_http_request_seconds", "Django request latency by method and URL name",
-                         ["method", "view"], registry=_PROCESS)
+SUBMITS = Counter(
+    "genserver_submits",
+    "Submits by duration class and outcome (accepted, or refused and why)",
+    ["class", "outcome", "reason"],
+    registry=_PROCESS,
+)
+JOB_WAIT = Histogram(
+    "genserver_job_wait_seconds",
+    "Arrival to the job's first denoising step, per class",
+    ["class"],
+    buckets=SECONDS_BUCKETS,
+    registry=_PROCESS,
+)
+JOB_DELAY = Histogram(
+    "genserver_job_delay_seconds",
+    "Completion − arrival − expected service seconds of each succeeded job, per class",
+    ["class"],
+    buckets=SECONDS_BUCKETS,
+    registry=_PROCESS,
+)
+STEP_SECONDS = Histogram(
+    "genserver_step_seconds",
+    "Mean seconds per denoising step of each chunk run alone, per model",
+    ["model"],
+    buckets=STEP_BUCKETS,
+    registry=_PROCESS,
+)
+CHUNK_BOUNDARY = Histogram(
+    "genserver_chunk_boundary_seconds",
+    "Seconds at a chunk's end: checkpoint writes, recording, the yield test, per model",
+    ["model"],
+    buckets=BOUNDARY_BUCKETS,
+    registry=_PROCESS,
+)
+DECODE_SECONDS = Histogram(
+    "genserver_decode_seconds",
+    "Seconds of each VAE decode (a job's, or one segment's of a long video), per model",
+    ["model"],
+    buckets=SECONDS_BUCKETS,
+    registry=_PROCESS,
+)
+CHECKPOINT_BYTES = Histogram(
+    "genserver_checkpoint_bytes",
+    "Size of each chunk checkpoint written, per model",
+    ["model"],
+    buckets=BYTES_BUCKETS,
+    registry=_PROCESS,
+)
+REAPER_ACTIONS = Counter(
+    "genserver_reaper_actions",
+    "What the reaper did: republished a lost message, or failed an attempt whose lease expired",
+    ["action"],
+    registry=_PROCESS,
+)
+HTTP_REQUESTS = Counter(
+    "genserver_http_requests",
+    "Django requests by method, URL name and status code",
+    ["method", "view", "status"],
+    registry=_PROCESS,
+)
+HTTP_SECONDS = Histogram(
+    "genserver_http_request_seconds",
+    "Django request latency by method and URL name",
+    ["method", "view"],
+    registry=_PROCESS,
+)
 
 
 def count_submit(duration_class: str, refused_reason: str = "") -> None:
@@ -169,16 +215,23 @@ def _jobs_by_status() -> Iterator[Metric]:
 def _queues() -> Iterator[Metric]:
     from genserver.jobs.selectors import queue_overview
 
-    depth = GaugeMetricFamily("genserver_queue_depth", "Active jobs of the class not running on a card",
-                              labels=["class"])
-    running = GaugeMetricFamily("genserver_queue_running", "Jobs of the class denoising on a card now",
-                                labels=["class"])
-    backlog = GaugeMetricFamily("genserver_queue_backlog_seconds", "Seconds of work left in the class's "
-                                "active jobs", labels=["class"])
-    wait = GaugeMetricFamily("genserver_admission_expected_wait_seconds", "Admission's expected wait for a "
-                             "typical new job of the class (+Inf: no worker serves it)", labels=["class"])
-    accepting = GaugeMetricFamily("genserver_admission_accepting", "1 when a typical new job of the class "
-                                  "would be accepted now", labels=["class"])
+    depth = GaugeMetricFamily(
+        "genserver_queue_depth", "Active jobs of the class not running on a card", labels=["class"]
+    )
+    running = GaugeMetricFamily(
+        "genserver_queue_running", "Jobs of the class denoising on a card now", labels=["class"]
+    )
+    backlog = GaugeMetricFamily(
+        "genserver_queue_backlog_seconds", "Seconds of work left in the class's active jobs", labels=["class"]
+    )
+    wait = GaugeMetricFamily(
+        "genserver_admission_expected_wait_seconds",
+        "Admission's expected wait for a typical new job of the class (+Inf: no worker serves it)",
+        labels=["class"],
+    )
+    accepting = GaugeMetricFamily(
+        "genserver_admission_accepting", "1 when a typical new job of the class would be accepted now", labels=["class"]
+    )
     for entry in queue_overview():
         name = entry["name"]
         depth.add_metric([name], entry["depth"])
@@ -205,10 +258,8 @@ def _workers() -> Iterator[Metric]:
     for worker in live_workers():
         node = worker.get("node") or "local"
         live.setdefault(node, []).append(_cards(worker))
-    workers = GaugeMetricFamily("genserver_live_workers", "Workers with a recent heartbeat, per node",
-                                labels=["node"])
-    cards = GaugeMetricFamily("genserver_live_cards", "Cards of the live denoising workers, per node",
-                              labels=["node"])
+    workers = GaugeMetricFamily("genserver_live_workers", "Workers with a recent heartbeat, per node", labels=["node"])
+    cards = GaugeMetricFamily("genserver_live_cards", "Cards of the live denoising workers, per node", labels=["node"])
     for node, worker_cards in sorted(live.items()):
         workers.add_metric([node], len(worker_cards))
         cards.add_metric([node], sum(worker_cards))
@@ -217,8 +268,9 @@ def _workers() -> Iterator[Metric]:
 
 def _redis_counters() -> Iterator[Metric]:
     cache = embedding_cache_counts()
-    lookups = CounterMetricFamily("genserver_embedding_cache", "Prompt-embedding cache lookups by result",
-                                  labels=["result"])
+    lookups = CounterMetricFamily(
+        "genserver_embedding_cache", "Prompt-embedding cache lookups by result", labels=["result"]
+    )
     lookups.add_metric(["hit"], cache["hits"])
     lookups.add_metric(["miss"], cache["misses"])
     merged = merged_counts()
@@ -284,8 +336,12 @@ def metrics_view(request: Any) -> Any:
     if request.method != "GET":
         return HttpResponse("GET /metrics only.\n", status=405, content_type="text/plain", headers={"Allow": "GET"})
     if not _may_scrape(request):
-        return HttpResponse("GET /metrics needs a staff session, or `Authorization: Bearer <token>` with the token "
-                            "set in GENSERVER_METRICS_TOKEN.\n", status=403, content_type="text/plain")
+        return HttpResponse(
+            "GET /metrics needs a staff session, or `Authorization: Bearer <token>` with the token "
+            "set in GENSERVER_METRICS_TOKEN.\n",
+            status=403,
+            content_type="text/plain",
+        )
     return HttpResponse(scrape(), content_type=CONTENT_TYPE)
 
 

@@ -1,4 +1,5 @@
 """One Redis connection pool per process, for flags, counters and worker heartbeats (not the broker)."""
+
 from __future__ import annotations
 
 from functools import lru_cache
@@ -14,5 +15,6 @@ WORKER_KEY = "genserver:worker:{name}"
 
 @lru_cache(maxsize=1)
 def client() -> redis.Redis:
-    return redis.Redis.from_url(settings.REDIS_URL, socket_timeout=5, socket_connect_timeout=5,
-                                health_check_interval=30)
+    return redis.Redis.from_url(
+        settings.REDIS_URL, socket_timeout=5, socket_connect_timeout=5, health_check_interval=30
+    )

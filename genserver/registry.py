@@ -4,6 +4,7 @@ Plain Python, read from a TOML file (`GENSERVER_REGISTRY`, default the bundled
 `registry.toml`). Used by the API (validation, `GET /models/`), the cost model
 (calibration points), and the worker runtime (family, backend, local path).
 """
+
 from __future__ import annotations
 
 import os
@@ -83,7 +84,10 @@ class ModelSpec:
     def public(self) -> dict[str, Any]:
         """What `GET /api/v1/models/` shows."""
         return {
-            "name": self.name, "family": self.family, "kind": self.kind, "backend": self.backend,
+            "name": self.name,
+            "family": self.family,
+            "kind": self.kind,
+            "backend": self.backend,
             "description": self.description,
             "limits": self.limits.__dict__ | {"max_outputs": 4},
             "defaults": self.defaults.__dict__,
@@ -107,7 +111,7 @@ def _spec_from(name: str, raw: dict[str, Any]) -> ModelSpec:
         raise RegistryError(f"{where}: backend must be one of {BACKENDS}, got {backend!r}")
     points = {int(k): float(v) for k, v in (raw.get("cost_points") or {}).items()}
     if not points or any(v <= 0 for v in points.values()):
-        raise RegistryError(f"{where}: cost_points needs at least one positive entry, e.g. {{\"4096\" = 2.9}}")
+        raise RegistryError(f'{where}: cost_points needs at least one positive entry, e.g. {{"4096" = 2.9}}')
     if backend == "diffusers" and not raw.get("path"):
         raise RegistryError(f"{where}: a diffusers model needs `path`, the local checkpoint directory")
     try:
@@ -122,25 +126,44 @@ def _spec_from(name: str, raw: dict[str, Any]) -> ModelSpec:
         raise RegistryError(f"{where}: an image model must have max_frames = 1")
     segment_frames = int(raw.get("segment_frames", 0))
     if segment_frames and (kind != "video" or segment_frames < 1 or (segment_frames - 1) % limits.frames_step):
-        raise RegistryError(f"{where}: segment_frames must be 1 + a multiple of frames_step "
-                            f"({limits.frames_step}) on a video model, got {segment_frames}")
+        raise RegistryError(
+            f"{where}: segment_frames must be 1 + a multiple of frames_step "
+            f"({limits.frames_step}) on a video model, got {segment_frames}"
+        )
     dtype, variant = str(raw.get("dtype", "")), str(raw.get("variant", ""))
     if dtype and dtype not in DTYPES:
-        raise RegistryError(f"{where}: dtype must be one of {DTYPES} (or absent: bfloat16 on CUDA, float32 "
-                            f"on CPU), got {dtype!r}")
+        raise RegistryError(
+            f"{where}: dtype must be one of {DTYPES} (or absent: bfloat16 on CUDA, float32 on CPU), got {dtype!r}"
+        )
     compile_denoiser = raw.get("compile", False)
     if not isinstance(compile_denoiser, bool):
         raise RegistryError(f"{where}: compile must be true or false, got {compile_denoiser!r}")
     encode_device = str(raw.get("encode_device", ""))
     if encode_device not in ENCODE_DEVICES:
-        raise RegistryError(f"{where}: encode_device must be \"cpu\" (or absent: the worker's device), "
-                            f"got {encode_device!r}")
-    return ModelSpec(name=name, family=family, kind=kind, backend=backend, cost_points=points,
-                     path=str(raw.get("path", "")), description=str(raw.get("description", "")),
-                     max_batch=int(raw.get("max_batch", 1)), max_merge=max_merge, limits=limits, defaults=defaults,
-                     scheduler=str(raw.get("scheduler", "euler")), fault_at_step=int(raw.get("fault_at_step", 0)),
-                     segment_frames=segment_frames, dtype=dtype, variant=variant, compile=compile_denoiser,
-                     attention=str(raw.get("attention", "")), encode_device=encode_device)
+        raise RegistryError(
+            f'{where}: encode_device must be "cpu" (or absent: the worker\'s device), got {encode_device!r}'
+        )
+    return ModelSpec(
+        name=name,
+        family=family,
+        kind=kind,
+        backend=backend,
+        cost_points=points,
+        path=str(raw.get("path", "")),
+        description=str(raw.get("description", "")),
+        max_batch=int(raw.get("max_batch", 1)),
+        max_merge=max_merge,
+        limits=limits,
+        defaults=defaults,
+        scheduler=str(raw.get("scheduler", "euler")),
+        fault_at_step=int(raw.get("fault_at_step", 0)),
+        segment_frames=segment_frames,
+        dtype=dtype,
+        variant=variant,
+        compile=compile_denoiser,
+        attention=str(raw.get("attention", "")),
+        encode_device=encode_device,
+    )
 
 
 @dataclass(frozen=True)
@@ -161,10 +184,12 @@ class Registry:
 
     def missing_checkpoints(self, data_dir: Path) -> list[str]:
         """One readable line per diffusers model whose local checkpoint directory is absent."""
-        return [f"model {spec.name!r}: checkpoint directory {spec.resolved_path(data_dir)} does not exist "
-                f"(run `python manage.py make_tiny_models` for the tiny-* models, or fix `path` in the registry)"
-                for spec in self.models.values()
-                if spec.backend == "diffusers" and not spec.resolved_path(data_dir).is_dir()]
+        return [
+            f"model {spec.name!r}: checkpoint directory {spec.resolved_path(data_dir)} does not exist "
+            f"(run `python manage.py make_tiny_models` for the tiny-* models, or fix `path` in the registry)"
+            for spec in self.models.values()
+            if spec.backend == "diffusers" and not spec.resolved_path(data_dir).is_dir()
+        ]
 
 
 def load_registry(paths: str | Path | None = None) -> Registry:

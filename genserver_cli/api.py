@@ -2,6 +2,7 @@
 
 Standard library only (urllib), so the client installs anywhere without the service's dependencies.
 """
+
 from __future__ import annotations
 
 import json
@@ -32,8 +33,9 @@ class ApiError(Exception):
             detail = self.body.get("detail")
             if detail:
                 return f"{self.status}: {detail}"
-            return f"{self.status}: " + "; ".join(f"{k}: {' '.join(map(str, v)) if isinstance(v, list) else v}"
-                                                  for k, v in self.body.items())
+            return f"{self.status}: " + "; ".join(
+                f"{k}: {' '.join(map(str, v)) if isinstance(v, list) else v}" for k, v in self.body.items()
+            )
         return f"{self.status}: {self.body}"
 
     @property
@@ -52,11 +54,16 @@ class Api:
     def url(self, path: str) -> str:
         return urljoin(self.base_url, path.lstrip("/")) if not path.startswith("http") else path
 
-    def _request(self, method: str, path: str, body: Any = None, headers: dict[str, str] | None = None
-                 ) -> urllib.request.Request:
+    def _request(
+        self, method: str, path: str, body: Any = None, headers: dict[str, str] | None = None
+    ) -> urllib.request.Request:
         data = json.dumps(body).encode() if body is not None else None
-        all_headers = {"Authorization": f"Token {self.token}", "User-Agent": USER_AGENT,
-                       "Accept": "application/json", **(headers or {})}
+        all_headers = {
+            "Authorization": f"Token {self.token}",
+            "User-Agent": USER_AGENT,
+            "Accept": "application/json",
+            **(headers or {}),
+        }
         if data is not None:
             all_headers["Content-Type"] = "application/json"
         return urllib.request.Request(self.url(path), data=data, method=method, headers=all_headers)
@@ -110,7 +117,7 @@ class Api:
                 failures += 1
             if failures > reconnects:
                 raise ApiError(0, f"the event stream of job {job_id} kept dropping; try `genserver status {job_id}`")
-            time.sleep(min(5.0, 0.5 * 2 ** failures))
+            time.sleep(min(5.0, 0.5 * 2**failures))
 
 
 def _parse(response) -> Iterator[tuple[str, dict[str, Any]]]:

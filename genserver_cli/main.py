@@ -7,6 +7,7 @@ Exit codes: 0 succeeded (or done), 1 failed or cancelled (or an API error), 2 re
 server is overloaded or you submit too fast; when to retry is printed), 3 usage error (bad arguments,
 a field the server refused, no token), 130 interrupted and left running.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -42,8 +43,7 @@ def size(text: str) -> tuple[int, int]:
 
 
 def build_parser() -> Parser:
-    parser = Parser(prog="genserver", description="The genserver API from a terminal (GENSERVER_URL, "
-                                                   "GENSERVER_TOKEN).")
+    parser = Parser(prog="genserver", description="The genserver API from a terminal (GENSERVER_URL, GENSERVER_TOKEN).")
     parser.add_argument("--json", action="store_true", help="print the API's JSON instead of a summary")
     commands = parser.add_subparsers(dest="command", required=True, parser_class=Parser)
     submit = commands.add_parser("submit", help="submit a job (with --wait: follow it and save its outputs)")
@@ -93,8 +93,10 @@ def main(argv: list[str] | None = None) -> int:
 def report_api_error(error: ApiError) -> int:
     if error.status == 429:
         when = error.retry_after or (error.body.get("retry_after") if isinstance(error.body, dict) else None)
-        print(f"genserver: refused: {error}. Retry in {when} s." if when else f"genserver: refused: {error}",
-              file=sys.stderr)
+        print(
+            f"genserver: refused: {error}. Retry in {when} s." if when else f"genserver: refused: {error}",
+            file=sys.stderr,
+        )
         return REFUSED
     print(f"genserver: {error}", file=sys.stderr)
     return USAGE if error.status in (400, 401, 403, 404, 413, 415, 422) else FAILED
@@ -102,18 +104,29 @@ def report_api_error(error: ApiError) -> int:
 
 # --- commands ----------------------------------------------------------------------------
 
+
 def cmd_submit(api: Api, args: argparse.Namespace) -> int:
     body: dict[str, Any] = {"model": args.model, "prompt": args.prompt}
     if args.size:
         body["width"], body["height"] = args.size
-    for option, name in (("frames", "num_frames"), ("steps", "steps"), ("seed", "seed"), ("outputs", "num_outputs"),
-                         ("negative_prompt", "negative_prompt"), ("preview_every", "preview_every")):
+    for option, name in (
+        ("frames", "num_frames"),
+        ("steps", "steps"),
+        ("seed", "seed"),
+        ("outputs", "num_outputs"),
+        ("negative_prompt", "negative_prompt"),
+        ("preview_every", "preview_every"),
+    ):
         if getattr(args, option) is not None:
             body[name] = getattr(args, option)
     job = api.call("POST", "/api/v1/jobs/", body)
     if not args.wait:
-        print(json.dumps(job, indent=2) if args.json else f"{job['id']}  {job['status']}  "
-              f"(ETA {fmt_seconds(job.get('eta_seconds'))}; follow it: genserver status {job['id']})")
+        print(
+            json.dumps(job, indent=2)
+            if args.json
+            else f"{job['id']}  {job['status']}  "
+            f"(ETA {fmt_seconds(job.get('eta_seconds'))}; follow it: genserver status {job['id']})"
+        )
         return OK
     print(f"job {job['id']} ({job['model']}, {job['duration_class']})", flush=True)
     return follow(api, job, Path(args.out), args.json)
@@ -210,8 +223,10 @@ def cmd_models(api: Api, args: argparse.Namespace) -> int:
         print(json.dumps(models, indent=2))
     else:
         for model in models:
-            print(f"{model.get('name', '?'):24} {model.get('kind', ''):6} {model.get('family', ''):10} "
-                  f"{model.get('description', '')}")
+            print(
+                f"{model.get('name', '?'):24} {model.get('kind', ''):6} {model.get('family', ''):10} "
+                f"{model.get('description', '')}"
+            )
     return OK
 
 
@@ -228,8 +243,10 @@ def cmd_queues(api: Api, args: argparse.Namespace) -> int:
 
 def summary(job: dict[str, Any]) -> str:
     progress = job.get("progress") or {}
-    line = (f"{job['id']}  {job['status']:9} {job.get('model', '')}  step {progress.get('step', 0)}/"
-            f"{progress.get('total_steps', '?')}")
+    line = (
+        f"{job['id']}  {job['status']:9} {job.get('model', '')}  step {progress.get('step', 0)}/"
+        f"{progress.get('total_steps', '?')}"
+    )
     if job.get("queue_position"):
         line += f"  position {job['queue_position']}"
     if job.get("eta_seconds") is not None and job["status"] not in TERMINAL:
@@ -239,8 +256,15 @@ def summary(job: dict[str, Any]) -> str:
     return line
 
 
-COMMANDS = {"submit": cmd_submit, "status": cmd_status, "cancel": cmd_cancel, "download": cmd_download,
-            "list": cmd_list, "models": cmd_models, "queues": cmd_queues}
+COMMANDS = {
+    "submit": cmd_submit,
+    "status": cmd_status,
+    "cancel": cmd_cancel,
+    "download": cmd_download,
+    "list": cmd_list,
+    "models": cmd_models,
+    "queues": cmd_queues,
+}
 
 
 if __name__ == "__main__":

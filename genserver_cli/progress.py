@@ -2,6 +2,7 @@
 
 On a terminal one line is redrawn in place; otherwise (a pipe, a log) each change is a new line.
 """
+
 from __future__ import annotations
 
 from typing import Any, TextIO
@@ -23,8 +24,9 @@ def describe(job: dict[str, Any]) -> str:
     eta = f" · ETA {fmt_seconds(job.get('eta_seconds'))}" if job.get("eta_seconds") is not None else ""
     if job.get("cancel_requested") and status not in ("cancelled", "succeeded", "failed"):
         return f"cancelling · step {step}/{total}"
-    if status == "queued" or (status in ("denoising", "encoding") and job.get("stage") in ("queued", "waiting")
-                              and not step):
+    if status == "queued" or (
+        status in ("denoising", "encoding") and job.get("stage") in ("queued", "waiting") and not step
+    ):
         position = job.get("queue_position")
         return f"queued · position {position if position is not None else '?'}{eta}"
     if status in ("encoding", "denoising"):

@@ -1,4 +1,5 @@
 """What every stage task needs: who this worker is, and the job as the runtime sees it."""
+
 from __future__ import annotations
 
 import os
@@ -22,9 +23,17 @@ def worker_id(task) -> str:
 
 def request_of(job: Job) -> GenerationRequest:
     return GenerationRequest(
-        job_id=str(job.pk), model=job.model, prompt=job.prompt, negative_prompt=job.negative_prompt,
-        width=job.width, height=job.height, num_frames=job.num_frames, steps=job.steps,
-        guidance_scale=job.guidance_scale, seed=job.seed, num_outputs=job.num_outputs,
+        job_id=str(job.pk),
+        model=job.model,
+        prompt=job.prompt,
+        negative_prompt=job.negative_prompt,
+        width=job.width,
+        height=job.height,
+        num_frames=job.num_frames,
+        steps=job.steps,
+        guidance_scale=job.guidance_scale,
+        seed=job.seed,
+        num_outputs=job.num_outputs,
     )
 
 

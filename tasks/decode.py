@@ -1,4 +1,5 @@
 """Stage 3: VAE decode on its own worker (queue `decode`); the job succeeds with its outputs."""
+
 from __future__ import annotations
 
 import time
@@ -25,8 +26,13 @@ def decode(self, job_id: str) -> str:
     started = time.perf_counter()
     try:
         with renewing(lambda: services.heartbeat(job_id, worker)):
-            outputs = stages.decode(family_of(job, "decode"), storage(), request_of(job),
-                                    embeddings_ref=job.embeddings_key, checkpoint_ref=job.checkpoint_key)
+            outputs = stages.decode(
+                family_of(job, "decode"),
+                storage(),
+                request_of(job),
+                embeddings_ref=job.embeddings_key,
+                checkpoint_ref=job.checkpoint_key,
+            )
     except Exception:  # noqa: BLE001 - any decode error is recorded on the job, which is retried or fails
         return services.fail_attempt(job_id, worker, traceback.format_exc())
     metrics.observe(metrics.DECODE_SECONDS, job.model, time.perf_counter() - started)

@@ -15,6 +15,7 @@ runs them as one batch, one model call per step. Each member keeps its own
 lease, progress, previews, checkpoint, cancel and outputs; a member that is
 cancelled or loses its lease leaves the batch and the others go on.
 """
+
 from __future__ import annotations
 
 import time
@@ -77,8 +78,7 @@ def run_chunk(self, job_id: str, from_step: int) -> str:
     partners = services.claim_merge_partners(job, worker, deployment.registry().get(job.model).max_merge)
     if partners:
         count_merged_batch(1 + len(partners))
-    members = [_Member(j, CANCEL_KEY.format(job_id=j.pk), time.monotonic(), j.checkpoint_key)
-               for j in [job, *partners]]
+    members = [_Member(j, CANCEL_KEY.format(job_id=j.pk), time.monotonic(), j.checkpoint_key) for j in [job, *partners]]
     return _denoise(members, worker)
 
 
@@ -125,9 +125,14 @@ def _denoise(members: list[_Member], worker: str) -> str:
             m.state = m.cursor.load_state(family, store, m.job.checkpoint_step, m.job.checkpoint_key)
         while running := [m for m in members if not m.outcome]:
             results = stages.run_merged_chunk(
-                family, store, [m.state for m in running],
+                family,
+                store,
+                [m.state for m in running],
                 until_step=min(lead.steps, running[0].state.step + lead.chunk_steps),
-                preview_every=lead.preview_every, should_stop=should_stop, on_preview=on_preview)
+                preview_every=lead.preview_every,
+                should_stop=should_stop,
+                on_preview=on_preview,
+            )
             boundary = time.perf_counter()
             stay = keep_card(max(m.cursor.offset + r.step for m, r in zip(running, results)))
             for m, result in zip(running, results):
@@ -155,8 +160,7 @@ def _record_chunk(member: _Member, result: stages.ChunkResult, worker: str, stay
             services.finish_cancelled(job_id, worker)
         return result.stopped
     step = member.cursor.offset + result.step  # global over a long video's segments
-    if not services.finish_chunk(job_id, worker, step, result.checkpoint_key, result.step_seconds,
-                                 keep_lease=stay):
+    if not services.finish_chunk(job_id, worker, step, result.checkpoint_key, result.step_seconds, keep_lease=stay):
         return Outcome.SUPERSEDED
     metrics.observe(metrics.CHECKPOINT_BYTES, member.job.model, result.checkpoint_bytes)
     if member.checkpoint_key and member.checkpoint_key != result.checkpoint_key:
@@ -168,7 +172,7 @@ def _record_chunk(member: _Member, result: stages.ChunkResult, worker: str, stay
 
 
 def _flagged(member: _Member) -> str:
-    """"cancelled", "steps-changed" (POST /steps/ set another total than the one this worker runs),
+    """ "cancelled", "steps-changed" (POST /steps/ set another total than the one this worker runs),
     or "": both flags in one Redis round trip, since this runs before every step of every member."""
     cancelled, total = redis_client().mget(member.cancel_key, STEPS_KEY.format(job_id=member.job.pk))
     if cancelled is not None:

@@ -4,6 +4,7 @@ The task takes its job and, with it, other queued jobs of the same model (up
 to GENSERVER_ENCODE_BATCH), so prompts that wait together share one
 text-encoder call; embeddings are cached by a hash of (encoder, prompts).
 """
+
 from __future__ import annotations
 
 import traceback

@@ -1,4 +1,5 @@
 """Periodic upkeep run by Celery beat on the `control` queue."""
+
 from __future__ import annotations
 
 from celery import shared_task

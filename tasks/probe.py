@@ -1,4 +1,5 @@
 """A no-op task for measuring the bare Celery round trip on the same broker (bench/overhead.py)."""
+
 from __future__ import annotations
 
 import time

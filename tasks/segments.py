@@ -9,6 +9,7 @@
 * `assemble(job_id)` (queue `decode`): once every segment is published, the
   whole video; the job succeeds.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -39,8 +40,12 @@ def segment_request(job: Job, index: int) -> GenerationRequest:
     if job.segment_count <= 1:
         return request
     segment = segment_service.plan_of(job)[index]
-    return dataclasses.replace(request, job_id=runtime_segments.segment_job_id(str(job.pk), index),
-                               num_frames=segment.generate_frames, seed=segment.seed)
+    return dataclasses.replace(
+        request,
+        job_id=runtime_segments.segment_job_id(str(job.pk), index),
+        num_frames=segment.generate_frames,
+        seed=segment.seed,
+    )
 
 
 class SegmentCursor:
@@ -92,8 +97,15 @@ def decode_segment(self, job_id: str, index: int) -> str:
     try:
         with renewing(lambda: segment_service.renew_segment_lease(job_id, index, worker)):
             key, poster_key = runtime_segments.decode_segment(
-                family_of(job, "decode"), storage(), segment_request(job, index), job_id=str(job.pk), index=index,
-                frames=segment.frames, embeddings_ref=job.embeddings_key, checkpoint_ref=segment.checkpoint_key)
+                family_of(job, "decode"),
+                storage(),
+                segment_request(job, index),
+                job_id=str(job.pk),
+                index=index,
+                frames=segment.frames,
+                embeddings_ref=job.embeddings_key,
+                checkpoint_ref=segment.checkpoint_key,
+            )
     except Exception:  # noqa: BLE001 - recorded on the segment, retried
         return segment_service.fail_segment_decode(job_id, index, worker, traceback.format_exc())
     metrics.observe(metrics.DECODE_SECONDS, job.model, time.perf_counter() - started)

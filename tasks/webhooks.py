@@ -3,6 +3,7 @@
 The `webhooks` queue is not a GPU queue, so countdown retries (ETA messages)
 are fine here; the worker that consumes it holds no card.
 """
+
 from __future__ import annotations
 
 import http.client
@@ -40,10 +41,18 @@ def deliver(self, job_id: str, event: str, payload: dict) -> str:
     except (urllib.error.URLError, http.client.HTTPException, OSError, ValueError) as exc:
         reason = f"{exc.code} {exc.reason}" if isinstance(exc, urllib.error.HTTPError) else repr(exc)
         if attempt >= settings.WEBHOOK_MAX_ATTEMPTS:
-            log.warning("webhook %s of job %s to %s: giving up after %d attempts; last: %s",
-                        event, job_id, url, attempt, reason)
+            log.warning(
+                "webhook %s of job %s to %s: giving up after %d attempts; last: %s", event, job_id, url, attempt, reason
+            )
             return Outcome.GAVE_UP
         countdown = settings.WEBHOOK_BACKOFF_SECONDS * 2 ** (attempt - 1)
-        log.info("webhook %s of job %s to %s failed (%s); attempt %d in %.1f s",
-                 event, job_id, url, reason, attempt + 1, countdown)
+        log.info(
+            "webhook %s of job %s to %s failed (%s); attempt %d in %.1f s",
+            event,
+            job_id,
+            url,
+            reason,
+            attempt + 1,
+            countdown,
+        )
         raise self.retry(countdown=countdown, exc=exc) from None

@@ -2,6 +2,7 @@
 
 Helpers live in tests/support/; the stack boot in workers/local_workers.py (shared with bench/).
 """
+
 from __future__ import annotations
 
 import os
@@ -119,6 +120,7 @@ def _storage_env_set(request) -> None:
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Stack tests on s3 run after every other test: the session's stack reboots onto s3 once, not per test."""
+
     def on_s3_stack(item: pytest.Item) -> bool:
         params = getattr(getattr(item, "callspec", None), "params", {})
         return params.get("storage_backend") == "s3" and "stack" in getattr(item, "fixturenames", ())
@@ -164,6 +166,7 @@ def api(make_user):
 
 
 # --- events (issue 13): the real ASGI server, for SSE, the CLI and other HTTP clients -----------------
+
 
 @pytest.fixture(scope="session")
 def asgi_server(django_db_setup, redis_conn) -> Iterator:

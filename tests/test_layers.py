@@ -1,4 +1,5 @@
 """Layers import downward only: the import contracts in .importlinter hold, and the API never loads torch."""
+
 from __future__ import annotations
 
 import os
@@ -25,7 +26,8 @@ def test_the_api_does_not_import_torch():
         "print(' '.join(loaded) or 'clean')"
     )
     env = os.environ | {"DJANGO_SETTINGS_MODULE": "genserver.settings"}
-    done = subprocess.run([sys.executable, "-c", program], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-c", program], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120
+    )
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "clean", f"importing genserver.urls loaded: {done.stdout.strip()}"

@@ -3,6 +3,7 @@
 The test layout (tests/settings.py) has one card taking every class, an
 encode worker and a decode worker; the simulated clock runs at 1/500.
 """
+
 from __future__ import annotations
 
 import io
@@ -38,7 +39,6 @@ def watch_statuses(job_id, stop: threading.Event, seen: list[str]) -> None:
         connection.close()
 
 
-
 def test_tiny_model_job_goes_through_every_stage_to_a_png(storage_backend, stack, api):
     """On each storage backend (`storage_backend`: the stack's workers store there too)."""
     response = submit(api, model="tiny-sd", prompt="a red fox in the snow", preview_every=2, steps=10)
@@ -55,7 +55,7 @@ def test_tiny_model_job_goes_through_every_stage_to_a_png(storage_backend, stack
         seen.append(job.status)
     assert job.status == "succeeded", job.error
     order = ["queued", "encoding", "denoising", "decoding", "succeeded"]
-    assert [s for s in order if s in seen] == seen[:len([s for s in order if s in seen])]
+    assert [s for s in order if s in seen] == seen[: len([s for s in order if s in seen])]
     assert {"denoising", "decoding", "succeeded"} <= set(seen), seen
     body = api.get(f"/api/v1/jobs/{job_id}/").json()
     assert body["progress"] == {"step": 10, "total_steps": 10}

@@ -4,6 +4,7 @@ To make jobs wait together deterministically, the test tells card0 to stop
 consuming its queues (Celery's remote control, as an operator would), submits,
 waits until every job is encoded and waiting, then gives the queues back.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -22,16 +23,18 @@ from tests.support.waits import finished, job_row, wait_for
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.stack]
 
 
-
 def pixels(api, job_id) -> list[np.ndarray]:
     outputs = api.get(f"/api/v1/jobs/{job_id}/").json()["outputs"]
-    return [np.asarray(Image.open(io.BytesIO(b"".join(api.get(o["url"]).streaming_content))), dtype=np.int16)
-            for o in outputs]
+    return [
+        np.asarray(Image.open(io.BytesIO(b"".join(api.get(o["url"]).streaming_content))), dtype=np.int16)
+        for o in outputs
+    ]
 
 
 @contextlib.contextmanager
 def card_paused(stack, card: str = "card0") -> Iterator[None]:
     """card0 takes no new message inside the block (cancel_consumer / add_consumer)."""
+
     def card_hostname() -> str | None:
         replies = app.control.ping(timeout=1.0)
         return next((name for reply in replies for name in reply if name.startswith(f"{card}@")), None)

@@ -1,4 +1,5 @@
 """The real diffusion runtime through the whole stack: every family, previews, the prompt cache, batching."""
+
 from __future__ import annotations
 
 import io
@@ -12,7 +13,6 @@ from tests.support.api import download, submit
 from tests.support.waits import finished, job_row, wait_for
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.stack]
-
 
 
 @pytest.mark.parametrize("model", ["tiny-sdxl", "tiny-sd-dpm", "tiny-flux", "tiny-flux-dpm"])
@@ -39,8 +39,9 @@ def test_video_family_job_succeeds_with_an_mp4_and_a_poster(stack, api):
 
 
 def test_preview_appears_before_the_job_finishes(stack, api):
-    job_id = submit(api, model="tiny-sd", prompt="a slow one", steps=50, preview_every=1,
-                    width=256, height=256).json()["id"]
+    job_id = submit(api, model="tiny-sd", prompt="a slow one", steps=50, preview_every=1, width=256, height=256).json()[
+        "id"
+    ]
     seen = wait_for(lambda: (j := job_row(job_id)).preview_key and j, 60, what="a preview")
     assert not seen.is_terminal and 1 <= seen.preview_step < seen.steps
     body = api.get(f"/api/v1/jobs/{job_id}/").json()
@@ -77,11 +78,14 @@ def test_workers_endpoint_shows_loaded_models(stack, api):
     wait_for(card_holds_tiny_sd, 15, what="card0's heartbeat to list tiny-sd")
 
 
-@pytest.mark.parametrize("model, fields", [
-    ("tiny-sd-dpm", {"width": 256, "height": 256, "steps": 40}),
-    ("tiny-flux-dpm", {"width": 256, "height": 256, "steps": 40}),
-    ("tiny-wan", {"width": 128, "height": 128, "num_frames": 17, "steps": 40}),
-])
+@pytest.mark.parametrize(
+    "model, fields",
+    [
+        ("tiny-sd-dpm", {"width": 256, "height": 256, "steps": 40}),
+        ("tiny-flux-dpm", {"width": 256, "height": 256, "steps": 40}),
+        ("tiny-wan", {"width": 128, "height": 128, "num_frames": 17, "steps": 40}),
+    ],
+)
 def test_job_resumed_after_a_worker_kill_ends_exactly_as_an_uninterrupted_one(stack, api, model, fields):
     """The multistep solver's history, the RNG and the latents all travel in the checkpoint."""
     body = {"model": model, "prompt": "exact resume", "seed": 1234} | fields

@@ -1,4 +1,5 @@
 """Long videos in segments, end to end on real workers: staggered decode, the whole video, cancel, recovery."""
+
 from __future__ import annotations
 
 import io
@@ -18,7 +19,6 @@ pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.stack]
 LONG = {"model": "wan-sim", "width": 832, "height": 480, "num_frames": 241, "steps": 100}
 
 
-
 def frame_count(data: bytes) -> int:
     with av.open(io.BytesIO(data)) as container:
         return sum(1 for _ in container.decode(video=0))
@@ -26,6 +26,7 @@ def frame_count(data: bytes) -> int:
 
 def first_segment_while_denoising(api, job_id):
     """Poll the API until segment 0 is listed; return that body (and whether the card was still denoising)."""
+
     def poll():
         body = api.get(f"/api/v1/jobs/{job_id}/").json()
         return body if body["segments"] or body["status"] in ("succeeded", "failed", "cancelled") else None
@@ -42,8 +43,17 @@ def test_long_video_publishes_segments_while_denoising_then_the_whole_video(stac
     # Costed by its expected duration: three segments of 81 generated frames, 3× a one-segment video.
     from genserver.jobs import services
 
-    one = services.estimate({"model": "wan-sim", "width": 832, "height": 480, "num_frames": 81, "steps": 100,
-                             "guidance_scale": 5.0, "num_outputs": 1})
+    one = services.estimate(
+        {
+            "model": "wan-sim",
+            "width": 832,
+            "height": 480,
+            "num_frames": 81,
+            "steps": 100,
+            "guidance_scale": 5.0,
+            "num_outputs": 1,
+        }
+    )
     assert created["estimated_seconds"] == pytest.approx(3 * one.seconds * one.clock_scale, rel=1e-3)
     job_id = created["id"]
 
@@ -58,7 +68,10 @@ def test_long_video_publishes_segments_while_denoising_then_the_whole_video(stac
     body = api.get(f"/api/v1/jobs/{job_id}/").json()
     assert body["progress"] == {"step": 300, "total_steps": 300}
     assert [(s["index"], s["frames"], s["content_type"]) for s in body["segments"]] == [
-        (0, 81, "video/mp4"), (1, 81, "video/mp4"), (2, 79, "video/mp4")]
+        (0, 81, "video/mp4"),
+        (1, 81, "video/mp4"),
+        (2, 79, "video/mp4"),
+    ]
     assert body["segments"][0]["seed"] == 42 and len({s["seed"] for s in body["segments"]}) == 3
     for segment in body["segments"]:
         assert frame_count(download(api, segment["url"])) == segment["frames"]
@@ -108,7 +121,6 @@ def test_redelivered_segment_decode_does_not_duplicate_a_segment(stack, api):
     from genserver.jobs import broker
     from genserver.storage import default_storage
 
-
     job_id = submit(api, prompt="twice", **(LONG | {"num_frames": 161, "steps": 20})).json()["id"]
     job = finished(job_id)
     assert job.status == "succeeded", job.error
@@ -155,6 +167,7 @@ def test_worker_killed_mid_segment_resumes_from_its_checkpoint(stack, api):
 
 def pixel_differences(a: bytes, b: bytes) -> list[int]:
     """Per frame, the largest difference of two clips' pixels (in levels of 255)."""
+
     def frames(data: bytes) -> list[np.ndarray]:
         with av.open(io.BytesIO(data)) as container:
             return [np.asarray(f.to_image(), np.int16) for f in container.decode(video=0)]

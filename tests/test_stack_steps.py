@@ -1,4 +1,5 @@
 """Changing the step count midway through the real stack: real workers, tiny real models, the simulated backend."""
+
 from __future__ import annotations
 
 import io
@@ -13,10 +14,8 @@ from tests.support.waits import finished, job_row, wait_for
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.stack]
 
 
-
 def change(api, job_id, steps: int):
-    return api.post(f"/api/v1/jobs/{job_id}/steps/", data=json.dumps({"steps": steps}),
-                    content_type="application/json")
+    return api.post(f"/api/v1/jobs/{job_id}/steps/", data=json.dumps({"steps": steps}), content_type="application/json")
 
 
 def test_tiny_sd_stopped_early_decodes_what_it_has(stack, api):
@@ -43,8 +42,16 @@ def test_tiny_sd_extended_runs_the_new_total(stack, api):
     assert response.status_code == 202, response.content
     assert response.json()["steps"] == 50 and response.json()["steps_requested"] == 40
     job = finished(job_id)
-    assert job.status == "succeeded", (job.error, job.steps, job.steps_done, job.checkpoint_step, job.chunks_run,
-                                       job.chunk_steps, job.stage, job.estimated_seconds)
+    assert job.status == "succeeded", (
+        job.error,
+        job.steps,
+        job.steps_done,
+        job.checkpoint_step,
+        job.chunks_run,
+        job.chunk_steps,
+        job.stage,
+        job.estimated_seconds,
+    )
     assert job.steps == job.steps_done == job.checkpoint_step == 50 and job.steps_requested == 40
     outputs = api.get(f"/api/v1/jobs/{job_id}/").json()["outputs"]
     assert download(api, outputs[0]["url"]).startswith(b"\x89PNG")
@@ -57,8 +64,11 @@ def test_simulated_job_stopped_early_and_another_extended(stack, api):
     extended = submit(api, steps=20, **body).json()["id"]
     seen = wait_for(lambda: (j := job_row(stopped)).steps_done >= 4 and j, 90, what="four simulated steps")
     assert change(api, stopped, seen.steps_done).status_code == 202
-    wait_for(lambda: job_row(extended).steps_done >= 1 or job_row(extended).status == "denoising", 90,
-             what="the second job to start")
+    wait_for(
+        lambda: job_row(extended).steps_done >= 1 or job_row(extended).status == "denoising",
+        90,
+        what="the second job to start",
+    )
     response = change(api, extended, 30)
     assert response.status_code == 202, response.content
     first, second = finished(stopped), finished(extended)

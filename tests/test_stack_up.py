@@ -1,5 +1,6 @@
 """`make up` as a user runs it: two stacks on one machine keep to their own Redis; Ctrl-C stops them in order,
 quietly."""
+
 from __future__ import annotations
 
 import json
@@ -39,17 +40,30 @@ class UpStack:
         self.data_dir = Path(tempfile.mkdtemp(prefix=f"genserver-up-{worker}-"))
         self.port, self.flower_port = _free_port(), _free_port()
         self.worker = worker
-        env = {k: v for k, v in os.environ.items() if k not in ("REDIS_URL", "DATABASE_URL",
-                                                                "GENSERVER_EMBEDDED_REDIS_PORT")}
-        env |= {"GENSERVER_DATA_DIR": str(self.data_dir), "GENSERVER_PORT": str(self.port),
-                "FLOWER_PORT": str(self.flower_port), "GENSERVER_API_WORKERS": "1", "GENSERVER_LOG_LEVEL": "INFO",
-                "GENSERVER_NODE": f"up-{worker}",
-                "GENSERVER_POOLS": f'{{"workers": [{{"name": "{worker}", "queues": {ALL_QUEUES}}}]}}',
-                "DJANGO_SETTINGS_MODULE": "genserver.settings"}
+        env = {
+            k: v
+            for k, v in os.environ.items()
+            if k not in ("REDIS_URL", "DATABASE_URL", "GENSERVER_EMBEDDED_REDIS_PORT")
+        }
+        env |= {
+            "GENSERVER_DATA_DIR": str(self.data_dir),
+            "GENSERVER_PORT": str(self.port),
+            "FLOWER_PORT": str(self.flower_port),
+            "GENSERVER_API_WORKERS": "1",
+            "GENSERVER_LOG_LEVEL": "INFO",
+            "GENSERVER_NODE": f"up-{worker}",
+            "GENSERVER_POOLS": f'{{"workers": [{{"name": "{worker}", "queues": {ALL_QUEUES}}}]}}',
+            "DJANGO_SETTINGS_MODULE": "genserver.settings",
+        }
         self.log_path = self.data_dir / "stack.log"
         self.log = open(self.log_path, "wb")
-        self.process = subprocess.Popen([sys.executable, "-m", "workers.stack"], env=env, stdout=self.log,
-                                        stderr=subprocess.STDOUT, start_new_session=True)
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "workers.stack"],
+            env=env,
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
 
     def output(self) -> str:
         return self.log_path.read_text(errors="replace")
@@ -64,10 +78,12 @@ class UpStack:
         return f"redis://127.0.0.1:{port}/0"
 
     def call(self, path: str, body: dict | None = None) -> tuple[int, dict]:
-        request = urllib.request.Request(f"http://127.0.0.1:{self.port}{path}", method="POST" if body else "GET",
-                                         data=json.dumps(body).encode() if body else None,
-                                         headers={"Authorization": f"Token {self.token()}",
-                                                  "Content-Type": "application/json"})
+        request = urllib.request.Request(
+            f"http://127.0.0.1:{self.port}{path}",
+            method="POST" if body else "GET",
+            data=json.dumps(body).encode() if body else None,
+            headers={"Authorization": f"Token {self.token()}", "Content-Type": "application/json"},
+        )
         try:
             with urllib.request.urlopen(request, timeout=60) as response:
                 return response.status, json.loads(response.read())
@@ -93,8 +109,12 @@ def two_stacks():
     stacks = [UpStack("alpha"), UpStack("beta")]
     try:
         for stack in stacks:
-            wait_for(lambda stack=stack: stack.token() or stack.process.poll() is not None, BOOT_SECONDS, interval=0.5,
-                     what=f"the {stack.worker} stack's banner")
+            wait_for(
+                lambda stack=stack: stack.token() or stack.process.poll() is not None,
+                BOOT_SECONDS,
+                interval=0.5,
+                what=f"the {stack.worker} stack's banner",
+            )
             assert stack.token(), stack.output()
         yield stacks
     finally:
@@ -117,11 +137,16 @@ def test_two_stacks_keep_their_own_redis_and_ctrl_c_stops_in_order_without_trace
     # A job in flight, then Ctrl-C: the workers and the API stop first, beat and Flower next, Redis last.
     # 2,960 s of video work (6 s at the test scale) in chunks of one step: the warm shutdown ends the
     # chunk in hand, checkpoints it and publishes the next one instead of running the video to its end.
-    status, job = alpha.call("/api/v1/jobs/", {"model": "wan-sim", "prompt": "waves", "width": 1280,
-                                               "height": 720, "num_frames": 81})
+    status, job = alpha.call(
+        "/api/v1/jobs/", {"model": "wan-sim", "prompt": "waves", "width": 1280, "height": 720, "num_frames": 81}
+    )
     assert status == 201, job
-    wait_for(lambda: alpha.call(f"/api/v1/jobs/{job['id']}/")[1].get("progress", {}).get("step", 0) > 0, 60,
-             interval=0.2, what="the job to be denoising")
+    wait_for(
+        lambda: alpha.call(f"/api/v1/jobs/{job['id']}/")[1].get("progress", {}).get("step", 0) > 0,
+        60,
+        interval=0.2,
+        what="the job to be denoising",
+    )
     os.killpg(alpha.process.pid, signal.SIGINT)  # what Ctrl-C in the terminal sends to the foreground group
     assert alpha.process.wait(timeout=120) == 0
     log = alpha.output()
@@ -131,8 +156,9 @@ def test_two_stacks_keep_their_own_redis_and_ctrl_c_stops_in_order_without_trace
     for noise in ("Traceback", "Error 111", "Connection refused", "Restoring", "did not stop"):
         assert noise not in log, f"{noise!r} in the log of a clean stop:\n{log[-5000:]}"
     with sqlite3.connect(alpha.data_dir / "genserver.sqlite3") as db:
-        status, checkpoint, steps = db.execute("SELECT status, checkpoint_step, steps FROM jobs_job WHERE id = ?",
-                                               (job["id"].replace("-", ""),)).fetchone()
+        status, checkpoint, steps = db.execute(
+            "SELECT status, checkpoint_step, steps FROM jobs_job WHERE id = ?", (job["id"].replace("-", ""),)
+        ).fetchone()
     assert status == "denoising" and 0 < checkpoint < steps, (status, checkpoint, steps)  # resumes at next start
     # The other stack did not notice.
     assert beta.call("/readyz")[0] == 200

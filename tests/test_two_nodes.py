@@ -11,6 +11,7 @@ its checkpoint in the store: it succeeds with the bytes of an undisturbed run
 of the same seed, and /api/v1/queues/ stops counting the dead node's cards
 within the lease. A third node then joins, counts, and takes work.
 """
+
 from __future__ import annotations
 
 import os
@@ -27,8 +28,15 @@ from workers.local_workers import LocalWorkers
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.stack]
 
 # One segment (tiny-wan runs longer videos as segments of 9 frames), tiny-wan's most steps.
-VIDEO = {"model": "tiny-wan", "prompt": "two nodes, one video", "seed": 4321, "width": 128, "height": 128,
-         "num_frames": 9, "steps": 50}
+VIDEO = {
+    "model": "tiny-wan",
+    "prompt": "two nodes, one video",
+    "seed": 4321,
+    "width": 128,
+    "height": 128,
+    "num_frames": 9,
+    "steps": 50,
+}
 
 
 NODE_LEASE_SECONDS = 10.0
@@ -40,10 +48,14 @@ def node_env(name: str, scratch: Path, store: dict[str, str]) -> dict[str, str]:
 
     data = scratch / name
     shutil.copytree(settings.MODELS_DIR, data / "models", symlinks=True)  # the node's installed weights
-    env = {"GENSERVER_DATA_DIR": str(data), "GENSERVER_STORAGE_DIR": str(data / "storage"),
-           # The suite's 3-s lease fails a job on a 2-core machine shared by many stacks (a step or a
-           # model load outlasts it three times); the drill is about nodes, not about a tight lease.
-           "GENSERVER_LEASE_SECONDS": str(NODE_LEASE_SECONDS), **store}
+    env = {
+        "GENSERVER_DATA_DIR": str(data),
+        "GENSERVER_STORAGE_DIR": str(data / "storage"),
+        # The suite's 3-s lease fails a job on a 2-core machine shared by many stacks (a step or a
+        # model load outlasts it three times); the drill is about nodes, not about a tight lease.
+        "GENSERVER_LEASE_SECONDS": str(NODE_LEASE_SECONDS),
+        **store,
+    }
     if not os.environ.get("DATABASE_URL"):  # the session's SQLite file, not one in the node's directory
         env["DATABASE_URL"] = f"sqlite:///{settings.DATABASES['default']['NAME']}"
     return env
@@ -108,13 +120,17 @@ def test_a_node_dies_mid_video_and_another_resumes_it_byte_for_byte(cluster_node
     assert response.status_code == 201, response.content
     killed = response.json()["id"]
     try:
-        running = wait_for(lambda: (j := job_row(killed)).is_terminal and j
-                           or j.checkpoint_step >= 5 and "@" in j.lease_owner and j, 180,
-                           what="five checkpointed steps")
+        running = wait_for(
+            lambda: (j := job_row(killed)).is_terminal and j or j.checkpoint_step >= 5 and "@" in j.lease_owner and j,
+            180,
+            what="five checkpointed steps",
+        )
     except AssertionError as exc:
         j = job_row(killed)
-        raise AssertionError(f"{exc}: {j.status} step {j.steps_done}/{j.steps}, checkpoint {j.checkpoint_step}, "
-                             f"owner {j.lease_owner!r}, attempts {j.attempts}, error {j.error!r}") from None
+        raise AssertionError(
+            f"{exc}: {j.status} step {j.steps_done}/{j.steps}, checkpoint {j.checkpoint_step}, "
+            f"owner {j.lease_owner!r}, attempts {j.attempts}, error {j.error!r}"
+        ) from None
     assert not running.is_terminal, (running.status, running.error)
     victim = running.lease_owner.split(":")[0].partition("@")[2]
     survivor = ({"north", "south"} - {victim}).pop()

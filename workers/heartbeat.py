@@ -5,6 +5,7 @@ The key and the payload's `name` are the worker's Celery hostname, `gpu0@NODE`
 workers. The payload says what capacity the worker is: its node, pool entry,
 queues and cards (genserver/jobs/selectors.py: live_capacity counts them).
 """
+
 from __future__ import annotations
 
 import json
@@ -36,8 +37,17 @@ def _beat(name: str, queues: list[str]) -> None:
     worker, _, node = name.partition("@")
     interval, ttl = timing()
     while not _stop.is_set():
-        payload = json.dumps({"name": name, "node": node, "worker": worker, "queues": queues, "pid": os.getpid(),
-                              "devices": os.environ.get("CUDA_VISIBLE_DEVICES", ""), "models": loaded_models()})
+        payload = json.dumps(
+            {
+                "name": name,
+                "node": node,
+                "worker": worker,
+                "queues": queues,
+                "pid": os.getpid(),
+                "devices": os.environ.get("CUDA_VISIBLE_DEVICES", ""),
+                "models": loaded_models(),
+            }
+        )
         try:
             client().set(WORKER_KEY.format(name=name), payload, px=int(ttl * 1000))
         except Exception:
@@ -65,8 +75,7 @@ def start_heartbeat(sender=None, **kwargs) -> None:
     if "@" not in hostname:  # a worker started by hand without --hostname: qualify it with this node
         hostname = f"{hostname}@{config.node()}"
     queues = sorted(sender.app.amqp.queues.consume_from) if sender is not None else []
-    threading.Thread(target=_beat, args=(hostname, queues), daemon=True,
-                     name="genserver-heartbeat").start()
+    threading.Thread(target=_beat, args=(hostname, queues), daemon=True, name="genserver-heartbeat").start()
 
 
 @worker_shutdown.connect

@@ -13,6 +13,7 @@ and loads its models lazily in the process that runs the tasks. A card group
 (an entry with k > 1 devices) is one worker that sees all k cards
 (GENSERVER_GROUP_SIZE=k) and runs one job at a time over them.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -35,11 +36,29 @@ def worker_hostname(spec: WorkerSpec | str, node: str | None = None) -> str:
 
 
 def worker_argv(spec: WorkerSpec, loglevel: str = "INFO", node: str | None = None) -> list[str]:
-    return [python(), "-m", "celery", "-A", "genserver", "worker",
-            "--hostname", worker_hostname(spec, node), "--queues", ",".join(spec.consumed_queues()),
-            "--concurrency", "1", "--pool", config.worker_pool(),
-            "--prefetch-multiplier", "1",
-            "--without-gossip", "--without-mingle", "--task-events", "--loglevel", loglevel]
+    return [
+        python(),
+        "-m",
+        "celery",
+        "-A",
+        "genserver",
+        "worker",
+        "--hostname",
+        worker_hostname(spec, node),
+        "--queues",
+        ",".join(spec.consumed_queues()),
+        "--concurrency",
+        "1",
+        "--pool",
+        config.worker_pool(),
+        "--prefetch-multiplier",
+        "1",
+        "--without-gossip",
+        "--without-mingle",
+        "--task-events",
+        "--loglevel",
+        loglevel,
+    ]
 
 
 def cpu_threads_per_worker(layout: PoolLayout) -> int:
@@ -57,8 +76,11 @@ def cpu_threads_per_worker(layout: PoolLayout) -> int:
 
 
 def worker_env(spec: WorkerSpec, torch_threads: int | None = None) -> dict[str, str]:
-    env = {"CUDA_VISIBLE_DEVICES": ",".join(str(d) for d in spec.devices),
-           "GENSERVER_WORKER_NAME": spec.name, "GENSERVER_WORKER_QUEUES": ",".join(spec.consumed_queues())}
+    env = {
+        "CUDA_VISIBLE_DEVICES": ",".join(str(d) for d in spec.devices),
+        "GENSERVER_WORKER_NAME": spec.name,
+        "GENSERVER_WORKER_QUEUES": ",".join(spec.consumed_queues()),
+    }
     if spec.models:
         env["GENSERVER_WORKER_MODELS"] = ",".join(spec.models)
     if torch_threads:  # read by torch's OpenMP/MKL runtimes when the worker imports torch
@@ -91,8 +113,12 @@ def current_layout() -> PoolLayout:
     except ValueError as exc:  # GENSERVER_POOLS was parsed with the settings: what is left is the generated layout
         knobs = ("GENSERVER_IMAGE_CARDS", "GENSERVER_MAX_LONG_CARDS", "GENSERVER_GROUP_CARDS")
         named = " and ".join([k for k in knobs if os.environ.get(k, "").strip()] or knobs)
-        raise SettingsError(named, str(exc), "values that leave every class a card among the GENSERVER_NUM_GPUS "
-                            "(or detected) cards, or GENSERVER_CPU_WORKERS on CPU (docs/CONFIGURATION.md)") from None
+        raise SettingsError(
+            named,
+            str(exc),
+            "values that leave every class a card among the GENSERVER_NUM_GPUS "
+            "(or detected) cards, or GENSERVER_CPU_WORKERS on CPU (docs/CONFIGURATION.md)",
+        ) from None
 
 
 def refuse_unfit_layout(layout: PoolLayout) -> None:
@@ -116,16 +142,23 @@ def refuse_unfit_layout(layout: PoolLayout) -> None:
         return
     problems = check_layout(layout, deployment.registry(), card_bytes, settings.MODEL_CACHE_BYTES, settings.DATA_DIR)
     if problems:
-        raise SystemExit("launcher: this layout does not fit its cards; nothing started.\n" + "\n".join(problems)
-                         + "\n(`python -m workers.memory_plan --card-gib N` prints the whole plan)")
+        raise SystemExit(
+            "launcher: this layout does not fit its cards; nothing started.\n"
+            + "\n".join(problems)
+            + "\n(`python -m workers.memory_plan --card-gib N` prints the whole plan)"
+        )
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--print", action="store_true", help="print the layout and commands, start nothing")
     parser.add_argument("--loglevel", help="Celery's log level for the workers (default GENSERVER_WORKER_LOGLEVEL)")
-    parser.add_argument("--format", choices=("text", "systemd", "procfile"), default="text",
-                        help="with --print: the layout and commands (text), systemd units, or Procfile lines")
+    parser.add_argument(
+        "--format",
+        choices=("text", "systemd", "procfile"),
+        default="text",
+        help="with --print: the layout and commands (text), systemd units, or Procfile lines",
+    )
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s launcher %(message)s")
     with exit_on_settings_error():  # before any worker starts
@@ -138,8 +171,12 @@ def main() -> None:
 
         refuse_unfit_layout(layout)
         node = config.node()
-        print(systemd_units(layout, node, args.loglevel, BASE_DIR) if args.format == "systemd"
-              else procfile(layout, node, args.loglevel), end="")
+        print(
+            systemd_units(layout, node, args.loglevel, BASE_DIR)
+            if args.format == "systemd"
+            else procfile(layout, node, args.loglevel),
+            end="",
+        )
         return
     if args.print:
         print(json.dumps(layout.to_dict(), indent=2))

@@ -12,6 +12,7 @@ import `workers/`.
 A second node on the same machine (tests/test_two_nodes.py): `LocalWorkers(node="b",
 env={...its own scratch directory...}, beat=False)`; its workers are `card0@b`, ...
 """
+
 from __future__ import annotations
 
 import os
@@ -32,8 +33,9 @@ def live_worker_names() -> set[str]:
     return {w["name"] for w in live_workers()}
 
 
-def wait_until_live(names: Iterable[str], timeout: float, poll: Callable[[], object] = lambda: None,
-                    interval: float = 0.3) -> None:
+def wait_until_live(
+    names: Iterable[str], timeout: float, poll: Callable[[], object] = lambda: None, interval: float = 0.3
+) -> None:
     """Until every worker in `names` heartbeats; `poll` runs each round (a supervisor restarting children)."""
     wanted, alive = set(names), set()
     deadline = time.monotonic() + timeout
@@ -43,17 +45,27 @@ def wait_until_live(names: Iterable[str], timeout: float, poll: Callable[[], obj
         if wanted <= alive | {name.partition("@")[0] for name in alive}:  # a bare pool entry: on any node
             return
         time.sleep(interval)
-    raise RuntimeError(f"workers not live after {timeout:.0f} s: have {sorted(alive)}, want {sorted(wanted)}"
-                       " (their output is in the supervisor's log or on stderr)")
+    raise RuntimeError(
+        f"workers not live after {timeout:.0f} s: have {sorted(alive)}, want {sorted(wanted)}"
+        " (their output is in the supervisor's log or on stderr)"
+    )
 
 
 class LocalWorkers:
     """The worker side of the service as `make up` runs it: one Celery worker per pool entry, and beat."""
 
-    def __init__(self, *, loglevel: str = "WARNING", supervisor: Supervisor | None = None,
-                 worker_args: Sequence[str] = (), beat_schedule: str | None = None,
-                 boot_timeout: float = BOOT_SECONDS, node: str | None = None,
-                 env: dict[str, str] | None = None, beat: bool = True) -> None:
+    def __init__(
+        self,
+        *,
+        loglevel: str = "WARNING",
+        supervisor: Supervisor | None = None,
+        worker_args: Sequence[str] = (),
+        beat_schedule: str | None = None,
+        boot_timeout: float = BOOT_SECONDS,
+        node: str | None = None,
+        env: dict[str, str] | None = None,
+        beat: bool = True,
+    ) -> None:
         """`node` names this launcher in the cluster (default GENSERVER_NODE); `env` is added to every
         child's environment (a node's own scratch directory); `beat`: exactly one per cluster."""
         from django.conf import settings
@@ -66,12 +78,28 @@ class LocalWorkers:
         threads = cpu_threads_per_worker(self.layout)
         extra = {"GENSERVER_NODE": self.node, **(env or {})}
         for spec in self.layout.workers:
-            self.supervisor.add(f"worker {spec.name}", worker_argv(spec, loglevel, self.node) + list(worker_args),
-                                worker_env(spec, threads) | extra)
+            self.supervisor.add(
+                f"worker {spec.name}",
+                worker_argv(spec, loglevel, self.node) + list(worker_args),
+                worker_env(spec, threads) | extra,
+            )
         if beat:
-            self.supervisor.add("beat", [python(), "-m", "celery", "-A", "genserver", "beat", "--loglevel",
-                                         loglevel, "--schedule",
-                                         beat_schedule or settings.CELERY_BEAT_SCHEDULE_FILENAME], extra)
+            self.supervisor.add(
+                "beat",
+                [
+                    python(),
+                    "-m",
+                    "celery",
+                    "-A",
+                    "genserver",
+                    "beat",
+                    "--loglevel",
+                    loglevel,
+                    "--schedule",
+                    beat_schedule or settings.CELERY_BEAT_SCHEDULE_FILENAME,
+                ],
+                extra,
+            )
         try:
             self.wait_ready(boot_timeout)
         except BaseException:  # the caller gets no object to stop: don't leave processes behind

@@ -4,6 +4,7 @@ memory a job of a given shape needs (an estimate from the shape; see `activation
 Used by workers/memory_plan.py. The meta builds go through the runtime's
 `components.build_stage` (config only, no memory) and are cached per process.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -52,9 +53,17 @@ def stage_components(spec: ModelSpec, stage: str) -> list[Component]:
     """The modules `stage` of `spec` holds, with their parameters and bytes (meta-device build)."""
     from workers.runtime.components import component_bytes
 
-    return [Component(spec.name, stage, name, _dtype_name(module), sum(p.numel() for p in module.parameters()),
-                      component_bytes(module))
-            for name, module in _modules(spec, stage).items()]
+    return [
+        Component(
+            spec.name,
+            stage,
+            name,
+            _dtype_name(module),
+            sum(p.numel() for p in module.parameters()),
+            component_bytes(module),
+        )
+        for name, module in _modules(spec, stage).items()
+    ]
 
 
 def _dtype_name(module: Any) -> str:
@@ -70,6 +79,7 @@ def _config(spec: ModelSpec, stage: str, name: str) -> dict[str, Any]:
 
 
 # Activation headroom, from the job's shape ------------------------------------------------
+
 
 @dataclass(frozen=True)
 class Shape:

@@ -30,6 +30,7 @@ A card that fits at the default shapes but not at the largest gets a WARNING
 status 1 when a check fails; the launcher refuses such a layout with the same
 message (`check_layout`).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -47,8 +48,19 @@ from genserver.scheduling.pools import DECODE, ENCODE, PoolLayout, WorkerSpec
 
 from .memory_estimates import GIB, Component, Shape, activation_bytes, default_shape, largest_shape, stage_components
 
-__all__ = ["GIB", "Component", "Shape", "CardPlan", "activation_bytes", "check_layout", "main", "plan_cards",
-           "problems_of", "stage_components", "worst_cache"]
+__all__ = [
+    "GIB",
+    "Component",
+    "Shape",
+    "CardPlan",
+    "activation_bytes",
+    "check_layout",
+    "main",
+    "plan_cards",
+    "problems_of",
+    "stage_components",
+    "worst_cache",
+]
 
 STAGE_NAMES = ("encode", "denoise", "decode")
 
@@ -74,6 +86,7 @@ class CardPlan:
 
 
 # 1. The plan per card ------------------------------------------------------------------------
+
 
 def worker_stages(worker: WorkerSpec) -> tuple[str, ...]:
     """The stages a worker runs, from the queues it consumes."""
@@ -104,7 +117,7 @@ def worst_cache(entries: list[list[Component]], budget: int) -> list[Component]:
     if not entries:
         return []
     sizes = [sum(c.bytes for c in entry) for entry in entries]
-    best: tuple[int, ...] = max(range(len(entries)), key=lambda i: sizes[i]),
+    best: tuple[int, ...] = (max(range(len(entries)), key=lambda i: sizes[i]),)
     best_bytes = sizes[best[0]]
     if best_bytes <= budget and len(entries) <= 16:
         for k in range(2, len(entries) + 1):
@@ -131,16 +144,25 @@ def plan_cards(layout: PoolLayout, registry: Registry, card_bytes: int, cache_bu
 
 def _held(card: CardPlan, registry: Registry, model: str) -> list[tuple[str, Component]]:
     """(worker, component) for every component of `model` the card's workers keep on it."""
-    return [(worker.name, c) for worker, stages, models in card.workers if model in models
-            for stage in stages if on_card(registry.get(model), stage)
-            for c in stage_components(registry.get(model), stage)]
+    return [
+        (worker.name, c)
+        for worker, stages, models in card.workers
+        if model in models
+        for stage in stages
+        if on_card(registry.get(model), stage)
+        for c in stage_components(registry.get(model), stage)
+    ]
 
 
 def _headroom(card: CardPlan, registry: Registry, worker: WorkerSpec, shape_of: Any) -> tuple[int, str]:
     """A worker's largest job's activations over its models (and which model that is)."""
     _, stages, models = next(entry for entry in card.workers if entry[0] is worker)
-    sizes = [(activation_bytes(registry.get(m), stage, shape_of(registry.get(m))), m)
-             for m in models for stage in stages if on_card(registry.get(m), stage)]
+    sizes = [
+        (activation_bytes(registry.get(m), stage, shape_of(registry.get(m))), m)
+        for m in models
+        for stage in stages
+        if on_card(registry.get(m), stage)
+    ]
     return max(sizes, default=(0, ""))
 
 
@@ -154,20 +176,26 @@ def _check_models_alone(card: CardPlan, registry: Registry) -> None:
             if largest.bytes > card.capacity:
                 card.problems.append(
                     f"{card.label} ({gib(card.capacity)}): {model} does not fit: its {largest.name} alone is "
-                    f"{gib(largest.bytes)} in {largest.dtype}. Use a card with more memory, or a smaller dtype.")
+                    f"{gib(largest.bytes)} in {largest.dtype}. Use a card with more memory, or a smaller dtype."
+                )
                 continue
             parts = " + ".join(f"{c.name} {gib(c.bytes)} ({worker})" for worker, c in held)
             card.problems.append(
                 f"{card.label} ({gib(card.capacity)}): {model} does not fit: its {largest.name} alone is "
                 f"{gib(largest.bytes)} in {largest.dtype}; {parts} + {gib(headroom)} of activations = {gib(need)}. "
-                f"{_remedies(spec, held)}")
+                f"{_remedies(spec, held)}"
+            )
 
 
 def _check_card_worst_case(card: CardPlan, registry: Registry, cache_budget: int) -> None:
     per_worker: list[tuple[str, int]] = []
     for worker, stages, models in card.workers:
-        entries = [stage_components(registry.get(m), stage) for m in models for stage in stages
-                   if on_card(registry.get(m), stage)]
+        entries = [
+            stage_components(registry.get(m), stage)
+            for m in models
+            for stage in stages
+            if on_card(registry.get(m), stage)
+        ]
         held = worst_cache([e for e in entries if e], cache_budget)
         card.resident.extend(held)
         card.in_turn.extend(c for entry in entries for c in entry if c not in held)
@@ -182,7 +210,8 @@ def _check_card_worst_case(card: CardPlan, registry: Registry, cache_budget: int
             f"+ {gib(sum(card.activations.values()))} of activations = {gib(card.total_bytes)}. Set "
             f'encode_device = "cpu" on the models whose text encoders share this card, a smaller dtype, '
             f"a lower GENSERVER_MODEL_CACHE_BYTES (now {gib(cache_budget)} per worker), or more cards "
-            f"(GENSERVER_POOLS: workers dedicated to models).")
+            f"(GENSERVER_POOLS: workers dedicated to models)."
+        )
         return
     # A job at the registry's limits (largest size, batch, one video segment): a warning, not a refusal,
     # since the default shapes fit; such a job would fail with CUDA out-of-memory, the worker lives on.
@@ -193,7 +222,8 @@ def _check_card_worst_case(card: CardPlan, registry: Registry, cache_budget: int
         card.warnings.append(
             f"{card.label}: a job at the registry's limits would need {gib(total)} (of {gib(card.capacity)}); "
             f"the largest is {model} at {largest_shape(registry.get(model))} ({gib(size)} of activations): "
-            f"lower its limits or max_batch, or give it a card of its own.")
+            f"lower its limits or max_batch, or give it a card of its own."
+        )
 
 
 def _remedies(spec: ModelSpec, held: list[tuple[str, Component]]) -> str:
@@ -201,10 +231,14 @@ def _remedies(spec: ModelSpec, held: list[tuple[str, Component]]) -> str:
     encoders = sum(c.bytes for _, c in held if c.stage == "encode")
     if encoders:
         options.append(f'encode_device = "cpu" on [models."{spec.name}"] (frees {gib(encoders)})')
-    options.append('a smaller dtype (dtype = "float16" / "bfloat16" where it is "float32")'
-                   if spec.resolved_dtype("cuda") == "float32" else "a smaller dtype")
-    options.append(f'or more cards (GENSERVER_POOLS: give "{spec.name}" workers of its own, its encode '
-                   "and decode on other cards)")
+    options.append(
+        'a smaller dtype (dtype = "float16" / "bfloat16" where it is "float32")'
+        if spec.resolved_dtype("cuda") == "float32"
+        else "a smaller dtype"
+    )
+    options.append(
+        f'or more cards (GENSERVER_POOLS: give "{spec.name}" workers of its own, its encode and decode on other cards)'
+    )
     return "Set " + ", ".join(options) + "."
 
 
@@ -213,16 +247,22 @@ def gib(n: int) -> str:
 
 
 def format_plan(cards: list[CardPlan], registry: Registry, cache_budget: int) -> str:
-    lines = [f"# memory plan: {len(cards)} card(s); model cache budget {gib(cache_budget)} per worker; "
-             f"bytes = parameters and buffers × dtype (meta-device builds)"]
+    lines = [
+        f"# memory plan: {len(cards)} card(s); model cache budget {gib(cache_budget)} per worker; "
+        f"bytes = parameters and buffers × dtype (meta-device builds)"
+    ]
     for card in cards:
-        lines.append(f"\n{card.label}: {gib(card.capacity)}; workers "
-                     + ", ".join(f"{w.name} [{'+'.join(stages) or '-'}]" for w, stages, _ in card.workers))
+        lines.append(
+            f"\n{card.label}: {gib(card.capacity)}; workers "
+            + ", ".join(f"{w.name} [{'+'.join(stages) or '-'}]" for w, stages, _ in card.workers)
+        )
         for component in [*card.resident, *card.in_turn]:
             held = "" if component in card.resident else "  (in turn: the cache swaps it for others)"
-            lines.append(f"  {component.model:<20} {component.stage:<8} {component.name:<16} "
-                         f"{component.dtype:<16} {component.params / 1e9:7.3f} B params  {gib(component.bytes):>10}"
-                         f"{held}")
+            lines.append(
+                f"  {component.model:<20} {component.stage:<8} {component.name:<16} "
+                f"{component.dtype:<16} {component.params / 1e9:7.3f} B params  {gib(component.bytes):>10}"
+                f"{held}"
+            )
         for worker, size in card.activations.items():
             lines.append(f"  activations {worker}: {gib(size)} (its largest job at a default shape)")
         verdict = "fits" if not card.problems else "DOES NOT FIT"
@@ -244,6 +284,7 @@ def problems_of(cards: list[CardPlan]) -> list[str]:
 
 # 2. The launcher's layout, the launcher's check, the command line ----------------------------
 
+
 def launcher_layout(gpus: int | None = None) -> tuple[PoolLayout, int]:
     """The layout the launcher would start (GENSERVER_POOLS, else generated) and its card count;
     `gpus` overrides the count (GENSERVER_NUM_GPUS, else the cards detected)."""
@@ -254,8 +295,9 @@ def launcher_layout(gpus: int | None = None) -> tuple[PoolLayout, int]:
 
     if gpus is None:
         gpus = int(settings.NUM_GPUS) if settings.NUM_GPUS not in (None, "") else detect_gpus()
-    layout = load_layout(settings.POOLS, gpus, settings.CPU_WORKERS, settings.IMAGE_CARDS,
-                         settings.MAX_LONG_CARDS, settings.GROUP_CARDS)
+    layout = load_layout(
+        settings.POOLS, gpus, settings.CPU_WORKERS, settings.IMAGE_CARDS, settings.MAX_LONG_CARDS, settings.GROUP_CARDS
+    )
     return layout, gpus
 
 
@@ -267,20 +309,28 @@ def detected_card_bytes() -> int | None:
     try:
         import subprocess
 
-        out = subprocess.run(["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,nounits"],
-                             capture_output=True, text=True, timeout=10)
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,nounits"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+        )
         sizes = [int(line.strip()) * 1024**2 for line in out.stdout.splitlines() if line.strip().isdigit()]
     except (OSError, subprocess.SubprocessError):
         return None
     return min(sizes) if sizes else None
 
 
-def check_layout(layout: PoolLayout, registry: Registry, card_bytes: int, cache_budget: int,
-                 data_dir: Any) -> list[str]:
+def check_layout(
+    layout: PoolLayout, registry: Registry, card_bytes: int, cache_budget: int, data_dir: Any
+) -> list[str]:
     """The plan's failures for the diffusers entries whose checkpoint directory exists (what a
     worker could load); [] when the layout fits. The launcher refuses to start on any."""
-    present = {name: spec for name, spec in registry.models.items()
-               if spec.backend == "diffusers" and spec.resolved_path(data_dir).is_dir()}
+    present = {
+        name: spec
+        for name, spec in registry.models.items()
+        if spec.backend == "diffusers" and spec.resolved_path(data_dir).is_dir()
+    }
     if not present or not any(w.devices for w in layout.workers):
         return []
     return problems_of(plan_cards(layout, Registry(present), card_bytes, cache_budget))
@@ -288,14 +338,22 @@ def check_layout(layout: PoolLayout, registry: Registry, card_bytes: int, cache_
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m workers.memory_plan", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--registry", default=None,
-                        help="registry TOML (default: GENSERVER_REGISTRY, else the bundled one)")
+    parser.add_argument(
+        "--registry", default=None, help="registry TOML (default: GENSERVER_REGISTRY, else the bundled one)"
+    )
     parser.add_argument("--card-gib", type=float, required=True, help="memory of one card, in GiB (e.g. 80)")
-    parser.add_argument("--gpus", type=int, default=None,
-                        help="cards in the generated layout (default: GENSERVER_NUM_GPUS, else detected; "
-                             "with none, 1)")
-    parser.add_argument("--cache-gib", type=float, default=None,
-                        help="model cache budget per worker in GiB (default: GENSERVER_MODEL_CACHE_BYTES)")
+    parser.add_argument(
+        "--gpus",
+        type=int,
+        default=None,
+        help="cards in the generated layout (default: GENSERVER_NUM_GPUS, else detected; with none, 1)",
+    )
+    parser.add_argument(
+        "--cache-gib",
+        type=float,
+        default=None,
+        help="model cache budget per worker in GiB (default: GENSERVER_MODEL_CACHE_BYTES)",
+    )
     return parser.parse_args(argv)
 
 
@@ -305,8 +363,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     note = ""
     if gpus == 0:
         layout, gpus = launcher_layout(1)
-        note = ("# no card visible and GENSERVER_NUM_GPUS unset: planning the launcher's layout for 1 card "
-                "(pass --gpus N)\n")
+        note = (
+            "# no card visible and GENSERVER_NUM_GPUS unset: planning the launcher's layout for 1 card "
+            "(pass --gpus N)\n"
+        )
     from django.conf import settings
 
     registry = load_registry(args.registry or settings.REGISTRY_PATH)

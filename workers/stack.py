@@ -12,6 +12,7 @@ Ctrl-C stops them in the opposite order of need: the API and the workers first
 Flower, then Redis last, so nobody loses the broker mid-task. The supervisor's
 state (restarts, crash loops) is written under the data directory for /readyz.
 """
+
 from __future__ import annotations
 
 import logging
@@ -43,7 +44,8 @@ def embedded_redis_port(port: int) -> int:
                 f"Port {port} on 127.0.0.1 is taken ({exc.strerror}): another genserver stack's Redis, or one "
                 f"left running by a stack that was killed. Set GENSERVER_EMBEDDED_REDIS_PORT to a free port "
                 f"(or give this stack its own GENSERVER_DATA_DIR, which derives its own port), or stop what "
-                f"listens on {port}.") from None
+                f"listens on {port}."
+            ) from None
     return port
 
 
@@ -58,9 +60,27 @@ def start_embedded_redis(supervisor: Supervisor, data_dir: Path, port: int) -> s
     redis_dir = data_dir / "redis"
     redis_dir.mkdir(parents=True, exist_ok=True)
     port = embedded_redis_port(port)
-    child = supervisor.add("redis", [str(server), "--port", str(port), "--bind", "127.0.0.1", "--dir",
-                                     str(redis_dir), "--appendonly", "yes", "--save", "", "--protected-mode", "yes",
-                                     "--logfile", str(redis_dir / "redis.log")], stop_stage=2)
+    child = supervisor.add(
+        "redis",
+        [
+            str(server),
+            "--port",
+            str(port),
+            "--bind",
+            "127.0.0.1",
+            "--dir",
+            str(redis_dir),
+            "--appendonly",
+            "yes",
+            "--save",
+            "",
+            "--protected-mode",
+            "yes",
+            "--logfile",
+            str(redis_dir / "redis.log"),
+        ],
+        stop_stage=2,
+    )
     url = f"redis://127.0.0.1:{port}/0"
     wait_for_redis(url, supervisor)
     # The Redis that answers must be ours, not one that took the port between the check and the start.
@@ -68,8 +88,10 @@ def start_embedded_redis(supervisor: Supervisor, data_dir: Path, port: int) -> s
 
     answering = redis.Redis.from_url(url).info("server").get("process_id")
     if child.process.poll() is not None or answering != child.process.pid:
-        raise SystemExit(f"The bundled Redis did not start on port {port} (see {redis_dir / 'redis.log'}); "
-                         "set GENSERVER_EMBEDDED_REDIS_PORT to a free port.")
+        raise SystemExit(
+            f"The bundled Redis did not start on port {port} (see {redis_dir / 'redis.log'}); "
+            "set GENSERVER_EMBEDDED_REDIS_PORT to a free port."
+        )
     return url
 
 
@@ -148,9 +170,23 @@ def wait_for_http(url: str, supervisor: Supervisor | None = None, timeout: float
 def api_argv(port: int, workers: int, data_dir: Path) -> list[str]:
     """gunicorn with uvicorn workers serving genserver.asgi: event streams wait on the event loop, not a thread,
     and the DRF views run in Django's sync-to-async threads as before."""
-    return [python(), "-m", "gunicorn", "genserver.asgi:application", "-k", "uvicorn_worker.UvicornWorker",
-            "--bind", f"127.0.0.1:{port}", "--workers", str(workers), "--access-logfile", "-",
-            "--graceful-timeout", "10", *gunicorn_control_socket(data_dir)]
+    return [
+        python(),
+        "-m",
+        "gunicorn",
+        "genserver.asgi:application",
+        "-k",
+        "uvicorn_worker.UvicornWorker",
+        "--bind",
+        f"127.0.0.1:{port}",
+        "--workers",
+        str(workers),
+        "--access-logfile",
+        "-",
+        "--graceful-timeout",
+        "10",
+        *gunicorn_control_socket(data_dir),
+    ]
 
 
 def main() -> None:
@@ -168,8 +204,7 @@ def main() -> None:
     supervisor.install_signal_handlers()
     try:
         if not os.environ.get("REDIS_URL"):
-            os.environ["REDIS_URL"] = start_embedded_redis(supervisor, settings.DATA_DIR,
-                                                           settings.EMBEDDED_REDIS_PORT)
+            os.environ["REDIS_URL"] = start_embedded_redis(supervisor, settings.DATA_DIR, settings.EMBEDDED_REDIS_PORT)
         else:
             wait_for_redis(os.environ["REDIS_URL"])
         make_tiny_models_if_missing(settings.MODELS_DIR)
@@ -178,11 +213,28 @@ def main() -> None:
         token = manage("issue_token", "demo").splitlines()[-1]
         supervisor.add("api", api_argv(port, api_workers, settings.DATA_DIR))
         start_workers(supervisor, layout)
-        supervisor.add("beat", [python(), "-m", "celery", "-A", "genserver", "beat", "--loglevel", "INFO",
-                                "--schedule", settings.CELERY_BEAT_SCHEDULE_FILENAME], stop_stage=1)
-        supervisor.add("flower", [python(), "-m", "celery", "-A", "genserver", "flower",
-                                  f"--port={flower_port}", "--address=127.0.0.1"], stop_stage=1,
-                       env={"PROMETHEUS_MULTIPROC_DIR": str(metrics_dir / "flower")})  # its own /metrics, not ours
+        supervisor.add(
+            "beat",
+            [
+                python(),
+                "-m",
+                "celery",
+                "-A",
+                "genserver",
+                "beat",
+                "--loglevel",
+                "INFO",
+                "--schedule",
+                settings.CELERY_BEAT_SCHEDULE_FILENAME,
+            ],
+            stop_stage=1,
+        )
+        supervisor.add(
+            "flower",
+            [python(), "-m", "celery", "-A", "genserver", "flower", f"--port={flower_port}", "--address=127.0.0.1"],
+            stop_stage=1,
+            env={"PROMETHEUS_MULTIPROC_DIR": str(metrics_dir / "flower")},
+        )  # its own /metrics, not ours
         wait_for_http(f"http://127.0.0.1:{port}/healthz", supervisor)
     except KeyboardInterrupt:
         supervisor.stop()  # Ctrl-C while starting: stop what started, in order, without a traceback
@@ -191,7 +243,8 @@ def main() -> None:
         supervisor.stop()
         raise
     api = f"http://127.0.0.1:{port}"
-    print(f"""
+    print(
+        f"""
 genserver is up.
   API        {api}/api/v1/   (docs: {api}/api/docs/)
   Admin      {api}/admin/    (.venv/bin/python manage.py createsuperuser for a login)
@@ -208,7 +261,9 @@ genserver is up.
   curl -N -H "Authorization: Token {token}" {api}/api/v1/jobs/JOB_ID/events/
 
 Ctrl-C stops everything.
-""", flush=True)
+""",
+        flush=True,
+    )
     supervisor.run_forever()
     sys.exit(0)
 

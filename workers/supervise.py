@@ -1,4 +1,5 @@
 """A small process supervisor: start children, restart those that exit, stop them all on a signal, in order."""
+
 from __future__ import annotations
 
 import json
@@ -47,8 +48,9 @@ class Supervisor:
         self._stopping = False
         self._state_written_at = 0.0
 
-    def add(self, name: str, argv: list[str], env: dict[str, str] | None = None, restart: bool = True,
-            stop_stage: int = 0) -> Child:
+    def add(
+        self, name: str, argv: list[str], env: dict[str, str] | None = None, restart: bool = True, stop_stage: int = 0
+    ) -> Child:
         child = Child(name, argv, env or {}, restart, stop_stage=stop_stage)
         self.children.append(child)
         self._start(child)
@@ -110,11 +112,20 @@ class Supervisor:
     def state(self) -> dict:
         """The children as /readyz reads them: running, restarts in a row, last exit status, crash-looping."""
         now = time.monotonic()
-        return {"supervisor_pid": os.getpid(), "updated_at": time.time(), "stopping": self._stopping,
-                "children": {c.name: {"running": c.process is not None and c.process.poll() is None,
-                                      "restarts": c.restarts, "last_exit": c.last_exit,
-                                      "crash_looping": self.crash_looping(c, now)}
-                             for c in self.children}}
+        return {
+            "supervisor_pid": os.getpid(),
+            "updated_at": time.time(),
+            "stopping": self._stopping,
+            "children": {
+                c.name: {
+                    "running": c.process is not None and c.process.poll() is None,
+                    "restarts": c.restarts,
+                    "last_exit": c.last_exit,
+                    "crash_looping": self.crash_looping(c, now),
+                }
+                for c in self.children
+            },
+        }
 
     def write_state(self) -> None:
         """Atomically replace the state file (temp file + rename), when there is one."""

@@ -8,6 +8,7 @@ registry) come from one environment file shared by every unit
 (docs/DEPLOY.md); what differs per worker (its cards, queues, node name) is
 written into its unit.
 """
+
 from __future__ import annotations
 
 import shlex
@@ -22,8 +23,10 @@ def _worker_lines(layout: PoolLayout, node: str, loglevel: str) -> list[tuple[st
     from .launcher import cpu_threads_per_worker, worker_argv, worker_env
 
     threads = cpu_threads_per_worker(layout)
-    return [(spec.name, {"GENSERVER_NODE": node, **worker_env(spec, threads)}, worker_argv(spec, loglevel, node))
-            for spec in layout.workers]
+    return [
+        (spec.name, {"GENSERVER_NODE": node, **worker_env(spec, threads)}, worker_argv(spec, loglevel, node))
+        for spec in layout.workers
+    ]
 
 
 def systemd_units(layout: PoolLayout, node: str, loglevel: str, workdir: Path, user: str = "genserver") -> str:

@@ -1,4 +1,5 @@
 """Django admin for jobs: filters, search, and actions that go through the job service."""
+
 from django.contrib import admin, messages
 
 from genserver.jobs import services
@@ -20,8 +21,20 @@ class JobSegmentInline(admin.TabularInline):
 
 @admin.register(Job)
 class JobAdmin(admin.ModelAdmin):
-    list_display = ("id", "owner", "model", "status", "stage", "duration_class", "priority",
-                    "steps_done", "steps", "attempts", "created_at", "finished_at")
+    list_display = (
+        "id",
+        "owner",
+        "model",
+        "status",
+        "stage",
+        "duration_class",
+        "priority",
+        "steps_done",
+        "steps",
+        "attempts",
+        "created_at",
+        "finished_at",
+    )
     list_filter = ("status", "duration_class", "model", "kind", "backend")
     search_fields = ("id", "prompt", "owner__username", "error")
     date_hierarchy = "created_at"
@@ -41,8 +54,9 @@ class JobAdmin(admin.ModelAdmin):
     @admin.action(description="Retry failed jobs from their last checkpoint")
     def retry_from_checkpoint(self, request, queryset):
         retried = sum(1 for job in queryset if services.retry_failed(job))
-        self.message_user(request, f"Re-queued {retried} failed job(s).",
-                          messages.SUCCESS if retried else messages.WARNING)
+        self.message_user(
+            request, f"Re-queued {retried} failed job(s).", messages.SUCCESS if retried else messages.WARNING
+        )
 
     @admin.action(description="Re-prioritise: move to the front of their class")
     def move_to_front(self, request, queryset):

@@ -1,4 +1,5 @@
 """App config for jobs."""
+
 from django.apps import AppConfig
 
 

@@ -5,6 +5,7 @@ with the names below (`@shared_task(name=broker.ENCODE_TASK.name)`), so a
 task name is spelled in one place and the API process never imports
 `tasks` (nor, through it, torch).
 """
+
 from __future__ import annotations
 
 import re
@@ -38,6 +39,7 @@ PING_TASK = TaskRoute("tasks.probe.ping", "")  # bench/overhead.py picks the que
 
 
 # --- publishing ----------------------------------------------------------------------
+
 
 def _send(task: TaskRoute, args: list[Any], priority: int | None = None, queue: str = "") -> None:
     options: dict[str, Any] = {} if priority is None else {"priority": priority}

@@ -1,4 +1,5 @@
 """Start-up checks: a registry entry whose weights are missing fails here, not at its first job."""
+
 from __future__ import annotations
 
 from django.conf import settings

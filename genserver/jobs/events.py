@@ -19,6 +19,7 @@ PUBSUB NUMSUB says which), so queue position and ETA stay live without any
 client polling the database. Publishing is best effort: Redis down is logged
 and never fails the transition that committed.
 """
+
 from __future__ import annotations
 
 import json
@@ -86,8 +87,11 @@ def publish(job_id: UUID | str, kind: str) -> str | None:
 
 def _append(job: Job, kind: str, body: dict[str, Any]) -> str:
     terminal = job.is_terminal
-    entry = {"event": kind if not terminal or kind in TERMINAL_EVENTS else job.status,
-             "job": json.dumps(body, separators=(",", ":"), default=str), "terminal": "1" if terminal else "0"}
+    entry = {
+        "event": kind if not terminal or kind in TERMINAL_EVENTS else job.status,
+        "job": json.dumps(body, separators=(",", ":"), default=str),
+        "terminal": "1" if terminal else "0",
+    }
     conn = redis_client()
     pipe = conn.pipeline(transaction=True)
     pipe.xadd(log_key(job.pk), entry, maxlen=settings.EVENTS_LOG_LENGTH, approximate=False)
@@ -107,9 +111,11 @@ def publish_queue_moved(queue: str) -> int:
     from genserver.jobs.models import ACTIVE, JobStage
 
     try:
-        waiting = list(Job.objects.filter(queue=queue, status__in=ACTIVE, stage__in=(JobStage.QUEUED,
-                                                                                       JobStage.WAITING))
-                       .order_by("priority", "created_at").values_list("pk", flat=True)[:WATCHED_LIMIT])
+        waiting = list(
+            Job.objects.filter(queue=queue, status__in=ACTIVE, stage__in=(JobStage.QUEUED, JobStage.WAITING))
+            .order_by("priority", "created_at")
+            .values_list("pk", flat=True)[:WATCHED_LIMIT]
+        )
         if not waiting:
             return 0
         counts = redis_client().pubsub_numsub(*(channel(pk) for pk in waiting))

@@ -1,4 +1,5 @@
 """The Job: one row per accepted request, the source of truth for its state."""
+
 from __future__ import annotations
 
 import uuid
@@ -58,19 +59,28 @@ class Job(models.Model):
     width = models.PositiveIntegerField()
     height = models.PositiveIntegerField()
     num_frames = models.PositiveIntegerField(default=1)
-    steps = models.PositiveIntegerField(help_text="the total: as asked, or as changed midway (a job stopped "
-                                                  "early: the steps it did)")
-    steps_requested = models.PositiveIntegerField(null=True, blank=True,
-                                                  help_text="the total asked at submit, once the steps were changed")
+    steps = models.PositiveIntegerField(
+        help_text="the total: as asked, or as changed midway (a job stopped early: the steps it did)"
+    )
+    steps_requested = models.PositiveIntegerField(
+        null=True, blank=True, help_text="the total asked at submit, once the steps were changed"
+    )
     guidance_scale = models.FloatField()
     seed = models.BigIntegerField()
     num_outputs = models.PositiveSmallIntegerField(default=1)
     preview_every = models.PositiveIntegerField(default=0)
-    webhook_url = models.URLField(max_length=500, blank=True, default="",
-                                  help_text="receives signed JSON events (started, preview, succeeded, ...)")
+    webhook_url = models.URLField(
+        max_length=500,
+        blank=True,
+        default="",
+        help_text="receives signed JSON events (started, preview, succeeded, ...)",
+    )
     # Which events the webhook receives (a subset of webhooks.EVENTS); the default: started and the end.
-    webhook_events = models.JSONField(default=default_webhook_events, blank=True,
-                                      help_text="events sent to webhook_url (default: started and terminal)")
+    webhook_events = models.JSONField(
+        default=default_webhook_events,
+        blank=True,
+        help_text="events sent to webhook_url (default: started and terminal)",
+    )
 
     # A client's retry of the same submit (Idempotency-Key header) returns this job.
     idempotency_key = models.CharField(max_length=200, blank=True, default="")
@@ -115,8 +125,11 @@ class Job(models.Model):
     class Meta:
         ordering = ["-created_at"]
         constraints = [
-            models.UniqueConstraint(fields=["owner", "idempotency_key"], condition=~models.Q(idempotency_key=""),
-                                    name="unique_idempotency_key_per_owner"),
+            models.UniqueConstraint(
+                fields=["owner", "idempotency_key"],
+                condition=~models.Q(idempotency_key=""),
+                name="unique_idempotency_key_per_owner",
+            ),
             # What the job service assumes of every row (a broken row fails at the write, not in a worker).
             models.CheckConstraint(condition=models.Q(priority__gte=0, priority__lte=9), name="job_priority_0_to_9"),
             models.CheckConstraint(condition=models.Q(steps__gte=1), name="job_steps_at_least_1"),

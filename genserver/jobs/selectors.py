@@ -1,5 +1,6 @@
 """Reads: which jobs a user sees, the queue picture (positions, ETAs, backlog) from the database, and
 the capacity that serves it (the cards whose workers heartbeat, on every node)."""
+
 from __future__ import annotations
 
 import json
@@ -43,16 +44,35 @@ def _chunk_remaining(job: Job) -> float:
 
 def _work_item(job: Job, wall: bool) -> WorkItem:
     scale = job.clock_scale if wall else 1.0
-    return WorkItem(queue=job.queue or job.duration_class, priority=job.priority,
-                    remaining_seconds=job.remaining_seconds * scale, running=_is_running(job),
-                    chunk_remaining_seconds=_chunk_remaining(job) * scale)
+    return WorkItem(
+        queue=job.queue or job.duration_class,
+        priority=job.priority,
+        remaining_seconds=job.remaining_seconds * scale,
+        running=_is_running(job),
+        chunk_remaining_seconds=_chunk_remaining(job) * scale,
+    )
 
 
 def _active_jobs() -> list[Job]:
-    return list(Job.objects.filter(status__in=ACTIVE).only(
-        "id", "status", "duration_class", "queue", "priority", "estimated_seconds", "clock_scale", "steps",
-        "steps_done", "checkpoint_step", "chunk_steps", "lease_owner", "published_at", "created_at",
-        "segment_count"))
+    return list(
+        Job.objects.filter(status__in=ACTIVE).only(
+            "id",
+            "status",
+            "duration_class",
+            "queue",
+            "priority",
+            "estimated_seconds",
+            "clock_scale",
+            "steps",
+            "steps_done",
+            "checkpoint_step",
+            "chunk_steps",
+            "lease_owner",
+            "published_at",
+            "created_at",
+            "segment_count",
+        )
+    )
 
 
 def backlog_items() -> list[WorkItem]:
@@ -87,9 +107,16 @@ class QueueSnapshot:
         if _is_running(job) or job.status == JobStatus.DECODING:
             return 0
         mine = {w.name for w in self.layout.workers if (job.queue or job.duration_class) in w.consumed_queues()}
-        return sum(1 for other in self._ahead(job) if not _is_running(other)
-                   and any((other.queue or other.duration_class) in w.consumed_queues()
-                           for w in self.layout.workers if w.name in mine))
+        return sum(
+            1
+            for other in self._ahead(job)
+            if not _is_running(other)
+            and any(
+                (other.queue or other.duration_class) in w.consumed_queues()
+                for w in self.layout.workers
+                if w.name in mine
+            )
+        )
 
     def eta_seconds(self, job: Job) -> float | None:
         """Expected wall seconds until the job finishes denoising. None once terminal."""
@@ -185,8 +212,11 @@ def queue_overview() -> list[dict[str, Any]]:
     for cls in CLASSES:
         mine = [j for j in jobs if j.duration_class == cls]
         # A typical new job of the class: its worst (latest-served) new-job priority.
-        typical = {"short": thresholds.short * 0.99, "medium": thresholds.medium * 0.99,
-                   "long": thresholds.medium * 20}[cls]
+        typical = {
+            "short": thresholds.short * 0.99,
+            "medium": thresholds.medium * 0.99,
+            "long": thresholds.medium * 20,
+        }[cls]
         wait = expected_wait(cls, priority_for(cls, typical, False, thresholds), items, layout)
         limit = limits.for_class(cls)
         entry: dict[str, Any] = {

@@ -8,6 +8,7 @@ priorities, a short job only waits for short work while a long job waits for
 everything: under overload the long class crosses its limit first, so video
 is refused while images are still accepted.
 """
+
 from __future__ import annotations
 
 import math
@@ -91,8 +92,9 @@ def expected_wait(queue: str, priority: int, items: Iterable[WorkItem], layout: 
     return math.inf if cards == 0 else ahead / cards
 
 
-def decide(queue: str, priority: int, items: Iterable[WorkItem], layout: PoolLayout,
-           limits: AdmissionLimits) -> Decision:
+def decide(
+    queue: str, priority: int, items: Iterable[WorkItem], layout: PoolLayout, limits: AdmissionLimits
+) -> Decision:
     """Accept or refuse a new job for `queue` (its class, or "class.model") at `priority`."""
     duration_class = class_of(queue)
     if duration_class not in CLASSES:
@@ -102,9 +104,21 @@ def decide(queue: str, priority: int, items: Iterable[WorkItem], layout: PoolLay
     if wait <= limit:
         return Decision(True, wait, limit)
     if math.isinf(wait):
-        return Decision(False, wait, limit, retry_after_seconds=60,
-                        reason=f"no worker serves the {queue!r} queue; check the pool layout")
+        return Decision(
+            False,
+            wait,
+            limit,
+            retry_after_seconds=60,
+            reason=f"no worker serves the {queue!r} queue; check the pool layout",
+        )
     retry = max(1, math.ceil(wait - limit))
-    return Decision(False, wait, limit, retry_after_seconds=retry,
-                    reason=(f"the {duration_class} class is overloaded: expected wait {wait:.0f} s exceeds its "
-                            f"{limit:.0f} s limit; retry after {retry} s or submit a shorter job"))
+    return Decision(
+        False,
+        wait,
+        limit,
+        retry_after_seconds=retry,
+        reason=(
+            f"the {duration_class} class is overloaded: expected wait {wait:.0f} s exceeds its "
+            f"{limit:.0f} s limit; retry after {retry} s or submit a shorter job"
+        ),
+    )

@@ -9,6 +9,7 @@ Between two chunks the worker goes back to the broker (chunk-level
 preemption), so a waiting short job runs after at most one chunk of long work.
 Plain Python, no Django: the denoise task and the simulator share it.
 """
+
 from __future__ import annotations
 
 import math

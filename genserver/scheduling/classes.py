@@ -15,6 +15,7 @@ Bands (0 is served first):
     7-8  long    new jobs, shorter first
     9    default for anything unprioritised (maintenance) — never ahead of work
 """
+
 from __future__ import annotations
 
 import math
@@ -60,8 +61,7 @@ def _log_bucket(seconds: float, low: float, high: float, buckets: int) -> int:
     return min(buckets - 1, int(position * buckets))
 
 
-def priority_for(duration_class: str, remaining_seconds: float, started: bool,
-                 thresholds: ClassThresholds) -> int:
+def priority_for(duration_class: str, remaining_seconds: float, started: bool, thresholds: ClassThresholds) -> int:
     """Redis priority (0 first) of a job's next message.
 
     `remaining_seconds` is the expected work left (the whole job for a new one);

@@ -7,6 +7,7 @@ tokens joined into the sequence). The per-1k-token factor grows with the
 sequence (attention's quadratic term), so a model gives it as calibration
 points `{tokens: factor}` and we interpolate linearly between them.
 """
+
 from __future__ import annotations
 
 import math
@@ -53,8 +54,13 @@ def geometry_for(family: str) -> LatentGeometry:
         raise ValueError(f"unknown model family {family!r}; known: {sorted(FAMILY_GEOMETRY)}") from None
 
 
-def est_seconds(tokens: int, steps: int, cfg: int, model_tflop_per_1k_tokens: float,
-                gpu_eff_tflops: float = DEFAULT_EFFECTIVE_TFLOPS) -> float:
+def est_seconds(
+    tokens: int,
+    steps: int,
+    cfg: int,
+    model_tflop_per_1k_tokens: float,
+    gpu_eff_tflops: float = DEFAULT_EFFECTIVE_TFLOPS,
+) -> float:
     """The seed's formula: forward passes × FLOP per step / effective throughput."""
     step_tflop = tokens / 1000 * model_tflop_per_1k_tokens
     return steps * cfg * step_tflop / gpu_eff_tflops
@@ -108,9 +114,12 @@ class JobShape:
         return f"{self.family}:{int(math.log2(max(1, self.tokens())))}"
 
 
-def estimate_job_seconds(shape: JobShape, cost_points: Mapping[int, float],
-                         effective_tflops: float = DEFAULT_EFFECTIVE_TFLOPS,
-                         correction: float = 1.0) -> float:
+def estimate_job_seconds(
+    shape: JobShape,
+    cost_points: Mapping[int, float],
+    effective_tflops: float = DEFAULT_EFFECTIVE_TFLOPS,
+    correction: float = 1.0,
+) -> float:
     """Expected seconds of denoising for a whole job on one card.
 
     Outputs of one job are denoised as one batch; a compute-bound step is
@@ -122,8 +131,9 @@ def estimate_job_seconds(shape: JobShape, cost_points: Mapping[int, float],
     return base * shape.num_outputs * correction
 
 
-def merged_step_seconds(shape: JobShape, rows: int, cost_points: Mapping[int, float],
-                        effective_tflops: float = DEFAULT_EFFECTIVE_TFLOPS) -> float:
+def merged_step_seconds(
+    shape: JobShape, rows: int, cost_points: Mapping[int, float], effective_tflops: float = DEFAULT_EFFECTIVE_TFLOPS
+) -> float:
     """Seconds of one denoising step over `rows` same-shape outputs merged into one batch.
 
     A model's factor at a small sequence holds the card's under-use (kernels too

@@ -4,6 +4,7 @@ A layout is data (JSON/TOML or generated). The launcher starts one Celery
 worker per entry; admission and the simulator read the same layout to know
 the capacity that serves each duration class.
 """
+
 from __future__ import annotations
 
 import json
@@ -63,8 +64,10 @@ class WorkerSpec:
             raise ValueError(f"worker {self.name!r} consumes no queue")
         if self.lane:
             if not _LANE_NAME.match(self.lane) or self.lane in ALL_QUEUES:
-                raise ValueError(f"worker {self.name!r}: lane {self.lane!r} must be a short lower-case name "
-                                 "(letters, digits, - and _) other than a queue's")
+                raise ValueError(
+                    f"worker {self.name!r}: lane {self.lane!r} must be a short lower-case name "
+                    "(letters, digits, - and _) other than a queue's"
+                )
             if self.models:
                 raise ValueError(f"worker {self.name!r}: a worker has either a lane or models, not both")
         if self.denoises:
@@ -92,8 +95,7 @@ class WorkerSpec:
             return tuple(f"{q}{LANE_SEP}{self.lane}" if q in CLASSES else q for q in self.queues)
         if not self.models:
             return self.queues
-        return tuple(name for q in self.queues
-                     for name in ([f"{q}.{m}" for m in self.models] if q in CLASSES else [q]))
+        return tuple(name for q in self.queues for name in ([f"{q}.{m}" for m in self.models] if q in CLASSES else [q]))
 
 
 @dataclass(frozen=True)
@@ -159,11 +161,18 @@ class PoolLayout:
         raise KeyError(name)
 
     def to_dict(self) -> dict:
-        return {"workers": [
-            {"name": w.name, "queues": list(w.queues), "devices": list(w.devices), "models": list(w.models),
-             **({"lane": w.lane} if w.lane else {})}
-            for w in self.workers
-        ]}
+        return {
+            "workers": [
+                {
+                    "name": w.name,
+                    "queues": list(w.queues),
+                    "devices": list(w.devices),
+                    "models": list(w.models),
+                    **({"lane": w.lane} if w.lane else {}),
+                }
+                for w in self.workers
+            ]
+        }
 
 
 def worker_from_queues(name: str, consumed: list[str] | tuple[str, ...], devices: tuple[int, ...] = ()) -> WorkerSpec:
@@ -179,13 +188,18 @@ def worker_from_queues(name: str, consumed: list[str] | tuple[str, ...], devices
             continue  # a queue this version does not know (a newer node): not capacity we can use
         if stage not in queues:
             queues.append(stage)
-        rest = queue[len(stage):]
+        rest = queue[len(stage) :]
         if rest.startswith(".") and rest[1:] not in models:
             models.append(rest[1:])
         elif rest.startswith(LANE_SEP):
             lane = rest[1:]
-    return WorkerSpec(name=name, queues=tuple(queues) or (CONTROL,), devices=tuple(devices),
-                      models=() if lane else tuple(models), lane=lane)
+    return WorkerSpec(
+        name=name,
+        queues=tuple(queues) or (CONTROL,),
+        devices=tuple(devices),
+        models=() if lane else tuple(models),
+        lane=lane,
+    )
 
 
 def class_of(queue: str) -> str:
@@ -193,8 +207,13 @@ def class_of(queue: str) -> str:
     return re.split(r"[.@]", queue, maxsplit=1)[0]
 
 
-def default_layout(num_gpus: int, cpu_workers: int = 2, image_cards: int | None = None,
-                   max_long_cards: int | None = None, group_cards: int = 0) -> PoolLayout:
+def default_layout(
+    num_gpus: int,
+    cpu_workers: int = 2,
+    image_cards: int | None = None,
+    max_long_cards: int | None = None,
+    group_cards: int = 0,
+) -> PoolLayout:
     """The generated layout for a machine.
 
     With N cards: `image_cards` of them (default about a quarter, at least one)
@@ -218,15 +237,24 @@ def default_layout(num_gpus: int, cpu_workers: int = 2, image_cards: int | None 
     first = 0
     if group_cards:
         if group_cards < 2 or group_cards not in GROUP_EFFICIENCY:
-            raise ValueError(f"group_cards must be one of {sorted(k for k in GROUP_EFFICIENCY if k > 1)}, "
-                             f"got {group_cards}")
+            raise ValueError(
+                f"group_cards must be one of {sorted(k for k in GROUP_EFFICIENCY if k > 1)}, got {group_cards}"
+            )
         if num_gpus > 0:
             if group_cards >= num_gpus:
-                raise ValueError(f"group_cards ({group_cards}) must leave at least one of the {num_gpus} "
-                                 "cards single: work without a lane runs there")
+                raise ValueError(
+                    f"group_cards ({group_cards}) must leave at least one of the {num_gpus} "
+                    "cards single: work without a lane runs there"
+                )
             first, cards = group_cards, num_gpus - group_cards
-        workers.append(WorkerSpec(name="group0", queues=(SHORT, MEDIUM, LONG), lane=INTERACTIVE,
-                                  devices=tuple(range(group_cards)) if num_gpus > 0 else ()))
+        workers.append(
+            WorkerSpec(
+                name="group0",
+                queues=(SHORT, MEDIUM, LONG),
+                lane=INTERACTIVE,
+                devices=tuple(range(group_cards)) if num_gpus > 0 else (),
+            )
+        )
     if image_cards is None:
         image_cards = max(1, round(cards / 4)) if cards > 1 else 0
     if max_long_cards is not None:
@@ -249,20 +277,33 @@ def default_layout(num_gpus: int, cpu_workers: int = 2, image_cards: int | None 
 def parse_layout(data: dict) -> PoolLayout:
     try:
         entries = data["workers"]
-        return PoolLayout(tuple(
-            WorkerSpec(name=str(e["name"]), queues=tuple(e["queues"]),
-                       devices=tuple(int(d) for d in e.get("devices", ())),
-                       models=tuple(e.get("models", ())), lane=str(e.get("lane", "")))
-            for e in entries
-        ))
+        return PoolLayout(
+            tuple(
+                WorkerSpec(
+                    name=str(e["name"]),
+                    queues=tuple(e["queues"]),
+                    devices=tuple(int(d) for d in e.get("devices", ())),
+                    models=tuple(e.get("models", ())),
+                    lane=str(e.get("lane", "")),
+                )
+                for e in entries
+            )
+        )
     except (KeyError, TypeError) as exc:
         raise ValueError(
             'pool layout must look like {"workers": [{"name": "gpu0", "queues": ["short"], "devices": [0]}]}: '
-            f"{exc!r}") from None
+            f"{exc!r}"
+        ) from None
 
 
-def load_layout(spec: str | None, num_gpus: int, cpu_workers: int = 2, image_cards: int | None = None,
-                max_long_cards: int | None = None, group_cards: int = 0) -> PoolLayout:
+def load_layout(
+    spec: str | None,
+    num_gpus: int,
+    cpu_workers: int = 2,
+    image_cards: int | None = None,
+    max_long_cards: int | None = None,
+    group_cards: int = 0,
+) -> PoolLayout:
     """A layout from `spec` (inline JSON, or a .json/.toml file path), else the default."""
     if not spec:
         return default_layout(num_gpus, cpu_workers, image_cards, max_long_cards, group_cards)

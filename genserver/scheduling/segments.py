@@ -24,6 +24,7 @@ one's last frames) is out of scope: segments are independent clips.
 
 Plain Python, no Django.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -91,13 +92,25 @@ def segment_of_step(global_step: int, steps: int) -> tuple[int, int]:
     return divmod(global_step, steps)
 
 
-def estimate_segmented_seconds(shape: JobShape, plan: list[Segment], cost_points: Mapping[int, float],
-                               effective_tflops: float, correction: float = 1.0) -> float:
+def estimate_segmented_seconds(
+    shape: JobShape,
+    plan: list[Segment],
+    cost_points: Mapping[int, float],
+    effective_tflops: float,
+    correction: float = 1.0,
+) -> float:
     """Expected denoising seconds of every segment together (each costed at the frames it generates)."""
     total = 0.0
     for segment in plan:
-        seg_shape = JobShape(shape.family, shape.width, shape.height, segment.generate_frames, shape.steps,
-                             shape.guidance_scale, shape.num_outputs)
+        seg_shape = JobShape(
+            shape.family,
+            shape.width,
+            shape.height,
+            segment.generate_frames,
+            shape.steps,
+            shape.guidance_scale,
+            shape.num_outputs,
+        )
         total += estimate_job_seconds(seg_shape, cost_points, effective_tflops, correction)
     return total
 
@@ -106,5 +119,6 @@ def segment_shape(shape: JobShape, segment_frames: int) -> JobShape:
     """The shape one (full) segment is denoised at: what step times are measured and corrected by."""
     if not is_segmented(shape.num_frames, segment_frames):
         return shape
-    return JobShape(shape.family, shape.width, shape.height, segment_frames, shape.steps, shape.guidance_scale,
-                    shape.num_outputs)
+    return JobShape(
+        shape.family, shape.width, shape.height, segment_frames, shape.steps, shape.guidance_scale, shape.num_outputs
+    )

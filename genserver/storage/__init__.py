@@ -13,6 +13,7 @@ Two backends implement the same methods (`Storage` below):
 the API all reach the same bytes. Errors of both backends are `StorageError`;
 a full disk (or a store's quota) says so in the text the job service looks for.
 """
+
 from __future__ import annotations
 
 import os
@@ -22,9 +23,15 @@ from typing import Protocol
 from .base import StorageError, StoredEntry, StoredObject
 from .local import LocalStorage
 
-__all__ = ["Storage", "StorageError", "LocalStorage", "StoredObject", "StoredEntry", "default_storage",
-           "storage_from_config"]
-
+__all__ = [
+    "Storage",
+    "StorageError",
+    "LocalStorage",
+    "StoredObject",
+    "StoredEntry",
+    "default_storage",
+    "storage_from_config",
+]
 
 
 class Storage(Protocol):

@@ -1,4 +1,5 @@
 """What the storage backends share: the error type and the records `open` and `list` return."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass

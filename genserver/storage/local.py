@@ -3,6 +3,7 @@
 Any worker that mounts the same directory can resume any job; across machines
 without a shared filesystem use the s3 backend (genserver/storage/s3.py).
 """
+
 from __future__ import annotations
 
 import os

@@ -6,6 +6,7 @@ the usual boto3 way (AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_SESSION_TOKEN
 AWS_DEFAULT_REGION / AWS_REGION, AWS_PROFILE, instance roles). Errors become
 StorageError; what each S3 error code means for a job is in `_storage_error`.
 """
+
 from __future__ import annotations
 
 import errno
@@ -18,16 +19,27 @@ from .base import StorageError, StoredEntry, StoredObject, check_key
 _MISSING = ("NoSuchKey", "404", "NotFound")
 # A store that is out of space or over its quota: no retry helps until someone frees space, so the
 # message carries the text of ENOSPC / EDQUOT, which the job service reads as "storage full".
-_FULL = {"XMinioStorageFull": errno.ENOSPC, "StorageFull": errno.ENOSPC, "QuotaExceeded": errno.EDQUOT,
-         "XMinioAdminBucketQuotaExceeded": errno.EDQUOT}
-_CREDENTIALS = ("AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "ExpiredToken",
-                "InvalidToken", "AllAccessDisabled")
+_FULL = {
+    "XMinioStorageFull": errno.ENOSPC,
+    "StorageFull": errno.ENOSPC,
+    "QuotaExceeded": errno.EDQUOT,
+    "XMinioAdminBucketQuotaExceeded": errno.EDQUOT,
+}
+_CREDENTIALS = (
+    "AccessDenied",
+    "InvalidAccessKeyId",
+    "SignatureDoesNotMatch",
+    "ExpiredToken",
+    "InvalidToken",
+    "AllAccessDisabled",
+)
 _DELETE_BATCH = 1000  # the most keys one DeleteObjects call takes
 
 
 class S3Storage:
-    def __init__(self, bucket: str, prefix: str = "", endpoint_url: str | None = None,
-                 client: Any | None = None) -> None:
+    def __init__(
+        self, bucket: str, prefix: str = "", endpoint_url: str | None = None, client: Any | None = None
+    ) -> None:
         self.bucket = bucket
         self.prefix = prefix.strip("/")
         self.endpoint_url = endpoint_url
@@ -42,7 +54,7 @@ class S3Storage:
         return f"{self.prefix}/{key}" if self.prefix else key
 
     def _key_of(self, name: str) -> str:
-        return name[len(self.prefix) + 1:] if self.prefix else name
+        return name[len(self.prefix) + 1 :] if self.prefix else name
 
     def put(self, key: str, data: bytes) -> str:
         try:
@@ -87,7 +99,7 @@ class S3Storage:
         names = [self._object(prefix)] + [self._object(e.key) for e in self.list(prefix)]
         try:
             for start in range(0, len(names), _DELETE_BATCH):
-                batch = [{"Key": name} for name in names[start:start + _DELETE_BATCH]]
+                batch = [{"Key": name} for name in names[start : start + _DELETE_BATCH]]
                 self.client.delete_objects(Bucket=self.bucket, Delete={"Objects": batch, "Quiet": True})
         except Exception as exc:
             raise self._storage_error(exc, "delete", prefix) from exc
@@ -108,16 +120,22 @@ class S3Storage:
         `when`, which is kept in the object's metadata for people reading the bucket)."""
         name = self._object(key)
         try:
-            self.client.copy_object(Bucket=self.bucket, Key=name, CopySource={"Bucket": self.bucket, "Key": name},
-                                    Metadata={"genserver-used-at": f"{when:.0f}"}, MetadataDirective="REPLACE")
+            self.client.copy_object(
+                Bucket=self.bucket,
+                Key=name,
+                CopySource={"Bucket": self.bucket, "Key": name},
+                Metadata={"genserver-used-at": f"{when:.0f}"},
+                MetadataDirective="REPLACE",
+            )
         except Exception as exc:
             raise self._storage_error(exc, "touch", key) from exc
 
     def move(self, key: str, to: str) -> None:
         """Copy `key` to `to`, then delete `key` (S3 has no rename: both exist for a moment)."""
         try:
-            self.client.copy_object(Bucket=self.bucket, Key=self._object(to),
-                                    CopySource={"Bucket": self.bucket, "Key": self._object(key)})
+            self.client.copy_object(
+                Bucket=self.bucket, Key=self._object(to), CopySource={"Bucket": self.bucket, "Key": self._object(key)}
+            )
             self.client.delete_object(Bucket=self.bucket, Key=self._object(key))
         except Exception as exc:
             raise self._storage_error(exc, "move", key) from exc
@@ -126,8 +144,10 @@ class S3Storage:
         """A GET URL for `key` valid `ttl_seconds`, signed locally (no request to the store)."""
         try:
             return self.client.generate_presigned_url(
-                "get_object", ExpiresIn=ttl_seconds,
-                Params={"Bucket": self.bucket, "Key": self._object(key), "ResponseContentType": content_type})
+                "get_object",
+                ExpiresIn=ttl_seconds,
+                Params={"Bucket": self.bucket, "Key": self._object(key), "ResponseContentType": content_type},
+            )
         except Exception as exc:
             raise self._storage_error(exc, "sign", key) from exc
 
@@ -148,11 +168,15 @@ class S3Storage:
         if code in _FULL:
             return StorageError(f"could not {action} {key!r} in {where}: {code}: {os.strerror(_FULL[code])}")
         if code == "NoSuchBucket":
-            return StorageError(f"could not {action} {key!r}: bucket {self.bucket!r} does not exist at "
-                                f"{self.endpoint_url or 'AWS'}; create it or set GENSERVER_S3_BUCKET")
+            return StorageError(
+                f"could not {action} {key!r}: bucket {self.bucket!r} does not exist at "
+                f"{self.endpoint_url or 'AWS'}; create it or set GENSERVER_S3_BUCKET"
+            )
         if code in _CREDENTIALS:
-            return StorageError(f"could not {action} {key!r} in {where}: {code}; check AWS_ACCESS_KEY_ID, "
-                                f"AWS_SECRET_ACCESS_KEY (or the instance role) and the bucket's policy")
+            return StorageError(
+                f"could not {action} {key!r} in {where}: {code}; check AWS_ACCESS_KEY_ID, "
+                f"AWS_SECRET_ACCESS_KEY (or the instance role) and the bucket's policy"
+            )
         return StorageError(f"could not {action} {key!r} in {where}: {code or type(exc).__name__}: {exc}")
 
 

@@ -1,4 +1,5 @@
 """The web page's Django app configuration."""
+
 from django.apps import AppConfig
 
 

@@ -1,4 +1,5 @@
 """Routes of the web page: `/`, `/login/`, `/logout/`."""
+
 from django.urls import path
 
 from genserver.web import views

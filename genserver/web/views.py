@@ -3,6 +3,7 @@
 The page holds no business rule: limits, defaults, queue state and refusals all
 come from the API (GET /api/v1/models/, /jobs/, /queues/) at run time.
 """
+
 from __future__ import annotations
 
 from django.conf import settings
@@ -19,9 +20,13 @@ from django.views.decorators.csrf import ensure_csrf_cookie
 def index(request: HttpRequest) -> HttpResponse:
     """The page: the submit form, the live job, the history, and (staff) the queues panel."""
     host, _port = split_domain_port(request.get_host())  # Flower listens on the same host, its own port
-    return render(request, "web/index.html", {
-        "flower_url": f"{request.scheme}://{host}:{settings.FLOWER_PORT}/",
-    })
+    return render(
+        request,
+        "web/index.html",
+        {
+            "flower_url": f"{request.scheme}://{host}:{settings.FLOWER_PORT}/",
+        },
+    )
 
 
 class LoginView(auth_views.LoginView):

@@ -1,5 +1,6 @@
 """bench.gpu_bench on the CPU: its per-model routine on the tiny checkpoints (the GPU run's code path,
 tiny shape), the download-free tokenizers of the full-size trees, and its refusal without CUDA."""
+
 from __future__ import annotations
 
 import json
@@ -37,11 +38,14 @@ def test_per_model_routine_runs_stock_and_ours_on_the_same_modules(model, tmp_pa
     assert row.count("|") == gpu_bench.TABLE_HEADER.splitlines()[0].count("|")
 
 
-@pytest.mark.parametrize("model, folders", [
-    ("flux.1-dev", {"tokenizer": 77, "tokenizer_2": 512}),
-    ("sdxl-base-1.0", {"tokenizer": 77, "tokenizer_2": 77}),
-    ("wan2.1-t2v-14b", {"tokenizer": 512}),
-])
+@pytest.mark.parametrize(
+    "model, folders",
+    [
+        ("flux.1-dev", {"tokenizer": 77, "tokenizer_2": 512}),
+        ("sdxl-base-1.0", {"tokenizer": 77, "tokenizer_2": 77}),
+        ("wan2.1-t2v-14b", {"tokenizer": 512}),
+    ],
+)
 def test_full_size_trees_get_download_free_tokenizers(model, folders, tmp_path, monkeypatch):
     from transformers import AutoTokenizer
 
@@ -52,8 +56,9 @@ def test_full_size_trees_get_download_free_tokenizers(model, folders, tmp_path, 
     encoders = {"tokenizer": "text_encoder", "tokenizer_2": "text_encoder_2"}
     for folder, length in folders.items():
         tokenizer = AutoTokenizer.from_pretrained(tree / folder, local_files_only=True)
-        ids = tokenizer(["a red fox in the snow"], padding="max_length", max_length=length,
-                        truncation=True).input_ids[0]
+        ids = tokenizer(["a red fox in the snow"], padding="max_length", max_length=length, truncation=True).input_ids[
+            0
+        ]
         vocab = json.loads((tree / encoders[folder] / "config.json").read_text())["vocab_size"]
         assert len(ids) == length and max(ids) < vocab  # real sequence length, ids inside the real vocabulary
 
@@ -69,8 +74,9 @@ def test_every_family_adapter_takes_the_full_size_modules(tmp_path, monkeypatch)
     expected = {"unet": "UNetFamily", "flux": "FluxFamily", "wan": "WanFamily"}
     for name in registry.names():
         spec = gpu_bench.config_tree_with_tokenizers(registry.get(name), tmp_path)
-        modules = {stage: components.build_stage(spec, stage, device="cuda", weights="meta")
-                   for stage in components.STAGES}
+        modules = {
+            stage: components.build_stage(spec, stage, device="cuda", weights="meta") for stage in components.STAGES
+        }
         for component, cls in components.stage_components(spec, "encode").items():
             if components.is_tokenizer(cls):  # meta builds skip tokenizers; the random build loads these
                 modules["encode"][component] = cls.from_pretrained(Path(spec.path) / component, local_files_only=True)

@@ -1,4 +1,5 @@
 """bench.size_cluster: the fewest cards meeting the P99s, found with the production policy's simulator."""
+
 from __future__ import annotations
 
 import pytest
@@ -21,8 +22,23 @@ def test_a_higher_rate_needs_more_cards_and_every_searched_row_is_reported():
 
 
 def test_the_command_prints_its_table_and_answer(capsys):
-    assert main(["--rate", "0.06", "--image-p99", "5", "--video-p99", "600", "--arrivals", "40",
-                 "--mix", "image=0.8,video=0.2"]) == 0
+    assert (
+        main(
+            [
+                "--rate",
+                "0.06",
+                "--image-p99",
+                "5",
+                "--video-p99",
+                "600",
+                "--arrivals",
+                "40",
+                "--mix",
+                "image=0.8,video=0.2",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert "| cards | split |" in out and "| policy |" in out and "answer:" in out
 

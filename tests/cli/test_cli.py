@@ -1,4 +1,5 @@
 """The `genserver` command-line client, run as a subprocess against the real ASGI server and workers."""
+
 from __future__ import annotations
 
 import os
@@ -28,8 +29,15 @@ def cli_env(server, token: str | None) -> dict[str, str]:
 
 def genserver(server, token: str | None, *args: str, timeout: float = 240) -> subprocess.CompletedProcess:
     """`genserver ARGS` (python -m genserver_cli, the console script's code) with GENSERVER_URL/TOKEN set."""
-    return subprocess.run([sys.executable, "-m", "genserver_cli", *args], cwd=ROOT, env=cli_env(server, token),
-                          capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL)
+    return subprocess.run(
+        [sys.executable, "-m", "genserver_cli", *args],
+        cwd=ROOT,
+        env=cli_env(server, token),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        stdin=subprocess.DEVNULL,
+    )
 
 
 def test_the_console_script_is_declared():
@@ -43,8 +51,24 @@ def test_the_console_script_is_declared():
 
 def test_submit_wait_shows_progress_and_saves_the_image(stack, asgi_server, api_token, tmp_path):
     token = api_token("cli-user")
-    done = genserver(asgi_server, token, "submit", "--model", "tiny-sd", "--prompt", "a red fox",
-                     "--size", "64x64", "--steps", "8", "--seed", "7", "--wait", "--out", str(tmp_path))
+    done = genserver(
+        asgi_server,
+        token,
+        "submit",
+        "--model",
+        "tiny-sd",
+        "--prompt",
+        "a red fox",
+        "--size",
+        "64x64",
+        "--steps",
+        "8",
+        "--seed",
+        "7",
+        "--wait",
+        "--out",
+        str(tmp_path),
+    )
     assert done.returncode == 0, done.stdout + done.stderr
     lines = done.stdout.splitlines()
     assert lines[0].startswith("job ")
@@ -69,8 +93,9 @@ def test_submit_wait_shows_progress_and_saves_the_image(stack, asgi_server, api_
 
 def test_submit_without_wait_prints_the_job_and_cancel_stops_it(stack, asgi_server, api_token):
     token = api_token("cli-canceller")
-    submitted = genserver(asgi_server, token, "submit", "--model", "wan-sim", "--prompt", "waves",
-                          "--size", "832x480", "--frames", "81")
+    submitted = genserver(
+        asgi_server, token, "submit", "--model", "wan-sim", "--prompt", "waves", "--size", "832x480", "--frames", "81"
+    )
     assert submitted.returncode == 0, submitted.stderr
     job_id = submitted.stdout.split()[0]
     cancelled = genserver(asgi_server, token, "cancel", job_id)
@@ -81,8 +106,9 @@ def test_submit_without_wait_prints_the_job_and_cancel_stops_it(stack, asgi_serv
 
 def test_a_failed_job_exits_1_with_its_error(stack, asgi_server, api_token, tmp_path):
     token = api_token("cli-failer")
-    done = genserver(asgi_server, token, "submit", "--model", "faulty-sim", "--prompt", "x", "--wait",
-                     "--out", str(tmp_path))
+    done = genserver(
+        asgi_server, token, "submit", "--model", "faulty-sim", "--prompt", "x", "--wait", "--out", str(tmp_path)
+    )
     assert done.returncode == 1, done.stdout + done.stderr
     assert "failed" in done.stdout.splitlines()[-1]
     assert not list(tmp_path.iterdir())
@@ -91,17 +117,22 @@ def test_a_failed_job_exits_1_with_its_error(stack, asgi_server, api_token, tmp_
 def test_a_refused_submit_exits_2_and_says_when_to_retry(stack, asgi_server, api_token):
     token = api_token("cli-refused")
     long_video = {"model": "wan-sim", "prompt": "a long video", "width": 1280, "height": 720}
-    first = requests.post(f"{asgi_server.url}/api/v1/jobs/", json=long_video,
-                          headers={"Authorization": f"Token {token}"}, timeout=30)
+    first = requests.post(
+        f"{asgi_server.url}/api/v1/jobs/", json=long_video, headers={"Authorization": f"Token {token}"}, timeout=30
+    )
     assert first.status_code == 201, first.text
     try:
-        refused = genserver(asgi_server, token, "submit", "--model", "wan-sim", "--prompt", "another",
-                            "--size", "1280x720")
+        refused = genserver(
+            asgi_server, token, "submit", "--model", "wan-sim", "--prompt", "another", "--size", "1280x720"
+        )
         assert refused.returncode == 2, refused.stdout + refused.stderr
         assert "refused" in refused.stderr and "Retry in" in refused.stderr
     finally:
-        requests.post(f"{asgi_server.url}/api/v1/jobs/{first.json()['id']}/cancel/",
-                      headers={"Authorization": f"Token {token}"}, timeout=30)
+        requests.post(
+            f"{asgi_server.url}/api/v1/jobs/{first.json()['id']}/cancel/",
+            headers={"Authorization": f"Token {token}"},
+            timeout=30,
+        )
 
 
 def test_usage_errors_exit_3(stack, asgi_server, api_token):
@@ -118,10 +149,31 @@ def test_usage_errors_exit_3(stack, asgi_server, api_token):
 
 def test_ctrl_c_offers_to_cancel_the_job(stack, asgi_server, api_token, tmp_path):
     token = api_token("cli-interrupter")
-    process = subprocess.Popen([sys.executable, "-m", "genserver_cli", "submit", "--model", "wan-sim", "--prompt",
-                                "waves", "--size", "832x480", "--frames", "81", "--wait", "--out", str(tmp_path)],
-                               cwd=ROOT, env=cli_env(asgi_server, token), stdin=subprocess.PIPE,
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    process = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "genserver_cli",
+            "submit",
+            "--model",
+            "wan-sim",
+            "--prompt",
+            "waves",
+            "--size",
+            "832x480",
+            "--frames",
+            "81",
+            "--wait",
+            "--out",
+            str(tmp_path),
+        ],
+        cwd=ROOT,
+        env=cli_env(asgi_server, token),
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         first = process.stdout.readline()
         assert first.startswith("job "), first + process.stderr.read()

@@ -1,4 +1,5 @@
 """Django admin for jobs: staff only, filters and search answer, actions go through the job service."""
+
 from __future__ import annotations
 
 import json

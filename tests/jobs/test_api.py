@@ -1,4 +1,5 @@
 """The API contract without workers: validation, auth, isolation, models, queues, schema."""
+
 from __future__ import annotations
 
 import json
@@ -13,25 +14,28 @@ from tests.conftest import submit
 pytestmark = pytest.mark.django_db
 
 
-@pytest.mark.parametrize("fields, bad_field", [
-    ({"model": "no-such-model"}, "model"),
-    ({"width": 4096}, "width"),
-    ({"height": 100}, "height"),  # not a multiple of 16
-    ({"steps": 0}, "steps"),
-    ({"steps": -3}, "steps"),
-    ({"steps": 1000}, "steps"),
-    ({"steps": "many"}, "steps"),
-    ({"width": True}, "width"),
-    ({"guidance_scale": "NaN"}, "guidance_scale"),
-    ({"guidance_scale": -1}, "guidance_scale"),
-    ({"num_outputs": 5}, "num_outputs"),
-    ({"num_frames": 81}, "num_frames"),  # an image model
-    ({"prompt": ""}, "prompt"),
-    ({"prompt": "x" * 5000}, "prompt"),
-    ({"seed": -1}, "seed"),
-    ({"preview_every": 500}, "preview_every"),
-    ({"colour": "red"}, "colour"),
-])
+@pytest.mark.parametrize(
+    "fields, bad_field",
+    [
+        ({"model": "no-such-model"}, "model"),
+        ({"width": 4096}, "width"),
+        ({"height": 100}, "height"),  # not a multiple of 16
+        ({"steps": 0}, "steps"),
+        ({"steps": -3}, "steps"),
+        ({"steps": 1000}, "steps"),
+        ({"steps": "many"}, "steps"),
+        ({"width": True}, "width"),
+        ({"guidance_scale": "NaN"}, "guidance_scale"),
+        ({"guidance_scale": -1}, "guidance_scale"),
+        ({"num_outputs": 5}, "num_outputs"),
+        ({"num_frames": 81}, "num_frames"),  # an image model
+        ({"prompt": ""}, "prompt"),
+        ({"prompt": "x" * 5000}, "prompt"),
+        ({"seed": -1}, "seed"),
+        ({"preview_every": 500}, "preview_every"),
+        ({"colour": "red"}, "colour"),
+    ],
+)
 def test_invalid_request_is_400_with_field_errors_and_no_row(api, fields, bad_field):
     response = submit(api, **fields)
     assert response.status_code == 400, response.content

@@ -1,4 +1,5 @@
 """A registry model whose weights are missing is a clear error at start-up, not at its first job."""
+
 from __future__ import annotations
 
 import pytest
@@ -12,8 +13,10 @@ from genserver.jobs.checks import registry_checkpoints_exist
 @pytest.fixture
 def registry_with_missing_weights(tmp_path, settings):
     path = tmp_path / "registry.toml"
-    path.write_text('[models.real-sdxl]\nfamily = "unet"\nbackend = "diffusers"\n'
-                    f'path = "{tmp_path}/nowhere"\ncost_points = {{ 4096 = 2.9 }}\n')
+    path.write_text(
+        '[models.real-sdxl]\nfamily = "unet"\nbackend = "diffusers"\n'
+        f'path = "{tmp_path}/nowhere"\ncost_points = {{ 4096 = 2.9 }}\n'
+    )
     settings.REGISTRY_PATH = str(path)
     deployment.registry.cache_clear()
     yield tmp_path

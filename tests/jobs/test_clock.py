@@ -6,6 +6,7 @@ backlog, the expected wait admission compares with the class limit, and
 Retry-After. (The duration class is the size of the work in the cost model's
 seconds: a video stays long work at any time scale.)
 """
+
 from __future__ import annotations
 
 import math
@@ -26,6 +27,7 @@ VIDEO_81 = {"model": "wan-sim", "width": 832, "height": 480, "num_frames": 81, "
 @pytest.fixture
 def long_limit(settings):
     """Set the long class's admission limit (wall seconds) for one test."""
+
     def set_limit(seconds: float) -> None:
         settings.ADMIT_LONG_SECONDS = seconds
         deployment.limits.cache_clear()

@@ -3,6 +3,7 @@
 The stream tests run uvicorn (tests/support/live_server.py) and the real
 workers (`stack`), and read the stream over HTTP as a client does.
 """
+
 from __future__ import annotations
 
 import json
@@ -40,8 +41,9 @@ def open_stream(server, token: str, job_id: str, last_event_id: str | None = Non
 
 def post_job(server, token: str, **fields) -> dict:
     body = {"model": "sdxl-sim", "prompt": "a lighthouse at dusk", "steps": 30, "preview_every": 5} | fields
-    response = requests.post(f"{server.url}/api/v1/jobs/", json=body, headers={"Authorization": f"Token {token}"},
-                             timeout=60)
+    response = requests.post(
+        f"{server.url}/api/v1/jobs/", json=body, headers={"Authorization": f"Token {token}"}, timeout=60
+    )
     assert response.status_code == 201, response.text
     return response.json()
 
@@ -55,8 +57,9 @@ def test_a_stream_follows_the_job_to_its_end(stack, asgi_server, api_token):
     assert response.headers["Content-Type"].startswith("text/event-stream")
     received = read_events(response)  # returns only when the server ends the stream
 
-    detail = requests.get(f"{asgi_server.url}/api/v1/jobs/{job['id']}/",
-                          headers={"Authorization": f"Token {token}"}, timeout=30).json()
+    detail = requests.get(
+        f"{asgi_server.url}/api/v1/jobs/{job['id']}/", headers={"Authorization": f"Token {token}"}, timeout=30
+    ).json()
     assert received[-1]["data"]["status"] == "succeeded"
     assert received[-1]["data"] == detail  # the same representation as GET /jobs/{id}/, absolute URLs included
     assert all(set(e["data"]) == set(detail) for e in received)
@@ -105,17 +108,18 @@ def test_only_the_owner_and_staff_see_the_stream(stack, asgi_server, api_token):
 @pytest.mark.stack
 def test_a_cancelled_job_ends_its_stream(stack, asgi_server, api_token):
     token = api_token("canceller-e")
-    job = post_job(asgi_server, token, model="wan-sim", width=832, height=480, num_frames=81, steps=50,
-                   preview_every=0)
+    job = post_job(asgi_server, token, model="wan-sim", width=832, height=480, num_frames=81, steps=50, preview_every=0)
     response = open_stream(asgi_server, token, job["id"])
-    cancel = requests.post(f"{asgi_server.url}/api/v1/jobs/{job['id']}/cancel/",
-                           headers={"Authorization": f"Token {token}"}, timeout=30)
+    cancel = requests.post(
+        f"{asgi_server.url}/api/v1/jobs/{job['id']}/cancel/", headers={"Authorization": f"Token {token}"}, timeout=30
+    )
     assert cancel.status_code == 202
     received = read_events(response)
     assert received[-1]["data"]["status"] == "cancelled"
 
 
 # --- the publisher (no workers: the job service's calls, made here) ------------------------------
+
 
 @pytest.mark.django_db
 def test_publish_appends_the_api_representation_and_announces_it(api, redis_conn):

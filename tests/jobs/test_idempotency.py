@@ -1,4 +1,5 @@
 """An Idempotency-Key makes a retried submit return the same job instead of a second one."""
+
 from __future__ import annotations
 
 import json

@@ -1,4 +1,5 @@
 """The OpenAI Images API shape: the official `openai` package as the client, against the running stack over HTTP."""
+
 from __future__ import annotations
 
 import base64
@@ -33,19 +34,28 @@ def test_openai_client_generates_pngs_as_b64_json_and_as_urls(stack, live_server
     assert "tiny-sd" in [m.id for m in client.models.list()]
     assert "tiny-wan" not in [m.id for m in client.models.list()], "video models are not OpenAI image models"
 
-    result = client.images.generate(model="tiny-sd", prompt="a red fox in the snow", size="64x64", n=2,
-                                    response_format="b64_json",
-                                    extra_body={"num_inference_steps": 4, "seed": 7, "negative_prompt": "blurry"})
+    result = client.images.generate(
+        model="tiny-sd",
+        prompt="a red fox in the snow",
+        size="64x64",
+        n=2,
+        response_format="b64_json",
+        extra_body={"num_inference_steps": 4, "seed": 7, "negative_prompt": "blurry"},
+    )
     assert result.created > 0 and len(result.data) == 2
     for item in result.data:
         image = Image.open(io.BytesIO(base64.b64decode(item.b64_json)))
         assert image.format == "PNG" and image.size == (64, 64)
     job = Job.objects.get(pk=result.model_extra["job_id"])
-    assert (job.status, job.steps, job.seed, job.num_outputs, job.negative_prompt) == \
-        ("succeeded", 4, 7, 2, "blurry")
+    assert (job.status, job.steps, job.seed, job.num_outputs, job.negative_prompt) == ("succeeded", 4, 7, 2, "blurry")
 
-    by_url = client.images.generate(model="tiny-sd", prompt="a red fox in the snow", size="64x64",
-                                    response_format="url", extra_body={"num_inference_steps": 4, "seed": 7})
+    by_url = client.images.generate(
+        model="tiny-sd",
+        prompt="a red fox in the snow",
+        size="64x64",
+        response_format="url",
+        extra_body={"num_inference_steps": 4, "seed": 7},
+    )
     download = urllib.request.Request(by_url.data[0].url, headers={"Authorization": f"Bearer {token}"})
     with urllib.request.urlopen(download, timeout=60) as answer:
         png = answer.read()
@@ -80,23 +90,26 @@ def post(client, body, **headers):
     return client.post("/v1/images/generations", data=json.dumps(body), content_type="application/json", **headers)
 
 
-@pytest.mark.parametrize(("body", "param"), [
-    ({"prompt": "a fox"}, "model"),
-    ({"model": "dall-e-3", "prompt": "a fox"}, "model"),
-    ({"model": "tiny-wan", "prompt": "a fox"}, "model"),
-    ({"model": "tiny-sd"}, "prompt"),
-    ({"model": "tiny-sd", "prompt": "   "}, "prompt"),
-    ({"model": "tiny-sd", "prompt": "a fox", "size": "big"}, "size"),
-    ({"model": "tiny-sd", "prompt": "a fox", "size": "4096x4096"}, "size"),
-    ({"model": "tiny-sd", "prompt": "a fox", "size": "65x64"}, "size"),
-    ({"model": "tiny-sd", "prompt": "a fox", "n": 5}, "n"),
-    ({"model": "tiny-sd", "prompt": "a fox", "n": True}, "n"),
-    ({"model": "tiny-sd", "prompt": "a fox", "response_format": "jpeg"}, "response_format"),
-    ({"model": "tiny-sd", "prompt": "a fox", "num_inference_steps": 51}, "num_inference_steps"),
-    ({"model": "tiny-sd", "prompt": "a fox", "guidance_scale": "NaN"}, "guidance_scale"),
-    ({"model": "tiny-sd", "prompt": "a fox", "seed": -1}, "seed"),
-    ({"model": "tiny-sd", "prompt": "a fox", "colour": "red"}, "colour"),
-])
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"prompt": "a fox"}, "model"),
+        ({"model": "dall-e-3", "prompt": "a fox"}, "model"),
+        ({"model": "tiny-wan", "prompt": "a fox"}, "model"),
+        ({"model": "tiny-sd"}, "prompt"),
+        ({"model": "tiny-sd", "prompt": "   "}, "prompt"),
+        ({"model": "tiny-sd", "prompt": "a fox", "size": "big"}, "size"),
+        ({"model": "tiny-sd", "prompt": "a fox", "size": "4096x4096"}, "size"),
+        ({"model": "tiny-sd", "prompt": "a fox", "size": "65x64"}, "size"),
+        ({"model": "tiny-sd", "prompt": "a fox", "n": 5}, "n"),
+        ({"model": "tiny-sd", "prompt": "a fox", "n": True}, "n"),
+        ({"model": "tiny-sd", "prompt": "a fox", "response_format": "jpeg"}, "response_format"),
+        ({"model": "tiny-sd", "prompt": "a fox", "num_inference_steps": 51}, "num_inference_steps"),
+        ({"model": "tiny-sd", "prompt": "a fox", "guidance_scale": "NaN"}, "guidance_scale"),
+        ({"model": "tiny-sd", "prompt": "a fox", "seed": -1}, "seed"),
+        ({"model": "tiny-sd", "prompt": "a fox", "colour": "red"}, "colour"),
+    ],
+)
 @pytest.mark.django_db
 def test_bad_requests_get_openai_error_shape_and_leave_no_job(api, body, param):
     response = post(api, body)

@@ -1,4 +1,5 @@
 """`Prefer: wait=N` on POST /api/v1/jobs/: the finished job when it ends in time, else the usual 201."""
+
 from __future__ import annotations
 
 import json
@@ -15,8 +16,12 @@ def submit_waiting(client, prefer: str, **fields):
 def submit_over_http(live_server, token: str, prefer: str) -> tuple[int, dict, dict]:
     """As a real client does: over HTTP to the live server (its own thread and database connection)."""
     body = json.dumps({"model": "tiny-sd", "prompt": "a lighthouse at dusk", "steps": 4}).encode()
-    request = urllib.request.Request(f"{live_server.url}/api/v1/jobs/", data=body, method="POST", headers={
-        "Authorization": f"Bearer {token}", "Content-Type": "application/json", "Prefer": prefer})
+    request = urllib.request.Request(
+        f"{live_server.url}/api/v1/jobs/",
+        data=body,
+        method="POST",
+        headers={"Authorization": f"Bearer {token}", "Content-Type": "application/json", "Prefer": prefer},
+    )
     with urllib.request.urlopen(request, timeout=300) as answer:
         return answer.status, dict(answer.headers), json.loads(answer.read())
 

@@ -6,6 +6,7 @@ answer must be documented (status and body schema) and none may be a 5xx.
 No workers run: a valid submit makes a queued job, and the waits (Prefer: wait,
 the OpenAI endpoint) are set to 0 so they answer at once.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -20,6 +21,7 @@ from genserver.wsgi import application
 
 EXAMPLES_PER_OPERATION = 10  # bounded: about 50 s of CPU for the whole schema (both modes, every operation)
 
+
 @pytest.fixture
 def token(db) -> str:
     from django.contrib.auth import get_user_model
@@ -33,9 +35,18 @@ def token(db) -> str:
 # prompt length, preview_every ≤ steps): JSON Schema cannot say "width ≤ the chosen model's max_width".
 # On the submit operations, a 400 for such a request is correct, not a rejected valid request.
 _REGISTRY_REFINED = r"^/(api/v1/jobs/|api/v1/jobs/\{job_id\}/steps/|v1/images/generations)$"
-_CONFIG = SchemathesisConfig.from_dict({"operations": [{
-    "include-path-regex": _REGISTRY_REFINED,
-    "checks": {"positive_data_acceptance": {"expected-statuses": ["2xx", "400", "401", "404", "409", "429"]}}}]})
+_CONFIG = SchemathesisConfig.from_dict(
+    {
+        "operations": [
+            {
+                "include-path-regex": _REGISTRY_REFINED,
+                "checks": {
+                    "positive_data_acceptance": {"expected-statuses": ["2xx", "400", "401", "404", "409", "429"]}
+                },
+            }
+        ]
+    }
+)
 
 
 def run_schemathesis(token: str, examples: int = EXAMPLES_PER_OPERATION) -> list[str]:
@@ -49,8 +60,14 @@ def run_schemathesis(token: str, examples: int = EXAMPLES_PER_OPERATION) -> list
         for mode in (GenerationMode.POSITIVE, GenerationMode.NEGATIVE):
 
             @given(case=operation.as_strategy(generation_mode=mode))
-            @settings(max_examples=examples, deadline=None, database=None, derandomize=True,
-                      suppress_health_check=list(HealthCheck), phases=[Phase.explicit, Phase.generate])
+            @settings(
+                max_examples=examples,
+                deadline=None,
+                database=None,
+                derandomize=True,
+                suppress_health_check=list(HealthCheck),
+                phases=[Phase.explicit, Phase.generate],
+            )
             def exercise(case) -> None:
                 case.call_and_validate(headers={"Authorization": f"Token {token}"})
 
@@ -93,8 +110,7 @@ def test_schema_lists_registry_models_and_array_answers(api):
     openai_enum = next(v for k, v in components.items() if k.startswith("ImageGenerationRequestModel"))
     assert sorted(openai_enum["enum"]) == sorted(image_names)
     for path in ("/api/v1/models/", "/api/v1/queues/"):
-        assert doc["paths"][path]["get"]["responses"]["200"]["content"]["application/json"]["schema"]["type"] \
-            == "array"
+        assert doc["paths"][path]["get"]["responses"]["200"]["content"]["application/json"]["schema"]["type"] == "array"
         assert isinstance(api.get(path).json(), list)
     submit = doc["paths"]["/api/v1/jobs/"]["post"]["responses"]
     for code in ("400", "401", "413", "415", "422", "429", "503"):

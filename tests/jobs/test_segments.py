@@ -1,4 +1,5 @@
 """The job service's segment transitions, on the database alone (no worker takes these rows)."""
+
 from __future__ import annotations
 
 from datetime import timedelta
@@ -14,15 +15,26 @@ from tests.support.broker import capture_sends
 
 pytestmark = pytest.mark.django_db
 
-LONG = {"model": "wan-sim", "width": 832, "height": 480, "num_frames": 241, "steps": 20, "guidance_scale": 5.0,
-        "num_outputs": 1}
+LONG = {
+    "model": "wan-sim",
+    "width": 832,
+    "height": 480,
+    "num_frames": 241,
+    "steps": 20,
+    "guidance_scale": 5.0,
+    "num_outputs": 1,
+}
 
 
 @pytest.fixture
 def sent(monkeypatch):
     """Messages the service would publish: ("decode", job, index) and ("assemble", job)."""
-    return capture_sends(monkeypatch, send_segment_decode=lambda job_id, index, p: ("decode", index),
-                         send_assemble=lambda job_id, p: ("assemble",), send_decode=lambda job_id, p: ("job-decode",))
+    return capture_sends(
+        monkeypatch,
+        send_segment_decode=lambda job_id, index, p: ("decode", index),
+        send_assemble=lambda job_id, p: ("assemble",),
+        send_decode=lambda job_id, p: ("job-decode",),
+    )
 
 
 @pytest.fixture
@@ -30,18 +42,36 @@ def video(django_user_model):
     est = services.estimate(LONG | {"seed": 9})
     assert est.segment_count == 3 and est.segment_frames == 81
     owner = django_user_model.objects.create_user("seg-owner")
-    return make_job(owner, model="wan-sim", family="wan", kind="video", width=832, height=480, num_frames=241,
-                    steps=20, seed=9, estimated_seconds=est.seconds, duration_class=est.duration_class,
-                    queue=est.duration_class, priority=est.priority, chunk_steps=est.chunk_steps,
-                    segment_frames=81, segment_count=3, status=JobStatus.DENOISING, embeddings_key="e",
-                    lease_owner="card", lease_expires_at=timezone.now() + timedelta(seconds=30))
+    return make_job(
+        owner,
+        model="wan-sim",
+        family="wan",
+        kind="video",
+        width=832,
+        height=480,
+        num_frames=241,
+        steps=20,
+        seed=9,
+        estimated_seconds=est.seconds,
+        duration_class=est.duration_class,
+        queue=est.duration_class,
+        priority=est.priority,
+        chunk_steps=est.chunk_steps,
+        segment_frames=81,
+        segment_count=3,
+        status=JobStatus.DENOISING,
+        embeddings_key="e",
+        lease_owner="card",
+        lease_expires_at=timezone.now() + timedelta(seconds=30),
+    )
 
 
 def denoise_to(job: Job, step: int, captured) -> bool:
     """The card records a checkpoint at global `step` (keeping its lease, as the in-process loop does)."""
     with captured(execute=True):
-        return services.finish_chunk(job.pk, "card", step, f"checkpoints/{job.pk}/s{step}.pt", None,
-                                     keep_lease=step < job.total_steps)
+        return services.finish_chunk(
+            job.pk, "card", step, f"checkpoints/{job.pk}/s{step}.pt", None, keep_lease=step < job.total_steps
+        )
 
 
 def test_estimate_counts_every_segment():
@@ -80,8 +110,7 @@ def test_duplicate_decode_messages_take_and_publish_a_segment_once(video, sent, 
     assert ("assemble",) not in sent  # the job is still denoising
 
 
-def test_the_whole_video_is_assembled_once_every_segment_is_published(video, sent,
-                                                                       django_capture_on_commit_callbacks):
+def test_the_whole_video_is_assembled_once_every_segment_is_published(video, sent, django_capture_on_commit_callbacks):
     for step in (20, 40):
         denoise_to(video, step, django_capture_on_commit_callbacks)
     for index in (0, 1):
@@ -104,8 +133,9 @@ def test_the_whole_video_is_assembled_once_every_segment_is_published(video, sen
 
 
 @override_settings(MAX_ATTEMPTS=3)
-def test_a_failing_segment_decode_is_retried_then_fails_the_job(video, sent, django_capture_on_commit_callbacks,
-                                                                 monkeypatch):
+def test_a_failing_segment_decode_is_retried_then_fails_the_job(
+    video, sent, django_capture_on_commit_callbacks, monkeypatch
+):
     monkeypatch.setattr(segment_service, "after_end", lambda job_id: None)
     denoise_to(video, 20, django_capture_on_commit_callbacks)
     outcomes = []
@@ -120,9 +150,9 @@ def test_a_failing_segment_decode_is_retried_then_fails_the_job(video, sent, dja
     assert JobSegment.objects.get(job=video, index=0).status == SegmentStatus.FAILED
 
 
-def test_reaper_retries_a_dead_decoder_and_republishes_a_lost_message(video, sent,
-                                                                       django_capture_on_commit_callbacks,
-                                                                       monkeypatch):
+def test_reaper_retries_a_dead_decoder_and_republishes_a_lost_message(
+    video, sent, django_capture_on_commit_callbacks, monkeypatch
+):
     from genserver.jobs import broker
 
     monkeypatch.setattr(broker, "broker_job_ids", lambda queues: set())  # nothing waits in the broker
@@ -173,7 +203,8 @@ def test_a_video_that_fits_in_one_segment_is_unchanged():
 
 
 def test_admin_retry_of_a_failed_video_restarts_at_the_first_unpublished_segment(
-        video, sent, django_capture_on_commit_callbacks, monkeypatch):
+    video, sent, django_capture_on_commit_callbacks, monkeypatch
+):
     monkeypatch.setattr(segment_service, "after_end", lambda job_id: None)
     for step in (20, 40):
         denoise_to(video, step, django_capture_on_commit_callbacks)
@@ -191,12 +222,15 @@ def test_admin_retry_of_a_failed_video_restarts_at_the_first_unpublished_segment
     assert list(JobSegment.objects.filter(job=video).values_list("index", "status")) == [(0, "published")]
 
 
-@pytest.mark.parametrize("fields, error", [
-    ({"num_frames": 961}, None),  # 60 s at 16 fps: 12 segments
-    ({"num_frames": 965}, "num_frames"),
-    ({"num_frames": 161, "num_outputs": 2}, "num_outputs"),  # a segmented video makes one output
-    ({"num_frames": 81, "num_outputs": 2}, None),
-])
+@pytest.mark.parametrize(
+    "fields, error",
+    [
+        ({"num_frames": 961}, None),  # 60 s at 16 fps: 12 segments
+        ({"num_frames": 965}, "num_frames"),
+        ({"num_frames": 161, "num_outputs": 2}, "num_outputs"),  # a segmented video makes one output
+        ({"num_frames": 81, "num_outputs": 2}, None),
+    ],
+)
 def test_request_limits_of_long_videos(fields, error):
     from genserver.jobs.api.serializers import JobCreateSerializer
 

@@ -1,4 +1,5 @@
 """POST /api/v1/jobs/{id}/steps/ without workers: validation, ownership, states, admission, the transitions."""
+
 from __future__ import annotations
 
 import json
@@ -16,8 +17,17 @@ from tests.support.broker import capture_sends
 
 pytestmark = pytest.mark.django_db(transaction=True)  # the service publishes on commit
 
-SNAPSHOT_FIELDS = ("status", "stage", "steps", "steps_requested", "estimated_seconds", "priority", "chunk_steps",
-                   "checkpoint_step", "lease_owner")
+SNAPSHOT_FIELDS = (
+    "status",
+    "stage",
+    "steps",
+    "steps_requested",
+    "estimated_seconds",
+    "priority",
+    "chunk_steps",
+    "checkpoint_step",
+    "lease_owner",
+)
 
 
 def change(client, job_id, body) -> object:
@@ -38,26 +48,35 @@ def sent(monkeypatch):
 
 def denoising(job_id, *, done: int, held_by: str = "") -> Job:
     """Put a submitted job where a worker would have it: `done` steps checkpointed, held or waiting."""
-    fields = dict(status=JobStatus.DENOISING, stage="denoising" if held_by else "waiting", checkpoint_step=done,
-                  steps_done=done, checkpoint_key=f"checkpoints/{job_id}/step-{done:05d}.pt" if done else "",
-                  embeddings_key="embeddings/x.pt", lease_owner=held_by,
-                  lease_expires_at=timezone.now() + timedelta(seconds=60) if held_by else None)
+    fields = dict(
+        status=JobStatus.DENOISING,
+        stage="denoising" if held_by else "waiting",
+        checkpoint_step=done,
+        steps_done=done,
+        checkpoint_key=f"checkpoints/{job_id}/step-{done:05d}.pt" if done else "",
+        embeddings_key="embeddings/x.pt",
+        lease_owner=held_by,
+        lease_expires_at=timezone.now() + timedelta(seconds=60) if held_by else None,
+    )
     Job.objects.filter(pk=job_id).update(**fields)
     return Job.objects.get(pk=job_id)
 
 
-@pytest.mark.parametrize("body, bad_field", [
-    ({"steps": "many"}, "steps"),
-    ({"steps": True}, "steps"),
-    ({"steps": 0}, "steps"),
-    ({"steps": -4}, "steps"),
-    ({"steps": 2.5}, "steps"),
-    ({"steps": 101}, "steps"),  # sdxl-sim's max_steps is 100
-    ({"steps": None}, "steps"),
-    ({}, "steps"),
-    ({"steps": 10, "guidance_scale": 3}, "guidance_scale"),
-    ("[1, 2]", "non_field_errors"),
-])
+@pytest.mark.parametrize(
+    "body, bad_field",
+    [
+        ({"steps": "many"}, "steps"),
+        ({"steps": True}, "steps"),
+        ({"steps": 0}, "steps"),
+        ({"steps": -4}, "steps"),
+        ({"steps": 2.5}, "steps"),
+        ({"steps": 101}, "steps"),  # sdxl-sim's max_steps is 100
+        ({"steps": None}, "steps"),
+        ({}, "steps"),
+        ({"steps": 10, "guidance_scale": 3}, "guidance_scale"),
+        ("[1, 2]", "non_field_errors"),
+    ],
+)
 def test_a_bad_body_is_400_with_field_errors_and_changes_nothing(api, body, bad_field):
     job_id = submit(api, steps=20).json()["id"]
     before = snapshot(job_id)
@@ -69,8 +88,9 @@ def test_a_bad_body_is_400_with_field_errors_and_changes_nothing(api, body, bad_
 
 def test_not_json_is_refused(api):
     job_id = submit(api, steps=20).json()["id"]
-    response = api.post(f"/api/v1/jobs/{job_id}/steps/", data="steps=5",
-                        content_type="application/x-www-form-urlencoded")
+    response = api.post(
+        f"/api/v1/jobs/{job_id}/steps/", data="steps=5", content_type="application/x-www-form-urlencoded"
+    )
     assert response.status_code == 415
 
 
@@ -201,7 +221,12 @@ def test_a_held_job_given_more_steps_is_republished_from_where_its_worker_stoppe
     assert services.release_for_new_total(job_id, "card0:1", 6, f"checkpoints/{job_id}/step-00006.pt")
     job = Job.objects.get(pk=job_id)
     assert (job.status, job.stage, job.steps, job.checkpoint_step, job.lease_owner) == (
-        "denoising", "waiting", 30, 6, "")
+        "denoising",
+        "waiting",
+        30,
+        6,
+        "",
+    )
     assert sent == [("chunk", job.pk, 6, job.queue, job.priority)]
     # Stopped before any new step (no checkpoint): continues from the recorded one.
     denoising(job_id, done=6, held_by="card0:2")

@@ -2,6 +2,7 @@
 
 A local HTTP server thread on 127.0.0.1 plays the receiver and records every request.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -39,8 +40,15 @@ class Receiver:
                     status = 500 if left else 200
                     if left:
                         receiver.fail[event] = left - 1
-                    receiver.requests.append({"path": self.path, "headers": dict(self.headers), "body": body,
-                                              "status": status, "at": time.monotonic()})
+                    receiver.requests.append(
+                        {
+                            "path": self.path,
+                            "headers": dict(self.headers),
+                            "body": body,
+                            "status": status,
+                            "at": time.monotonic(),
+                        }
+                    )
                 self.send_response(status)
                 self.send_header("Content-Length", "0")
                 self.end_headers()
@@ -58,8 +66,11 @@ class Receiver:
     def delivered(self, path: str) -> list[dict]:
         """Bodies of the requests to `path` answered 200, in arrival order."""
         with self.lock:
-            return [json.loads(r["body"]) | {"_headers": r["headers"]} for r in self.requests
-                    if r["path"] == path and r["status"] == 200]
+            return [
+                json.loads(r["body"]) | {"_headers": r["headers"]}
+                for r in self.requests
+                if r["path"] == path and r["status"] == 200
+            ]
 
     def events(self, path: str) -> list[str]:
         return [b["event"] for b in self.delivered(path)]
@@ -89,6 +100,7 @@ def assert_signed(request: dict) -> None:
 
 
 # --- unit ------------------------------------------------------------------------------------
+
 
 def test_signature_verifies_with_the_secret(receiver):
     body = webhooks.encode_body("succeeded", {"id": "x", "status": "succeeded"})
@@ -124,8 +136,14 @@ def test_non_2xx_raises_so_the_task_retries(receiver):
 
 def test_private_hosts_are_refused_unless_allowed(settings):
     settings.WEBHOOK_ALLOW_PRIVATE = False
-    for url in ("http://127.0.0.1:8000/x", "http://localhost/x", "http://10.1.2.3/x", "http://169.254.169.254/",
-                "http://[::1]/x", "http://[::ffff:127.0.0.1]/x"):
+    for url in (
+        "http://127.0.0.1:8000/x",
+        "http://localhost/x",
+        "http://10.1.2.3/x",
+        "http://169.254.169.254/",
+        "http://[::1]/x",
+        "http://[::ffff:127.0.0.1]/x",
+    ):
         with pytest.raises(webhooks.WebhookURLError):
             webhooks.check_url(url)
     with pytest.raises(webhooks.WebhookURLError):
@@ -138,6 +156,7 @@ def test_private_hosts_are_refused_unless_allowed(settings):
 
 # --- validation ------------------------------------------------------------------------------
 
+
 @pytest.mark.django_db
 def test_webhook_url_is_accepted_and_shown(api):
     response = submit(api, webhook_url="http://127.0.0.1:9/hook")
@@ -148,8 +167,9 @@ def test_webhook_url_is_accepted_and_shown(api):
 
 
 @pytest.mark.django_db
-@pytest.mark.parametrize("url", ["ftp://example.com/hook", "javascript:alert(1)", "not a url",
-                                 "http://example.com/" + "x" * 500])
+@pytest.mark.parametrize(
+    "url", ["ftp://example.com/hook", "javascript:alert(1)", "not a url", "http://example.com/" + "x" * 500]
+)
 def test_bad_webhook_url_is_refused(api, url):
     response = submit(api, webhook_url=url)
     assert response.status_code == 400, response.content
@@ -170,8 +190,15 @@ def test_private_webhook_host_is_refused_when_not_allowed(api, settings):
 @pytest.mark.stack
 @pytest.mark.django_db(transaction=True)
 def test_job_receives_started_preview_and_succeeded_in_order_signed(stack, api, receiver):
-    response = submit(api, model="tiny-sd", prompt="a red fox", steps=10, preview_every=5,
-                      webhook_url=receiver.url("/ok"), webhook_events=["started", "preview", "succeeded"])
+    response = submit(
+        api,
+        model="tiny-sd",
+        prompt="a red fox",
+        steps=10,
+        preview_every=5,
+        webhook_url=receiver.url("/ok"),
+        webhook_events=["started", "preview", "succeeded"],
+    )
     assert response.status_code == 201, response.content
     job_id = response.json()["id"]
     assert finished(job_id, timeout=120).status == "succeeded"
@@ -238,8 +265,16 @@ def test_a_poll_during_denoising_shows_the_previews_step(stack, api):
 @pytest.mark.stack
 @pytest.mark.django_db(transaction=True)
 def test_each_segment_event_says_which_segment_it_is_for(stack, api, receiver):
-    response = submit(api, model="wan-sim", width=832, height=480, num_frames=161, steps=20,
-                      webhook_url=receiver.url("/segments"), webhook_events=["segment", "succeeded"])
+    response = submit(
+        api,
+        model="wan-sim",
+        width=832,
+        height=480,
+        num_frames=161,
+        steps=20,
+        webhook_url=receiver.url("/segments"),
+        webhook_events=["segment", "succeeded"],
+    )
     assert response.status_code == 201, response.content
     job_id = response.json()["id"]
     assert finished(job_id, timeout=120).status == "succeeded"
@@ -256,6 +291,7 @@ def test_each_segment_event_says_which_segment_it_is_for(stack, api, receiver):
 
 # --- which events, and how often (issue 13) ------------------------------------------------------
 
+
 @pytest.mark.django_db
 def test_webhook_events_default_to_started_and_the_end(api):
     body = submit(api, webhook_url="http://127.0.0.1:9/hook").json()
@@ -268,8 +304,9 @@ def test_webhook_events_default_to_started_and_the_end(api):
 
 
 @pytest.mark.django_db
-@pytest.mark.parametrize("events, field", [(["done"], "webhook_events"), ("succeeded", "webhook_events"),
-                                           ([1], "webhook_events")])
+@pytest.mark.parametrize(
+    "events, field", [(["done"], "webhook_events"), ("succeeded", "webhook_events"), ([1], "webhook_events")]
+)
 def test_unknown_webhook_events_are_refused(api, events, field):
     from genserver.jobs.models import Job
 
@@ -311,8 +348,9 @@ def test_previews_are_throttled_to_one_per_window(api, monkeypatch, settings, re
     burst = len(sent)
     assert burst == 1 or time.monotonic() - started >= 0.5, f"{burst} previews sent in one window"
     # The next window opens after WEBHOOK_PREVIEW_SECONDS: a later preview goes out.
-    wait_for(lambda: webhooks.emit(job_id, "preview") or len(sent) > burst, 10, interval=0.05,
-             what="the next preview window")
+    wait_for(
+        lambda: webhooks.emit(job_id, "preview") or len(sent) > burst, 10, interval=0.05, what="the next preview window"
+    )
     assert time.monotonic() - started >= 0.5
     webhooks.emit(job_id, "succeeded")  # terminal events are never throttled
     assert [call[2] for call in sent][-1] == "succeeded"
@@ -326,8 +364,15 @@ def test_previews_are_throttled_to_one_per_window(api, monkeypatch, settings, re
 @pytest.mark.stack
 @pytest.mark.django_db(transaction=True)
 def test_a_webhook_gets_only_its_events_and_throttled_previews(stack, api, receiver):
-    job_id = submit(api, model="tiny-sd", prompt="a red fox", steps=12, preview_every=1,
-                    webhook_url=receiver.url("/some"), webhook_events=["preview", "succeeded"]).json()["id"]
+    job_id = submit(
+        api,
+        model="tiny-sd",
+        prompt="a red fox",
+        steps=12,
+        preview_every=1,
+        webhook_url=receiver.url("/some"),
+        webhook_events=["preview", "succeeded"],
+    ).json()["id"]
     job = finished(job_id, timeout=120)
     assert job.status == "succeeded"
     wait_for(lambda: "succeeded" in receiver.events("/some"), 30, what="the succeeded event")

@@ -1,4 +1,5 @@
 """Scrape GET /metrics as Prometheus does and read samples by name and labels."""
+
 from __future__ import annotations
 
 from prometheus_client.parser import text_string_to_metric_families
@@ -11,9 +12,11 @@ def scrape(client, **headers: str) -> Samples:
     response = client.get("/metrics", **headers)
     assert response.status_code == 200, response.content
     assert response["Content-Type"].startswith("text/plain; version=0.0.4")
-    return {(s.name, frozenset(s.labels.items())): s.value
-            for family in text_string_to_metric_families(response.content.decode())
-            for s in family.samples}
+    return {
+        (s.name, frozenset(s.labels.items())): s.value
+        for family in text_string_to_metric_families(response.content.decode())
+        for s in family.samples
+    }
 
 
 def value(samples: Samples, name: str, **labels: str) -> float:

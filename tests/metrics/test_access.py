@@ -1,4 +1,5 @@
 """Who may scrape GET /metrics: a staff session, or the bearer token of GENSERVER_METRICS_TOKEN."""
+
 from __future__ import annotations
 
 import pytest

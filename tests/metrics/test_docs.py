@@ -1,4 +1,5 @@
 """docs/METRICS.md lists exactly the metric names, types and labels the code exports."""
+
 from __future__ import annotations
 
 import json
@@ -39,11 +40,15 @@ def test_the_doc_lists_exactly_the_exported_metrics():
 
 def test_the_grafana_dashboard_queries_only_documented_metrics():
     dashboard = json.loads((DOC.parent / "grafana-dashboard.json").read_text())
-    queried = {re.sub(r"_(bucket|sum|count)$", "", name)
-               for panel in dashboard["panels"] for target in panel["targets"]
-               for name in re.findall(r"\bgenserver_\w+", target["expr"])}
+    queried = {
+        re.sub(r"_(bucket|sum|count)$", "", name)
+        for panel in dashboard["panels"]
+        for target in panel["targets"]
+        for name in re.findall(r"\bgenserver_\w+", target["expr"])
+    }
     assert queried and queried <= set(documented())
     titles = " ".join(panel["title"] for panel in dashboard["panels"])
     for shown in ("backlog", "Wait P50 / P99", "refused", "Step time", "cards"):
-        assert shown.lower() in titles.lower() or any(shown in t["legendFormat"] for p in dashboard["panels"]
-                                                      for t in p["targets"]), shown
+        assert shown.lower() in titles.lower() or any(
+            shown in t["legendFormat"] for p in dashboard["panels"] for t in p["targets"]
+        ), shown

@@ -1,4 +1,5 @@
 """One structured log line per job transition, in JSON or text (GENSERVER_LOG_FORMAT)."""
+
 from __future__ import annotations
 
 import io
@@ -39,8 +40,12 @@ def test_submit_and_cancel_write_one_json_line_each(api, transition_lines):
     assert [(line["from"], line["to"]) for line in lines] == [(None, "queued"), ("queued", "cancelled")]
     for line in lines:
         assert line["event"] == "job.transition" and line["logger"] == "genserver.transitions"
-        assert (line["job_id"], line["user"], line["model"], line["class"]) == (job["id"], "alice", "tiny-sd",
-                                                                                job["duration_class"])
+        assert (line["job_id"], line["user"], line["model"], line["class"]) == (
+            job["id"],
+            "alice",
+            "tiny-sd",
+            job["duration_class"],
+        )
         assert line["step"] == 0 and line["worker"] is None and line["node"] and line["seconds"] >= 0
     assert lines[1]["message"].startswith(f"job {job['id']} queued → cancelled (user alice, model tiny-sd")
 
@@ -52,18 +57,29 @@ def test_a_worker_transition_names_the_worker_and_its_node(api, transition_lines
     job_id = submit(api, model="tiny-sd", prompt="a quiet harbour", steps=4).json()["id"]
     assert services.start_encoding(job_id, "encode@gpu-node-7:4242") is not None
     line = json.loads(transition_lines.getvalue().splitlines()[-1])
-    assert (line["from"], line["to"], line["worker"], line["node"]) == ("queued", "encoding",
-                                                                        "encode@gpu-node-7:4242", "gpu-node-7")
+    assert (line["from"], line["to"], line["worker"], line["node"]) == (
+        "queued",
+        "encoding",
+        "encode@gpu-node-7:4242",
+        "gpu-node-7",
+    )
 
 
 def configured_formatter(tmp_path, log_format: str) -> subprocess.CompletedProcess:
     """A fresh process that loads the real settings with GENSERVER_LOG_FORMAT, logs a Celery line and then
     one transition line."""
-    code = ("import django, logging; django.setup(); "
-            "logging.getLogger('celery.worker.consumer').info('Connected to redis'); "
-            "logging.getLogger('genserver.transitions').info('job j queued → encoding', extra={'job_id': 'j'})")
-    env = dict(os.environ, DJANGO_SETTINGS_MODULE="genserver.settings", GENSERVER_DATA_DIR=str(tmp_path),
-               GENSERVER_LOG_FORMAT=log_format, GENSERVER_LOG_LEVEL="INFO")
+    code = (
+        "import django, logging; django.setup(); "
+        "logging.getLogger('celery.worker.consumer').info('Connected to redis'); "
+        "logging.getLogger('genserver.transitions').info('job j queued → encoding', extra={'job_id': 'j'})"
+    )
+    env = dict(
+        os.environ,
+        DJANGO_SETTINGS_MODULE="genserver.settings",
+        GENSERVER_DATA_DIR=str(tmp_path),
+        GENSERVER_LOG_FORMAT=log_format,
+        GENSERVER_LOG_LEVEL="INFO",
+    )
     return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
 
 

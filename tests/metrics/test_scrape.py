@@ -1,4 +1,5 @@
 """GET /metrics on the real stack: counters and histograms move by what a few jobs did, and who may scrape."""
+
 from __future__ import annotations
 
 import math
@@ -68,10 +69,14 @@ def test_metrics_move_by_what_the_jobs_did(stack, ops, api):
     assert finished(video.json()["id"]).status == "cancelled"
     last = scrape(ops)
     video_class = finished(video.json()["id"]).duration_class
-    assert moved(after, last, "genserver_submits_total",
-                 **{"class": cls, "outcome": "refused", "reason": "in_flight"}) == 1
-    assert moved(after, last, "genserver_submits_total",
-                 **{"class": video_class, "outcome": "accepted", "reason": ""}) == 1
+    assert (
+        moved(after, last, "genserver_submits_total", **{"class": cls, "outcome": "refused", "reason": "in_flight"})
+        == 1
+    )
+    assert (
+        moved(after, last, "genserver_submits_total", **{"class": video_class, "outcome": "accepted", "reason": ""})
+        == 1
+    )
     assert moved(after, last, "genserver_jobs", status="cancelled") == 1
     assert moved(after, last, "genserver_http_requests_total", method="POST", view="job-list", status="429") == 1
 
@@ -85,4 +90,3 @@ def test_metrics_move_by_what_the_jobs_did(stack, ops, api):
     assert sum(live.values()) == len(stack.names)
     assert sum(v for (name, _), v in last.items() if name == "genserver_live_cards") >= 1  # card0
     (settings.DATA_DIR / "metrics-scrape.txt").write_bytes(ops.get("/metrics").content)  # the README's excerpt
-

@@ -1,4 +1,5 @@
 """Helpers of the fault drills: API clients for the chaos harness, a cuttable TCP proxy, worker revival."""
+
 from __future__ import annotations
 
 import json
@@ -16,8 +17,9 @@ def django_api(client) -> Any:
 
     def call(method: str, path: str, body: Any = None) -> tuple[int, Any, dict]:
         if method == "POST":
-            response = client.post(path, data=json.dumps(body) if body is not None else None,
-                                   content_type="application/json")
+            response = client.post(
+                path, data=json.dumps(body) if body is not None else None, content_type="application/json"
+            )
         else:
             response = client.get(path)
         try:
@@ -34,13 +36,34 @@ def make_job(owner, **fields):
     from genserver.jobs import services
     from genserver.jobs.models import Job
 
-    data = {"model": "sdxl-sim", "width": 512, "height": 512, "num_frames": 1, "steps": 20,
-            "guidance_scale": 5.0, "num_outputs": 1}
+    data = {
+        "model": "sdxl-sim",
+        "width": 512,
+        "height": 512,
+        "num_frames": 1,
+        "steps": 20,
+        "guidance_scale": 5.0,
+        "num_outputs": 1,
+    }
     est = services.estimate(data)
-    values = dict(owner=owner, model="sdxl-sim", family="unet", kind="image", backend="simulated", prompt="p",
-                  width=512, height=512, steps=20, guidance_scale=5.0, seed=1, estimated_seconds=est.seconds,
-                  duration_class=est.duration_class, queue=est.duration_class, priority=est.priority,
-                  chunk_steps=est.chunk_steps)
+    values = dict(
+        owner=owner,
+        model="sdxl-sim",
+        family="unet",
+        kind="image",
+        backend="simulated",
+        prompt="p",
+        width=512,
+        height=512,
+        steps=20,
+        guidance_scale=5.0,
+        seed=1,
+        estimated_seconds=est.seconds,
+        duration_class=est.duration_class,
+        queue=est.duration_class,
+        priority=est.priority,
+        chunk_steps=est.chunk_steps,
+    )
     return Job.objects.create(**(values | fields))
 
 

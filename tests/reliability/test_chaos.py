@@ -6,6 +6,7 @@ workers, and holds the same bar: every accepted job ends succeeded or
 cancelled, nothing is lost or stuck, no chunk or decode runs twice to
 completion, and a resumed job redoes at most the interrupted chunk.
 """
+
 from __future__ import annotations
 
 import random
@@ -22,8 +23,16 @@ def test_chaos_drill_loses_and_duplicates_nothing(stack, make_user):
     users = [make_user(f"chaos{i}") for i in range(3)]
     rng = random.Random(11)
     offers = workload(jobs=24, seconds=12.0, users=len(users), rng=rng)
-    report = drill(Target(stack.supervisor, stack.layout, [django_api(u) for u in users]), offers,
-                   seconds=12.0, kill_every=3.0, rng=rng, drain=60.0, say=print, prefer_busy=0.9)
+    report = drill(
+        Target(stack.supervisor, stack.layout, [django_api(u) for u in users]),
+        offers,
+        seconds=12.0,
+        kill_every=3.0,
+        rng=rng,
+        drain=60.0,
+        say=print,
+        prefer_busy=0.9,
+    )
     revive(stack)
     print("\n".join(report.lines()))
     assert report.accepted >= 12, report.lines()

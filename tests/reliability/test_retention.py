@@ -10,6 +10,7 @@
 * A full disk fails the job at once with a clear error (not three retries of
   the same failure), frees its checkpoints, and the worker goes on.
 """
+
 from __future__ import annotations
 
 import errno
@@ -41,8 +42,12 @@ def age(path: Path, seconds: float) -> None:
 @pytest.mark.parametrize("ending", ["cancelled", "failed", "succeeded"])
 def test_checkpoints_go_when_a_job_ends(make_user, settings, ending, django_capture_on_commit_callbacks):
     settings.MAX_ATTEMPTS = 1
-    job = make_job(make_user("alice").user, status=JobStatus.DENOISING, lease_owner="w1",
-                   lease_expires_at=timezone.now() + timedelta(seconds=30))
+    job = make_job(
+        make_user("alice").user,
+        status=JobStatus.DENOISING,
+        lease_owner="w1",
+        lease_expires_at=timezone.now() + timedelta(seconds=30),
+    )
     storage = default_storage()
     storage.put(f"checkpoints/{job.pk}/step-00010.pt", b"state")
     if ending == "cancelled":
@@ -61,8 +66,10 @@ def test_unused_embeddings_are_deleted_after_their_ttl(make_user, settings):
     settings.EMBEDDINGS_TTL_SECONDS = 600
     owner = make_user("alice").user
     storage = default_storage()
-    keys = {name: storage.put(f"embeddings/{name}-{os.getpid()}.pt", b"e")
-            for name in ("in_use", "old_unused", "fresh_unused", "old_of_finished_job")}
+    keys = {
+        name: storage.put(f"embeddings/{name}-{os.getpid()}.pt", b"e")
+        for name in ("in_use", "old_unused", "fresh_unused", "old_of_finished_job")
+    }
     for name in ("in_use", "old_unused", "old_of_finished_job"):
         age(storage.path(keys[name]), 3600)
     make_job(owner, status=JobStatus.DENOISING, embeddings_key=keys["in_use"])
@@ -91,12 +98,15 @@ def test_outputs_expire_but_the_job_stays(make_user, settings):
     storage = default_storage()
     jobs = {}
     for name, ended_ago in (("old", 7200), ("recent", 60)):
-        job = make_job(alice.user, status=JobStatus.SUCCEEDED, stage="done",
-                       finished_at=timezone.now() - timedelta(seconds=ended_ago))
+        job = make_job(
+            alice.user,
+            status=JobStatus.SUCCEEDED,
+            stage="done",
+            finished_at=timezone.now() - timedelta(seconds=ended_ago),
+        )
         out = storage.put(f"outputs/{job.pk}/0.png", b"\x89PNG")
         preview = storage.put(f"previews/{job.pk}/preview.png", b"\x89PNG")
-        Job.objects.filter(pk=job.pk).update(outputs=[{"key": out, "content_type": "image/png"}],
-                                             preview_key=preview)
+        Job.objects.filter(pk=job.pk).update(outputs=[{"key": out, "content_type": "image/png"}], preview_key=preview)
         jobs[name] = job.pk
     old_url = alice.get(f"/api/v1/jobs/{jobs['old']}/").json()["outputs"][0]["url"]
     assert services.expire_outputs() == 1
@@ -124,10 +134,10 @@ def test_retention_is_a_beat_task(settings):
 
 # --- a full disk ------------------------------------------------------------------------------
 
+
 @pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full")
 @pytest.mark.django_db(transaction=True)
-@pytest.mark.parametrize("stage, where", [("encode", "embeddings"), ("chunk", "checkpoints"),
-                                          ("decode", "outputs")])
+@pytest.mark.parametrize("stage, where", [("encode", "embeddings"), ("chunk", "checkpoints"), ("decode", "outputs")])
 def test_disk_full_fails_the_job_at_once_with_a_clear_error(make_user, monkeypatch, stage, where):
     """The stage tasks run here, as a worker runs them, with every write under `where` going to
     /dev/full (ENOSPC at the first flush, through the real storage code)."""
@@ -144,14 +154,27 @@ def test_disk_full_fails_the_job_at_once_with_a_clear_error(make_user, monkeypat
             return os.open("/dev/full", os.O_WRONLY), str(Path(dir) / ".tmp-never-created")
         return real_mkstemp(*args, dir=dir, **kwargs)
 
-    job = services.submit_job(make_user("alice").user, {
-        "model": "sdxl-sim", "prompt": f"disk full at {stage} {time.time()}", "width": 512, "height": 512,
-        "num_frames": 1, "steps": 8, "guidance_scale": 5.0, "seed": 3, "num_outputs": 1})
-    steps = {"encode": lambda: encode.apply(args=[str(job.pk)]).get(),
-             "chunk": lambda: run_chunk.apply(args=[str(job.pk), 0]).get(),
-             "decode": lambda: decode.apply(args=[str(job.pk)]).get()}
+    job = services.submit_job(
+        make_user("alice").user,
+        {
+            "model": "sdxl-sim",
+            "prompt": f"disk full at {stage} {time.time()}",
+            "width": 512,
+            "height": 512,
+            "num_frames": 1,
+            "steps": 8,
+            "guidance_scale": 5.0,
+            "seed": 3,
+            "num_outputs": 1,
+        },
+    )
+    steps = {
+        "encode": lambda: encode.apply(args=[str(job.pk)]).get(),
+        "chunk": lambda: run_chunk.apply(args=[str(job.pk), 0]).get(),
+        "decode": lambda: decode.apply(args=[str(job.pk)]).get(),
+    }
     order = ["encode", "chunk", "decode"]
-    for earlier in order[:order.index(stage)]:
+    for earlier in order[: order.index(stage)]:
         steps[earlier]()
     monkeypatch.setattr(storage_module.tempfile, "mkstemp", full_disk_mkstemp)
     assert steps[stage]() == "failed"  # the task returns, not retried: the worker is free for the next job
@@ -165,10 +188,16 @@ def test_disk_full_fails_the_job_at_once_with_a_clear_error(make_user, monkeypat
 
 def test_other_storage_errors_are_still_retried(make_user):
     """Only a full disk skips the retries; a missing file or a transient error is an ordinary attempt."""
-    job = make_job(make_user("alice").user, status=JobStatus.DENOISING, lease_owner="w1",
-                   lease_expires_at=timezone.now() + timedelta(seconds=30))
-    error = ("Traceback (most recent call last):\n  ...\n"
-             "genserver.storage.StorageError: storage key 'checkpoints/x/step-00004.pt' does not exist")
+    job = make_job(
+        make_user("alice").user,
+        status=JobStatus.DENOISING,
+        lease_owner="w1",
+        lease_expires_at=timezone.now() + timedelta(seconds=30),
+    )
+    error = (
+        "Traceback (most recent call last):\n  ...\n"
+        "genserver.storage.StorageError: storage key 'checkpoints/x/step-00004.pt' does not exist"
+    )
     assert services.disk_full(error) is None
     assert services.disk_full("OSError: [Errno 28] No space left on device") == "[Errno 28] No space left on device"
     assert services.fail_attempt(job.pk, "w1", error) == "retried"

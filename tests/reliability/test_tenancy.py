@@ -9,6 +9,7 @@
   window (SUBMIT_RATE_LIMIT), each a 429 with Retry-After and a reason, and no row.
 * Staff actions (retry, re-prioritise, cancel anyone's job) exist only in the admin.
 """
+
 from __future__ import annotations
 
 import json
@@ -102,9 +103,14 @@ def test_outputs_and_previews_are_served_to_the_owner_and_staff_only(make_user):
         assert bob.get(url).status_code == 404  # not 403: another user's job does not exist for them
         assert APIClient().get(url).status_code == 401
     # The files have no other URL: nothing serves the storage directory.
-    for guess in (f"/storage/outputs/{job.pk}/0.png", f"/media/outputs/{job.pk}/0.png",
-                  f"/outputs/{job.pk}/0.png", f"/static/outputs/{job.pk}/0.png",
-                  f"/static/../storage/outputs/{job.pk}/0.png", f"/api/v1/outputs/{job.pk}/0.png"):
+    for guess in (
+        f"/storage/outputs/{job.pk}/0.png",
+        f"/media/outputs/{job.pk}/0.png",
+        f"/outputs/{job.pk}/0.png",
+        f"/static/outputs/{job.pk}/0.png",
+        f"/static/../storage/outputs/{job.pk}/0.png",
+        f"/api/v1/outputs/{job.pk}/0.png",
+    ):
         assert Client().get(guess).status_code == 404, guess
         assert alice.get(guess).status_code == 404, guess
     assert uuid.UUID(str(job.pk)).version == 4  # ids are random, not sequential
@@ -145,8 +151,12 @@ def test_a_cancelled_job_leaves_the_in_flight_count_at_once(make_user, settings)
     alice = make_user("alice")
     running = submit(alice, model="wan-sim").json()["id"]
     # A worker holds it: the cancel is answered 202 while the card finishes its step.
-    Job.objects.filter(pk=running).update(status="denoising", stage="denoising", lease_owner="card0:1",
-                                          lease_expires_at=timezone.now() + timedelta(seconds=60))
+    Job.objects.filter(pk=running).update(
+        status="denoising",
+        stage="denoising",
+        lease_owner="card0:1",
+        lease_expires_at=timezone.now() + timedelta(seconds=60),
+    )
     assert alice.post(f"/api/v1/jobs/{running}/cancel/").status_code == 202
     assert Job.objects.get(pk=running).status == "denoising"
     assert submit(alice, prompt="right after the cancel").status_code == 201
@@ -196,8 +206,17 @@ def test_in_flight_limit_holds_under_concurrent_submits(make_user, settings):
 
     settings.MAX_JOBS_IN_FLIGHT = 1
     owner = make_user("racer").user
-    data = {"model": "sdxl-sim", "prompt": "p", "width": 512, "height": 512, "num_frames": 1, "steps": 20,
-            "guidance_scale": 5.0, "seed": 1, "num_outputs": 1}
+    data = {
+        "model": "sdxl-sim",
+        "prompt": "p",
+        "width": 512,
+        "height": 512,
+        "num_frames": 1,
+        "steps": 20,
+        "guidance_scale": 5.0,
+        "seed": 1,
+        "num_outputs": 1,
+    }
     with connection.execute_wrapper(_record_sql) as _:
         _SQL.clear()
         services.submit_job(owner, data)

@@ -9,6 +9,7 @@ from intra-op threads, and on a busy 2-core machine (other test processes, the
 Celery stack) OpenMP's spinning threads made the suite ~10× slower. Parent and
 child use the same thread count, so float reductions split the same way.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -35,10 +36,17 @@ torch.set_num_threads(TORCH_THREADS)
 
 # Every (registry model, scheduler) the runtime offers for the tiny checkpoints.
 RESUME_CASES: list[tuple[str, str]] = [
-    ("tiny-sd", "euler"), ("tiny-sd", "euler_a"), ("tiny-sd", "dpmpp_2m"),
-    ("tiny-sdxl", "euler"), ("tiny-sdxl", "euler_a"), ("tiny-sdxl", "dpmpp_2m"),
-    ("tiny-flux", "flow_euler"), ("tiny-flux", "flow_dpmpp_2m"),
-    ("tiny-wan", "unipc"), ("tiny-wan", "dpmpp_2m"), ("tiny-wan", "flow_euler"),
+    ("tiny-sd", "euler"),
+    ("tiny-sd", "euler_a"),
+    ("tiny-sd", "dpmpp_2m"),
+    ("tiny-sdxl", "euler"),
+    ("tiny-sdxl", "euler_a"),
+    ("tiny-sdxl", "dpmpp_2m"),
+    ("tiny-flux", "flow_euler"),
+    ("tiny-flux", "flow_dpmpp_2m"),
+    ("tiny-wan", "unipc"),
+    ("tiny-wan", "dpmpp_2m"),
+    ("tiny-wan", "flow_euler"),
 ]
 
 # What a model's requests default to besides the common fields: FLUX's usual guidance, a video's frames.
@@ -49,8 +57,19 @@ MODEL_REQUEST_DEFAULTS: dict[str, dict[str, Any]] = {
 
 
 def make_request(model: str = "tiny-sd", **overrides: Any) -> GenerationRequest:
-    fields = dict(job_id="job-1", model=model, prompt="a red cat on a sofa", negative_prompt="blurry",
-                  width=64, height=64, num_frames=1, steps=6, guidance_scale=5.0, seed=1234, num_outputs=1)
+    fields = dict(
+        job_id="job-1",
+        model=model,
+        prompt="a red cat on a sofa",
+        negative_prompt="blurry",
+        width=64,
+        height=64,
+        num_frames=1,
+        steps=6,
+        guidance_scale=5.0,
+        seed=1234,
+        num_outputs=1,
+    )
     return GenerationRequest(**(fields | MODEL_REQUEST_DEFAULTS.get(model, {}) | overrides))
 
 
@@ -71,6 +90,7 @@ def generate(family: Family, request: GenerationRequest) -> torch.Tensor:
 
 def assert_same_scheduler_state(a: Any, b: Any) -> None:
     """Every attribute equal (tensors exactly), except where each was told to begin."""
+
     def same(x: Any, y: Any) -> bool:
         if isinstance(x, torch.Tensor) or isinstance(y, torch.Tensor):
             return isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor) and torch.equal(x, y)
@@ -135,6 +155,7 @@ def family(load_family: Callable[..., Family]) -> UNetFamily:
 
 
 # --- the video family (tests/runtime/test_wan_family.py) ---------------------------
+
 
 @pytest.fixture(scope="session")
 def wan_data_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
@@ -201,16 +222,22 @@ def resume_in_child(data_dir: Path, cases: dict[str, dict[str, Any]], tmp: Path)
     torch.save(cases, saved)
     threads = torch.get_num_threads()
     env = os.environ | {"PYTHONPATH": str(REPO_ROOT), "OMP_NUM_THREADS": str(threads)}
-    proc = subprocess.run([sys.executable, "-c", CHILD, str(data_dir), str(saved), str(result), str(threads)],
-                          cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-c", CHILD, str(data_dir), str(saved), str(result), str(threads)],
+        cwd=REPO_ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return torch.load(result, weights_only=True)
 
 
-
 @pytest.fixture(scope="session")
-def resumed_in_child(load_family: Callable[..., Family], data_dir: Path,
-                     tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
+def resumed_in_child(
+    load_family: Callable[..., Family], data_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> dict[str, dict[str, Any]]:
     """For every RESUME_CASES entry: the straight run's final latents and those of a
     run cut into three chunks, the last two in a separate Python process.
 
@@ -229,8 +256,21 @@ def resumed_in_child(load_family: Callable[..., Family], data_dir: Path,
         straight[key] = run_to_end(family, family.prepare(request, embeddings))
         state = family.prepare(request, embeddings)
         family.step(state)
-        cases[key] = {"model": model, "scheduler": scheduler, "request": dataclasses.asdict(request),
-                      "embeddings": embeddings, "checkpoint": family.checkpoint(state), "until": 3}
+        cases[key] = {
+            "model": model,
+            "scheduler": scheduler,
+            "request": dataclasses.asdict(request),
+            "embeddings": embeddings,
+            "checkpoint": family.checkpoint(state),
+            "until": 3,
+        }
     resumed = resume_in_child(data_dir, cases, tmp)
-    return {key: {"straight": straight[key], "resumed": resumed[key]["latents"], "step": resumed[key]["step"],
-                  "steps": cases[key]["request"]["steps"]} for key in cases}
+    return {
+        key: {
+            "straight": straight[key],
+            "resumed": resumed[key]["latents"],
+            "step": resumed[key]["step"],
+            "steps": cases[key]["request"]["steps"],
+        }
+        for key in cases
+    }

@@ -3,6 +3,7 @@
 One `FamilyCase` per registry model whose checkpoint the suite exercises; a
 new family is one more entry here (and its adapter in workers/runtime/cache.py).
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -51,38 +52,75 @@ _UNET_PARTS = ("unet/config.json", "tokenizer/vocab.json", "tokenizer/merges.txt
 _TRANSFORMER = "transformer/diffusion_pytorch_model.safetensors"
 
 SD = FamilyCase(
-    model="tiny-sd", family="unet", pipeline="StableDiffusionPipeline", parts=_UNET_PARTS,
-    same_bytes=_UNET_BYTES, max_bytes=5_000_000, checkpoint_format="unet/2",
-    incomplete=(("unet",), "lacks vae/"), unknown_scheduler=("unipc", "dpmpp_2m"),
-    other_scheduler=("dpmpp_2m", "EulerDiscreteScheduler"), weights=_unet_weights, exact_resume=False)
+    model="tiny-sd",
+    family="unet",
+    pipeline="StableDiffusionPipeline",
+    parts=_UNET_PARTS,
+    same_bytes=_UNET_BYTES,
+    max_bytes=5_000_000,
+    checkpoint_format="unet/2",
+    incomplete=(("unet",), "lacks vae/"),
+    unknown_scheduler=("unipc", "dpmpp_2m"),
+    other_scheduler=("dpmpp_2m", "EulerDiscreteScheduler"),
+    weights=_unet_weights,
+    exact_resume=False,
+)
 SDXL = FamilyCase(
-    model="tiny-sdxl", family="unet", pipeline="StableDiffusionXLPipeline",
+    model="tiny-sdxl",
+    family="unet",
+    pipeline="StableDiffusionXLPipeline",
     parts=_UNET_PARTS + ("text_encoder_2/config.json", "tokenizer_2/vocab.json", "tokenizer_2/merges.txt"),
     same_bytes=_UNET_BYTES + ("text_encoder_2/model.safetensors", "tokenizer_2/tokenizer_config.json"),
-    max_bytes=5_000_000, checkpoint_format="unet/2",
+    max_bytes=5_000_000,
+    checkpoint_format="unet/2",
     incomplete=(("unet", "vae", "text_encoder", "tokenizer", "scheduler", "text_encoder_2"), "lacks tokenizer_2/"),
-    unknown_scheduler=("unipc", "dpmpp_2m"), other_scheduler=("dpmpp_2m", "EulerDiscreteScheduler"),
-    weights=_unet_weights, exact_resume=False)
+    unknown_scheduler=("unipc", "dpmpp_2m"),
+    other_scheduler=("dpmpp_2m", "EulerDiscreteScheduler"),
+    weights=_unet_weights,
+    exact_resume=False,
+)
 FLUX = FamilyCase(
-    model="tiny-flux", family="flux", pipeline="FluxPipeline",
-    parts=("transformer/config.json", "text_encoder_2/config.json", "tokenizer/vocab.json",
-           "tokenizer_2/tokenizer.json"),
-    same_bytes=(_TRANSFORMER, "vae/diffusion_pytorch_model.safetensors", "text_encoder/model.safetensors",
-                "text_encoder_2/model.safetensors", "tokenizer_2/tokenizer.json"),
-    max_bytes=5_000_000, checkpoint_format="flux/1",
+    model="tiny-flux",
+    family="flux",
+    pipeline="FluxPipeline",
+    parts=(
+        "transformer/config.json",
+        "text_encoder_2/config.json",
+        "tokenizer/vocab.json",
+        "tokenizer_2/tokenizer.json",
+    ),
+    same_bytes=(
+        _TRANSFORMER,
+        "vae/diffusion_pytorch_model.safetensors",
+        "text_encoder/model.safetensors",
+        "text_encoder_2/model.safetensors",
+        "tokenizer_2/tokenizer.json",
+    ),
+    max_bytes=5_000_000,
+    checkpoint_format="flux/1",
     incomplete=(("transformer",), "lacks vae/, text_encoder/"),
     unknown_scheduler=("dpmpp_2m", "flow_dpmpp_2m"),
     other_scheduler=("flow_dpmpp_2m", "FlowMatchEulerDiscreteScheduler"),
-    weights=lambda f: [f.transformer, f.vae, f.text_encoder, f.text_encoder_2])
+    weights=lambda f: [f.transformer, f.vae, f.text_encoder, f.text_encoder_2],
+)
 WAN = FamilyCase(
-    model="tiny-wan", family="wan", pipeline="WanPipeline",
+    model="tiny-wan",
+    family="wan",
+    pipeline="WanPipeline",
     parts=("transformer/config.json", "tokenizer/tokenizer.json"),
-    same_bytes=(_TRANSFORMER, "vae/diffusion_pytorch_model.safetensors", "text_encoder/model.safetensors",
-                "tokenizer/tokenizer.json"),
-    max_bytes=8_000_000, checkpoint_format="wan/1",
-    incomplete=(("transformer",), "lacks vae/"), unknown_scheduler=("euler", "unipc"),
+    same_bytes=(
+        _TRANSFORMER,
+        "vae/diffusion_pytorch_model.safetensors",
+        "text_encoder/model.safetensors",
+        "tokenizer/tokenizer.json",
+    ),
+    max_bytes=8_000_000,
+    checkpoint_format="wan/1",
+    incomplete=(("transformer",), "lacks vae/"),
+    unknown_scheduler=("euler", "unipc"),
     other_scheduler=("dpmpp_2m", "UniPCMultistepScheduler"),
-    weights=lambda f: [f.transformer, f.vae, f.text_encoder])
+    weights=lambda f: [f.transformer, f.vae, f.text_encoder],
+)
 
 CASES: dict[str, FamilyCase] = {case.model: case for case in (SD, SDXL, FLUX, WAN)}
 

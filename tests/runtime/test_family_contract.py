@@ -7,6 +7,7 @@ cases are in tests/runtime/families.py; what only one family does is in
 test_unet_family.py, test_flux_family.py and test_wan_family.py.
 No Django, no database, no downloads: the checkpoints are generated into a tmp dir.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -44,6 +45,7 @@ SCHEDULER_CASES = [(model, scheduler) for model, scheduler in RESUME_CASES if mo
 
 # --- the tiny checkpoints -------------------------------------------------------
 
+
 @pytest.mark.parametrize("case", ALL, ids=str)
 def test_tiny_checkpoint_layout_size_and_determinism(data_dir: Path, tmp_path: Path, case: FamilyCase) -> None:
     path = data_dir / "models" / case.model
@@ -65,9 +67,11 @@ def test_tiny_models_are_written_once_and_leave_nothing_behind(data_dir: Path) -
 
 # --- encode -------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("case", BY_FAMILY, ids=str)
-def test_encode_gives_one_cpu_embedding_per_pair_whatever_the_batch(load_family: Callable[..., Family],
-                                                                   case: FamilyCase) -> None:
+def test_encode_gives_one_cpu_embedding_per_pair_whatever_the_batch(
+    load_family: Callable[..., Family], case: FamilyCase
+) -> None:
     family = load_family(case.model)
     pairs = [("a cat", ""), ("a dog running in the sky", "ugly"), ("a cat", "")]
     out = family.encode(pairs)
@@ -85,9 +89,11 @@ def test_encode_gives_one_cpu_embedding_per_pair_whatever_the_batch(load_family:
 
 # --- checkpoint / restore -----------------------------------------------------
 
+
 @pytest.mark.parametrize("model,scheduler", RESUME_CASES)
-def test_resume_in_a_new_process_matches_straight_run(resumed_in_child: dict[str, dict[str, Any]],
-                                                      model: str, scheduler: str) -> None:
+def test_resume_in_a_new_process_matches_straight_run(
+    resumed_in_child: dict[str, dict[str, Any]], model: str, scheduler: str
+) -> None:
     """Chunked: 1 step here, checkpoint → file → a separate Python process restores,
     runs to step 3, checkpoints through bytes, restores and finishes (conftest)."""
     case = resumed_in_child[f"{model}/{scheduler}"]
@@ -97,8 +103,9 @@ def test_resume_in_a_new_process_matches_straight_run(resumed_in_child: dict[str
 
 
 @pytest.mark.parametrize("model,scheduler", RESUME_CASES)
-def test_restore_at_every_step_matches_straight_run(load_family: Callable[..., Family], model: str,
-                                                    scheduler: str) -> None:
+def test_restore_at_every_step_matches_straight_run(
+    load_family: Callable[..., Family], model: str, scheduler: str
+) -> None:
     family = load_family(model, scheduler)
     request = make_request(model, steps=5, num_outputs=2 if model == "tiny-flux" else 1)
     embeddings = embed(family, request)
@@ -117,8 +124,7 @@ def test_restore_at_every_step_matches_straight_run(load_family: Callable[..., F
 
 
 @pytest.mark.parametrize("model,scheduler", SCHEDULER_CASES)
-def test_restored_scheduler_is_the_running_one(load_family: Callable[..., Family], model: str,
-                                               scheduler: str) -> None:
+def test_restored_scheduler_is_the_running_one(load_family: Callable[..., Family], model: str, scheduler: str) -> None:
     """After one more step, a restored scheduler's whole state (history and shift included, tensors
     exactly) and the generator's equal those of the run that never stopped."""
     family = load_family(model, scheduler)
@@ -136,11 +142,20 @@ def test_restored_scheduler_is_the_running_one(load_family: Callable[..., Family
         assert torch.equal(restored.generator.get_state(), state.generator.get_state())
 
 
-@pytest.mark.parametrize("model,scheduler", [("tiny-sd", "euler"), ("tiny-sd", "dpmpp_2m"), ("tiny-sdxl", "dpmpp_2m"),
-                                             ("tiny-flux", "flow_euler"), ("tiny-flux", "flow_dpmpp_2m"),
-                                             ("tiny-wan", "unipc")])
-def test_checkpoint_holds_cpu_tensors_and_plain_values(load_family: Callable[..., Family], model: str,
-                                                       scheduler: str) -> None:
+@pytest.mark.parametrize(
+    "model,scheduler",
+    [
+        ("tiny-sd", "euler"),
+        ("tiny-sd", "dpmpp_2m"),
+        ("tiny-sdxl", "dpmpp_2m"),
+        ("tiny-flux", "flow_euler"),
+        ("tiny-flux", "flow_dpmpp_2m"),
+        ("tiny-wan", "unipc"),
+    ],
+)
+def test_checkpoint_holds_cpu_tensors_and_plain_values(
+    load_family: Callable[..., Family], model: str, scheduler: str
+) -> None:
     family = load_family(model, scheduler)
     request = make_request(model)
     state = family.prepare(request, embed(family, request))
@@ -164,8 +179,7 @@ def test_checkpoint_holds_cpu_tensors_and_plain_values(load_family: Callable[...
 
 
 @pytest.mark.parametrize("case", BY_FAMILY, ids=str)
-def test_restore_refuses_another_step_count_or_scheduler(load_family: Callable[..., Family],
-                                                         case: FamilyCase) -> None:
+def test_restore_refuses_another_step_count_or_scheduler(load_family: Callable[..., Family], case: FamilyCase) -> None:
     family = load_family(case.model)
     request = make_request(case.model, steps=6)
     embeddings = embed(family, request)
@@ -179,9 +193,9 @@ def test_restore_refuses_another_step_count_or_scheduler(load_family: Callable[.
 
 # --- seeds, batches and the reference pipeline -------------------------------------
 
+
 @pytest.mark.parametrize("case", BY_FAMILY, ids=str)
-def test_same_seed_same_output_different_seed_different(load_family: Callable[..., Family],
-                                                        case: FamilyCase) -> None:
+def test_same_seed_same_output_different_seed_different(load_family: Callable[..., Family], case: FamilyCase) -> None:
     family = load_family(case.model)
     a = generate(family, make_request(case.model, seed=7, steps=3))
     b = generate(family, make_request(case.model, seed=7, steps=3))
@@ -190,12 +204,20 @@ def test_same_seed_same_output_different_seed_different(load_family: Callable[..
     assert not torch.allclose(a, c)
 
 
-@pytest.mark.parametrize("model,scheduler,outputs", [
-    ("tiny-sd", "euler", 3), ("tiny-sdxl", "euler", 2), ("tiny-sdxl", "dpmpp_2m", 2),
-    ("tiny-flux", "flow_euler", 2), ("tiny-flux", "flow_dpmpp_2m", 2), ("tiny-wan", "unipc", 3),
-])
-def test_output_i_does_not_depend_on_num_outputs(load_family: Callable[..., Family], model: str, scheduler: str,
-                                                 outputs: int) -> None:
+@pytest.mark.parametrize(
+    "model,scheduler,outputs",
+    [
+        ("tiny-sd", "euler", 3),
+        ("tiny-sdxl", "euler", 2),
+        ("tiny-sdxl", "dpmpp_2m", 2),
+        ("tiny-flux", "flow_euler", 2),
+        ("tiny-flux", "flow_dpmpp_2m", 2),
+        ("tiny-wan", "unipc", 3),
+    ],
+)
+def test_output_i_does_not_depend_on_num_outputs(
+    load_family: Callable[..., Family], model: str, scheduler: str, outputs: int
+) -> None:
     family = load_family(model, scheduler)
     request = make_request(model, seed=5, steps=4 if model != "tiny-wan" else 3)
     one = family.prepare(request, embed(family, request))
@@ -214,18 +236,34 @@ def test_output_i_does_not_depend_on_num_outputs(load_family: Callable[..., Fami
 def _reference_latents(family: Any, request: GenerationRequest, data_dir: Path) -> torch.Tensor:
     """The same request through the diffusers pipeline of the family, with the registry's scheduler."""
     generator = torch.Generator("cpu").manual_seed(request.seed)
-    common = dict(width=request.width, height=request.height, num_inference_steps=request.steps,
-                  guidance_scale=request.guidance_scale, generator=generator, output_type="latent")
+    common = dict(
+        width=request.width,
+        height=request.height,
+        num_inference_steps=request.steps,
+        guidance_scale=request.guidance_scale,
+        generator=generator,
+        output_type="latent",
+    )
     if family.spec.family == "wan":
         from diffusers import WanPipeline
 
         # WanPipeline.from_pretrained needs `accelerate` for this transformer (see wan._load_model);
         # the modules are the ones loaded from the checkpoint, the loop and latent prep are diffusers'.
-        pipe = WanPipeline(tokenizer=family.tokenizer, text_encoder=family.text_encoder, vae=family.vae,
-                           transformer=family.transformer, scheduler=family._new_scheduler(request.steps, 0))
+        pipe = WanPipeline(
+            tokenizer=family.tokenizer,
+            text_encoder=family.text_encoder,
+            vae=family.vae,
+            transformer=family.transformer,
+            scheduler=family._new_scheduler(request.steps, 0),
+        )
         pipe.set_progress_bar_config(disable=True)
-        return pipe(request.prompt, negative_prompt=request.negative_prompt, num_frames=request.num_frames,
-                    num_videos_per_prompt=request.num_outputs, **common).frames
+        return pipe(
+            request.prompt,
+            negative_prompt=request.negative_prompt,
+            num_frames=request.num_frames,
+            num_videos_per_prompt=request.num_outputs,
+            **common,
+        ).frames
     if family.spec.family == "flux":
         from diffusers import FluxPipeline as Pipeline
     elif family.spec.name.startswith("tiny-sdxl"):
@@ -240,16 +278,24 @@ def _reference_latents(family: Any, request: GenerationRequest, data_dir: Path) 
     return pipe(request.prompt, num_images_per_prompt=request.num_outputs, **negative, **common).images
 
 
-@pytest.mark.parametrize("model,scheduler,negative,atol", [
-    # SD 1.5 matches exactly; SDXL's pipeline encodes prompt and negative in separate
-    # batches (float noise of ~1e-6 relative in the embeddings).
-    ("tiny-sd", "euler", "blurry", 1e-5), ("tiny-sd", "dpmpp_2m", "blurry", 1e-5),
-    ("tiny-sdxl", "euler", "blurry", 1e-4), ("tiny-sdxl", "dpmpp_2m", "", 1e-4),
-    ("tiny-flux", "flow_euler", "blurry", 1e-5), ("tiny-flux", "flow_dpmpp_2m", "blurry", 1e-5),
-    ("tiny-wan", "unipc", "blurry", 1e-5), ("tiny-wan", "flow_euler", "blurry", 1e-5),
-])
-def test_matches_the_diffusers_pipeline(load_family: Callable[..., Family], data_dir: Path, model: str,
-                                        scheduler: str, negative: str, atol: float) -> None:
+@pytest.mark.parametrize(
+    "model,scheduler,negative,atol",
+    [
+        # SD 1.5 matches exactly; SDXL's pipeline encodes prompt and negative in separate
+        # batches (float noise of ~1e-6 relative in the embeddings).
+        ("tiny-sd", "euler", "blurry", 1e-5),
+        ("tiny-sd", "dpmpp_2m", "blurry", 1e-5),
+        ("tiny-sdxl", "euler", "blurry", 1e-4),
+        ("tiny-sdxl", "dpmpp_2m", "", 1e-4),
+        ("tiny-flux", "flow_euler", "blurry", 1e-5),
+        ("tiny-flux", "flow_dpmpp_2m", "blurry", 1e-5),
+        ("tiny-wan", "unipc", "blurry", 1e-5),
+        ("tiny-wan", "flow_euler", "blurry", 1e-5),
+    ],
+)
+def test_matches_the_diffusers_pipeline(
+    load_family: Callable[..., Family], data_dir: Path, model: str, scheduler: str, negative: str, atol: float
+) -> None:
     family = load_family(model, scheduler)
     size = {} if model == "tiny-wan" else {"width": 96, "height": 64}
     request = make_request(model, num_outputs=2, negative_prompt=negative, **size)
@@ -260,12 +306,19 @@ def test_matches_the_diffusers_pipeline(load_family: Callable[..., Family], data
 
 # --- pictures -------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("case", ALL, ids=str)
 def test_decode_returns_one_rgb_picture_per_output(load_family: Callable[..., Family], case: FamilyCase) -> None:
     family = load_family(case.model)
     video = case.family == "wan"
-    request = make_request(case.model, width=96, height=64, num_outputs=2 if video else 3, steps=2 if video else 3,
-                           **({"num_frames": 5} if video else {}))
+    request = make_request(
+        case.model,
+        width=96,
+        height=64,
+        num_outputs=2 if video else 3,
+        steps=2 if video else 3,
+        **({"num_frames": 5} if video else {}),
+    )
     state = family.prepare(request, embed(family, request))
     run_to_end(family, state)
     decoded = family.decode(state)
@@ -276,11 +329,20 @@ def test_decode_returns_one_rgb_picture_per_output(load_family: Callable[..., Fa
             assert frame.mode == "RGB" and frame.size == (96, 64)
 
 
-@pytest.mark.parametrize("model,scheduler", [("tiny-sd", "euler"), ("tiny-sd", "dpmpp_2m"), ("tiny-sdxl", "euler"),
-                                             ("tiny-flux", "flow_euler"), ("tiny-flux", "flow_dpmpp_2m"),
-                                             ("tiny-wan", "unipc")])
-def test_preview_does_not_use_the_vae(load_family: Callable[..., Family], monkeypatch: pytest.MonkeyPatch,
-                                      model: str, scheduler: str) -> None:
+@pytest.mark.parametrize(
+    "model,scheduler",
+    [
+        ("tiny-sd", "euler"),
+        ("tiny-sd", "dpmpp_2m"),
+        ("tiny-sdxl", "euler"),
+        ("tiny-flux", "flow_euler"),
+        ("tiny-flux", "flow_dpmpp_2m"),
+        ("tiny-wan", "unipc"),
+    ],
+)
+def test_preview_does_not_use_the_vae(
+    load_family: Callable[..., Family], monkeypatch: pytest.MonkeyPatch, model: str, scheduler: str
+) -> None:
     family = load_family(model, scheduler)
     request = make_request(model, width=96, height=64, num_outputs=2)
     embeddings = embed(family, request)
@@ -297,6 +359,7 @@ def test_preview_does_not_use_the_vae(load_family: Callable[..., Family], monkey
 
 
 # --- loading ----------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("case", ALL, ids=str)
 def test_missing_checkpoint_names_path_and_command(tmp_path: Path, case: FamilyCase) -> None:
@@ -335,9 +398,16 @@ def test_memory_bytes_counts_the_weights(load_family: Callable[..., Family], cas
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("model,scheduler", [("tiny-sd", "euler"), ("tiny-sdxl", "dpmpp_2m"),
-                                             ("tiny-flux", "flow_euler"), ("tiny-flux", "flow_dpmpp_2m"),
-                                             ("tiny-wan", "unipc")])
+@pytest.mark.parametrize(
+    "model,scheduler",
+    [
+        ("tiny-sd", "euler"),
+        ("tiny-sdxl", "dpmpp_2m"),
+        ("tiny-flux", "flow_euler"),
+        ("tiny-flux", "flow_dpmpp_2m"),
+        ("tiny-wan", "unipc"),
+    ],
+)
 def test_on_cuda_checkpoints_stay_on_cpu_and_resume_exactly(data_dir: Path, model: str, scheduler: str) -> None:
     spec = dataclasses.replace(load_registry().get(model), scheduler=scheduler)
     family = family_class(spec.family)(spec, "cuda", data_dir)

@@ -4,6 +4,7 @@ Packed latents, the shifted schedule, guidance as an embedding. The contract eve
 family keeps (resumption, seeds, FluxPipeline parity, errors) is tested in
 test_family_contract.py. No Django, no database, no downloads.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -32,6 +33,7 @@ def flux(load_family: Callable[..., Family]) -> FluxFamily:
 
 # --- the tiny checkpoint ------------------------------------------------------
 
+
 def test_components_are_flux_shaped(flux: FluxFamily) -> None:
     assert flux.vae.config.latent_channels == 16 == flux.latent_channels
     assert flux.transformer.config.in_channels == 64  # 16 channels × 2×2 packing
@@ -52,6 +54,7 @@ def test_tokenizers_take_any_prompt(flux: FluxFamily) -> None:
 
 # --- encode -------------------------------------------------------------------
 
+
 def test_encode_is_batched_on_cpu_and_ignores_negatives(flux: FluxFamily) -> None:
     out = flux.encode([("a cat", ""), ("a dog", "ugly"), ("a cat", "something else")])
     assert len(out) == 3
@@ -68,6 +71,7 @@ def test_encode_is_batched_on_cpu_and_ignores_negatives(flux: FluxFamily) -> Non
 
 
 # --- geometry -------------------------------------------------------------------
+
 
 def test_packing_round_trips_and_matches_the_pipeline() -> None:
     from diffusers import FluxPipeline
@@ -98,6 +102,7 @@ def test_size_must_fit_the_packed_latent_grid(flux: FluxFamily) -> None:
 
 # --- checkpoint / restore -----------------------------------------------------
 
+
 def test_dpm_history_is_checkpointed_and_matters(load_family: Callable[..., Family]) -> None:
     family = load_family("tiny-flux", "flow_dpmpp_2m")
     request = flux_request(steps=5)
@@ -112,8 +117,9 @@ def test_dpm_history_is_checkpointed_and_matters(load_family: Callable[..., Fami
     assert not torch.allclose(run_to_end(family, family.restore(request, embeddings, blank)), straight, atol=1e-4)
 
 
-def test_restore_refuses_another_shape_step_count_or_scheduler(flux: FluxFamily,
-                                                               load_family: Callable[..., Family]) -> None:
+def test_restore_refuses_another_shape_step_count_or_scheduler(
+    flux: FluxFamily, load_family: Callable[..., Family]
+) -> None:
     request = flux_request(steps=6)
     embeddings = flux.encode([(request.prompt, request.negative_prompt)])[0]
     data = flux.checkpoint(flux.prepare(request, embeddings))
@@ -128,6 +134,7 @@ def test_restore_refuses_another_shape_step_count_or_scheduler(flux: FluxFamily,
 
 
 # --- seeds and guidance -------------------------------------------------------------
+
 
 def test_guidance_is_an_embedding_not_a_second_pass(flux: FluxFamily, monkeypatch: pytest.MonkeyPatch) -> None:
     request = flux_request(steps=2, num_outputs=2)
@@ -149,6 +156,7 @@ def test_guidance_is_an_embedding_not_a_second_pass(flux: FluxFamily, monkeypatc
 
 # --- loading and the registry ---------------------------------------------------
 
+
 def test_registry_flux_entries() -> None:
     registry = load_registry()
     for name, scheduler in (("tiny-flux", "flow_euler"), ("tiny-flux-dpm", "flow_dpmpp_2m")):
@@ -161,5 +169,3 @@ def test_registry_flux_entries() -> None:
         shape = JobShape("flux", d.width, d.height, d.num_frames, 1, d.guidance_scale)
         assert shape.cfg_passes() == 1 and shape.tokens() == 528
         assert 0.003 < estimate_job_seconds(shape, spec.cost_points) < 0.02, name
-
-

@@ -1,6 +1,7 @@
 """Card groups at run time: a group of 2 ranks (gloo, CPU) runs the family's own step code with
 diffusers' context parallelism (Ulysses) and gives the one-device result; on CPU in production,
 and for a family without a context-parallel plan, a group runs the job on one device."""
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -24,8 +25,9 @@ def group():
     g.close()
 
 
-def _parallel_matches_single(group: TransformerGroup, family_class: Callable[..., Family], spec: ModelSpec,
-                             data_dir: Path, request) -> None:
+def _parallel_matches_single(
+    group: TransformerGroup, family_class: Callable[..., Family], spec: ModelSpec, data_dir: Path, request
+) -> None:
     single = generate(family_class(spec, "cpu", data_dir), request)
     family = family_class(spec, "cpu", data_dir)
     assert why_single(family.transformer, 2, allow_cpu=True) == ""
@@ -38,15 +40,22 @@ def _parallel_matches_single(group: TransformerGroup, family_class: Callable[...
     group.release(spec.name)
 
 
-def test_wan_and_flux_on_a_group_of_two_match_one_device(group, wan_spec: ModelSpec, wan_data_dir: Path,
-                                                        data_dir: Path) -> None:
+def test_wan_and_flux_on_a_group_of_two_match_one_device(
+    group, wan_spec: ModelSpec, wan_data_dir: Path, data_dir: Path
+) -> None:
     from workers.runtime.flux import FluxFamily
     from workers.runtime.wan import WanFamily
 
-    _parallel_matches_single(group, WanFamily, wan_spec, wan_data_dir,
-                             make_request("tiny-wan", width=64, height=64, num_frames=9, steps=3))
-    _parallel_matches_single(group, FluxFamily, load_registry().get("tiny-flux"), data_dir,
-                             make_request("tiny-flux", width=64, height=64, steps=3))
+    _parallel_matches_single(
+        group, WanFamily, wan_spec, wan_data_dir, make_request("tiny-wan", width=64, height=64, num_frames=9, steps=3)
+    )
+    _parallel_matches_single(
+        group,
+        FluxFamily,
+        load_registry().get("tiny-flux"),
+        data_dir,
+        make_request("tiny-flux", width=64, height=64, steps=3),
+    )
 
 
 def test_on_cpu_and_without_a_plan_a_group_runs_on_one_device(monkeypatch, load_family, wan_family) -> None:

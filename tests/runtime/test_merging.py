@@ -4,6 +4,7 @@ Each job keeps its own seed, prompt, scheduler and generator, so its result is
 the one it would get alone (up to float summation order in the batched call),
 and a job that leaves the batch does not change the others.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -26,15 +27,23 @@ from .conftest import make_request, run_to_end
 # agree to float32 rounding, amplified a little by the steps.
 LATENT_TOLERANCE = 1e-4
 
-CASES = [("tiny-sd", "euler"), ("tiny-sd", "euler_a"), ("tiny-sd", "dpmpp_2m"), ("tiny-sdxl", "euler"),
-         ("tiny-flux", "flow_euler"), ("tiny-flux", "flow_dpmpp_2m")]
+CASES = [
+    ("tiny-sd", "euler"),
+    ("tiny-sd", "euler_a"),
+    ("tiny-sd", "dpmpp_2m"),
+    ("tiny-sdxl", "euler"),
+    ("tiny-flux", "flow_euler"),
+    ("tiny-flux", "flow_dpmpp_2m"),
+]
 
 
 def members(model: str) -> list[GenerationRequest]:
     """Three jobs of one shape: different seeds, prompts and output counts."""
-    return [make_request(model, job_id="a", seed=11, prompt="a red cat on a sofa"),
-            make_request(model, job_id="b", seed=22, prompt="a lighthouse at dusk", num_outputs=2),
-            make_request(model, job_id="c", seed=33, prompt="a red cat on a sofa", negative_prompt="")]
+    return [
+        make_request(model, job_id="a", seed=11, prompt="a red cat on a sofa"),
+        make_request(model, job_id="b", seed=22, prompt="a lighthouse at dusk", num_outputs=2),
+        make_request(model, job_id="c", seed=33, prompt="a red cat on a sofa", negative_prompt=""),
+    ]
 
 
 def prepared(family: Family, request: GenerationRequest) -> DenoiseState:
@@ -57,16 +66,20 @@ def test_merged_jobs_match_each_job_alone(load_family: Callable[..., Family], mo
         assert state.step == request.steps
         expected = alone(family, request)
         assert state.latents.shape == expected.shape
-        assert torch.allclose(state.latents, expected, atol=LATENT_TOLERANCE, rtol=0), \
-            (request.job_id, (state.latents - expected).abs().max())
+        assert torch.allclose(state.latents, expected, atol=LATENT_TOLERANCE, rtol=0), (
+            request.job_id,
+            (state.latents - expected).abs().max(),
+        )
     # Different seeds and prompts stayed different.
     assert not torch.allclose(states[0].latents, states[2].latents[:1], atol=1e-2)
 
 
 def test_merged_wan_jobs_match_each_job_alone(wan_family: Family) -> None:
 
-    requests = [make_request("tiny-wan", job_id="a", seed=1),
-                make_request("tiny-wan", job_id="b", seed=2, prompt="a boat on a lake")]
+    requests = [
+        make_request("tiny-wan", job_id="a", seed=1),
+        make_request("tiny-wan", job_id="b", seed=2, prompt="a boat on a lake"),
+    ]
     states = [prepared(wan_family, r) for r in requests]
     while not states[0].done:
         wan_family.step_many(states)
@@ -89,8 +102,7 @@ def test_merged_images_decode_like_lone_ones(load_family: Callable[..., Family])
             assert int(diff.max()) <= 1, request.job_id  # at most one level of 255 off, from rounding
 
 
-def test_a_member_leaving_midway_does_not_change_the_others(load_family: Callable[..., Family],
-                                                            tmp_path: Path) -> None:
+def test_a_member_leaving_midway_does_not_change_the_others(load_family: Callable[..., Family], tmp_path: Path) -> None:
     family = load_family("tiny-sd", "dpmpp_2m")
     requests = members("tiny-sd")
     states = [prepared(family, r) for r in requests]
@@ -101,8 +113,15 @@ def test_a_member_leaving_midway_does_not_change_the_others(load_family: Callabl
         asked.append((state.request.job_id, step))
         return "cancelled" if state.request.job_id == "b" and step == 2 else ""
 
-    results = stages.run_merged_chunk(family, storage, states, until_step=requests[0].steps, preview_every=2,
-                                      should_stop=should_stop, on_preview=lambda *_: None)
+    results = stages.run_merged_chunk(
+        family,
+        storage,
+        states,
+        until_step=requests[0].steps,
+        preview_every=2,
+        should_stop=should_stop,
+        on_preview=lambda *_: None,
+    )
     assert [r.stopped for r in results] == ["", "cancelled", ""]
     assert results[1].step == 2 and results[1].checkpoint_key == ""
     assert not storage.exists(stages.checkpoint_key("b", 2)) and not storage.exists(stages.checkpoint_key("b", 6))
@@ -120,8 +139,9 @@ def test_each_member_checkpoint_resumes_alone(load_family: Callable[..., Family]
     requests = members("tiny-sd")[:2]
     states = [prepared(family, r) for r in requests]
     storage = LocalStorage(tmp_path)
-    results = stages.run_merged_chunk(family, storage, states, until_step=3, preview_every=0,
-                                      should_stop=lambda *_: "", on_preview=lambda *_: None)
+    results = stages.run_merged_chunk(
+        family, storage, states, until_step=3, preview_every=0, should_stop=lambda *_: "", on_preview=lambda *_: None
+    )
     for request, result in zip(requests, results):
         embeddings = family.encode([(request.prompt, request.negative_prompt)])[0]
         resumed = family.restore(request, embeddings, stages._from_bytes(storage.get(result.checkpoint_key)))
@@ -152,8 +172,10 @@ def test_simulated_merged_step_takes_the_batch_time(tmp_path: Path, monkeypatch:
     family = SimulatedFamily(spec, "cpu", tmp_path)
     slept: list[float] = []
     monkeypatch.setattr("workers.runtime.simulated.time.sleep", slept.append)
-    requests = [make_request("sdxl-turbo-sim", job_id=str(i), seed=i, width=512, height=512, steps=4,
-                             guidance_scale=0.0) for i in range(4)]
+    requests = [
+        make_request("sdxl-turbo-sim", job_id=str(i), seed=i, width=512, height=512, steps=4, guidance_scale=0.0)
+        for i in range(4)
+    ]
     states = [family.prepare(r, family.encode([(r.prompt, "")])[0]) for r in requests]
     family.step_many(states)
     assert len(slept) == 1

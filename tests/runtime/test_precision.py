@@ -1,6 +1,7 @@
 """Precision per registry entry: dtype and variant parsing, weights loaded in the entry's dtype (fp32
 modules kept, a float16 VAE upcast where its config says), and exact resume of a bf16 state in another
 process."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -67,6 +68,7 @@ def models_root(data_dir: Path, wan_data_dir: Path, tmp_path_factory: pytest.Tem
 
 # --- the registry ----------------------------------------------------------------------
 
+
 def test_dtype_defaults_to_bf16_on_cuda_and_fp32_on_cpu_and_the_tiny_models_stay_fp32() -> None:
     registry = load_registry()
     sim = registry.get("sdxl-sim")
@@ -76,11 +78,14 @@ def test_dtype_defaults_to_bf16_on_cuda_and_fp32_on_cpu_and_the_tiny_models_stay
     assert all(not (s.compile or s.attention or s.encode_device or s.variant) for s in registry.models.values())
 
 
-@pytest.mark.parametrize(("line", "message"), [
-    ('dtype = "fp16"', "dtype must be one of"),
-    ("compile = 1", "compile must be true or false"),
-    ('encode_device = "cuda:1"', "encode_device must be"),
-])
+@pytest.mark.parametrize(
+    ("line", "message"),
+    [
+        ('dtype = "fp16"', "dtype must be one of"),
+        ("compile = 1", "compile must be true or false"),
+        ('encode_device = "cuda:1"', "encode_device must be"),
+    ],
+)
 def test_bad_precision_and_speed_settings_are_refused(tmp_path: Path, line: str, message: str) -> None:
     path = tmp_path / "r.toml"
     path.write_text(f'[models.m]\nfamily = "unet"\ncost_points = {{ 16 = 1.0 }}\n{line}\n')
@@ -90,16 +95,24 @@ def test_bad_precision_and_speed_settings_are_refused(tmp_path: Path, line: str,
 
 def test_precision_and_speed_settings_are_read(tmp_path: Path) -> None:
     path = tmp_path / "r.toml"
-    path.write_text('[models.m]\nfamily = "flux"\nbackend = "diffusers"\npath = "/x"\ncost_points = { 16 = 1.0 }\n'
-                    'dtype = "float16"\nvariant = "fp16"\ncompile = true\nattention = "flash"\n'
-                    'encode_device = "cpu"\n')
+    path.write_text(
+        '[models.m]\nfamily = "flux"\nbackend = "diffusers"\npath = "/x"\ncost_points = { 16 = 1.0 }\n'
+        'dtype = "float16"\nvariant = "fp16"\ncompile = true\nattention = "flash"\n'
+        'encode_device = "cpu"\n'
+    )
     spec = load_registry(path).get("m")
-    assert (spec.dtype, spec.variant, spec.compile, spec.attention, spec.encode_device) == \
-        ("float16", "fp16", True, "flash", "cpu")
+    assert (spec.dtype, spec.variant, spec.compile, spec.attention, spec.encode_device) == (
+        "float16",
+        "fp16",
+        True,
+        "flash",
+        "cpu",
+    )
     assert spec.resolved_dtype("cpu") == "float16"
 
 
 # --- loading in the entry's dtype ------------------------------------------------------
+
 
 def test_weights_load_in_the_entry_dtype_keeping_the_fp32_modules(bf16_registry: Path, models_root: Path) -> None:
     registry = load_registry(bf16_registry)
@@ -149,8 +162,9 @@ CHILD = textwrap.dedent("""
 BF16_CASES = {"tiny-sd-bf16": 1, "tiny-flux-bf16": 1, "tiny-wan-bf16": 5}  # model → frames
 
 
-def test_a_bf16_state_resumes_bit_exactly_in_another_process(bf16_registry: Path, models_root: Path,
-                                                              tmp_path: Path) -> None:
+def test_a_bf16_state_resumes_bit_exactly_in_another_process(
+    bf16_registry: Path, models_root: Path, tmp_path: Path
+) -> None:
     import importlib
 
     from workers.runtime.cache import FAMILY_ADAPTERS
@@ -174,8 +188,14 @@ def test_a_bf16_state_resumes_bit_exactly_in_another_process(bf16_registry: Path
     saved, result = tmp_path / "cases.pt", tmp_path / "result.pt"
     torch.save(cases, saved)
     env = os.environ | {"PYTHONPATH": str(REPO_ROOT), "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, "-c", CHILD, str(bf16_registry), str(models_root), str(saved),
-                           str(result)], cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-c", CHILD, str(bf16_registry), str(models_root), str(saved), str(result)],
+        cwd=REPO_ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     resumed = torch.load(result, weights_only=True)
     for model in BF16_CASES:

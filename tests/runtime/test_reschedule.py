@@ -4,6 +4,7 @@ See workers/runtime/reschedule.py for the continuation: the state after k steps 
 re-expressed at the new schedule's noise level for step k from its x0 and noise
 estimates, and a multistep solver restarts at first order.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -25,9 +26,14 @@ from workers.runtime.simulated import SimulatedFamily
 
 # (model, scheduler, whether rescheduling to the same total is the identity: Euler-type, no history)
 CASES = [
-    ("tiny-sd", "euler", True), ("tiny-sd", "euler_a", True), ("tiny-sd", "dpmpp_2m", False),
-    ("tiny-flux", "flow_euler", True), ("tiny-flux", "flow_dpmpp_2m", False),
-    ("tiny-wan", "flow_euler", True), ("tiny-wan", "unipc", False), ("tiny-wan", "dpmpp_2m", False),
+    ("tiny-sd", "euler", True),
+    ("tiny-sd", "euler_a", True),
+    ("tiny-sd", "dpmpp_2m", False),
+    ("tiny-flux", "flow_euler", True),
+    ("tiny-flux", "flow_dpmpp_2m", False),
+    ("tiny-wan", "flow_euler", True),
+    ("tiny-wan", "unipc", False),
+    ("tiny-wan", "dpmpp_2m", False),
 ]
 IDS = [f"{m}/{s}" for m, s, _ in CASES]
 
@@ -112,8 +118,7 @@ def test_extending_continues_to_the_new_total(get_family, model: str, scheduler:
 
 
 @pytest.mark.parametrize("model,scheduler,identity", CASES, ids=IDS)
-def test_extending_a_finished_schedule_is_deterministic(get_family, model: str, scheduler: str,
-                                                        identity: bool) -> None:
+def test_extending_a_finished_schedule_is_deterministic(get_family, model: str, scheduler: str, identity: bool) -> None:
     """σ = 0 after the last step: the noise to add back comes from the job's own generator."""
     family = get_family(model, scheduler)
     request = request_for(model, steps=3)
@@ -132,8 +137,9 @@ def saved(family, state, tmp_path: Path) -> tuple[LocalStorage, str, str]:
 
 
 @pytest.mark.parametrize("model,scheduler,identity", CASES, ids=IDS)
-def test_stop_early_decodes_the_saved_x0_estimate(get_family, model: str, scheduler: str, identity: bool,
-                                                  tmp_path: Path) -> None:
+def test_stop_early_decodes_the_saved_x0_estimate(
+    get_family, model: str, scheduler: str, identity: bool, tmp_path: Path
+) -> None:
     family = get_family(model, scheduler)
     request = request_for(model)
     state = started(family, request, 2)
@@ -152,10 +158,12 @@ def test_stop_early_decodes_the_saved_x0_estimate(get_family, model: str, schedu
     assert not np.array_equal(decoded, pixels(family.decode(noisy)))  # not the noisy latents
 
 
-@pytest.mark.parametrize("model,scheduler", [("tiny-sd", "euler"), ("tiny-flux", "flow_dpmpp_2m"),
-                                             ("tiny-wan", "unipc")])
-def test_load_state_reschedules_a_checkpoint_made_for_another_total(get_family, model: str, scheduler: str,
-                                                                    tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    "model,scheduler", [("tiny-sd", "euler"), ("tiny-flux", "flow_dpmpp_2m"), ("tiny-wan", "unipc")]
+)
+def test_load_state_reschedules_a_checkpoint_made_for_another_total(
+    get_family, model: str, scheduler: str, tmp_path: Path
+) -> None:
     family = get_family(model, scheduler)
     request = request_for(model)
     state = started(family, request, 3)
@@ -179,21 +187,31 @@ def test_checkpoints_without_the_x0_estimate_still_restore(get_family, model: st
     assert torch.allclose(run_to_end(family, restored), run_to_end(family, state), atol=1e-6, rtol=0)
 
 
-def test_checkpoint_round_trip_across_a_reschedule_in_a_child_process(get_family, data_dir: Path,
-                                                                      wan_data_dir: Path, tmp_path: Path) -> None:
+def test_checkpoint_round_trip_across_a_reschedule_in_a_child_process(
+    get_family, data_dir: Path, wan_data_dir: Path, tmp_path: Path
+) -> None:
     """Rescheduled here (3 of 6 → 9 in all), checkpointed, finished in another process: as if it had
     stayed here."""
     groups: dict[Path, dict[str, dict[str, Any]]] = {data_dir: {}, wan_data_dir: {}}
     expected = {}
-    for model, scheduler in [("tiny-sd", "euler_a"), ("tiny-sd", "dpmpp_2m"), ("tiny-flux", "flow_euler"),
-                             ("tiny-wan", "unipc")]:
+    for model, scheduler in [
+        ("tiny-sd", "euler_a"),
+        ("tiny-sd", "dpmpp_2m"),
+        ("tiny-flux", "flow_euler"),
+        ("tiny-wan", "unipc"),
+    ]:
         family = get_family(model, scheduler)
         state = family.reschedule(started(family, request_for(model), 3), 9)
         family.step(state)  # the new schedule's first (first-order) step
         key = f"{model}/{scheduler}"
         groups[wan_data_dir if model == "tiny-wan" else data_dir][key] = {
-            "model": model, "scheduler": scheduler, "request": dataclasses.asdict(state.request),
-            "embeddings": state.embeddings, "checkpoint": family.checkpoint(state), "until": 6}
+            "model": model,
+            "scheduler": scheduler,
+            "request": dataclasses.asdict(state.request),
+            "embeddings": state.embeddings,
+            "checkpoint": family.checkpoint(state),
+            "until": 6,
+        }
         expected[key] = run_to_end(family, state)
     for root, cases in groups.items():
         out = tmp_path / root.name
@@ -204,6 +222,7 @@ def test_checkpoint_round_trip_across_a_reschedule_in_a_child_process(get_family
 
 
 # --- the simulated backend ---------------------------------------------------------
+
 
 @pytest.fixture(scope="module")
 def simulated() -> SimulatedFamily:

@@ -1,5 +1,6 @@
 """The speed options (workers/runtime/speed.py): a compiled denoiser is warmed up at worker start, before
 any job; the attention backend is diffusers'; encode_device puts the text encoders on the CPU."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -22,7 +23,8 @@ def compiled_blocks(module: torch.nn.Module) -> list[str]:
 
 
 def test_compile_wraps_each_repeated_block_and_the_worker_start_warms_it_up(
-        data_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    data_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """At worker start (a worker on a denoise queue, dedicated to the compiled model) the denoiser is loaded,
     its repeated blocks compiled, and one step run at the default shape, before any job; the compiled
     model then gives the uncompiled one's latents."""
@@ -39,8 +41,9 @@ def test_compile_wraps_each_repeated_block_and_the_worker_start_warms_it_up(
     assert warmed == ["tiny-flux-compiled"]
     family = cache.get(spec, "denoise")
     blocks = compiled_blocks(family.transformer)
-    assert blocks and all(type(family.transformer.get_submodule(b)).__name__ in family.transformer._repeated_blocks
-                          for b in blocks)
+    assert blocks and all(
+        type(family.transformer.get_submodule(b)).__name__ in family.transformer._repeated_blocks for b in blocks
+    )
     assert family.needs_warm_up is False
     assert cache.memory() == {"tiny-flux-compiled/denoise": family.memory_by_component()}
     plain = FluxFamily(registry.get("tiny-flux"), "cpu", data_dir, ("denoise",))

@@ -4,6 +4,7 @@ image as one worker holding the whole model.
 The proof that a stage never touches another stage's weights: each one-stage family is built from a copy
 of the checkpoint whose other stages' weight files are deleted (only their config.json files stay).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -33,10 +34,16 @@ from .conftest import make_request
 # What each stage of each tiny checkpoint loads: the table this suite pins.
 EXPECTED: dict[str, dict[str, set[str]]] = {
     "tiny-sd": {"encode": {"tokenizer", "text_encoder"}, "denoise": {"unet"}, "decode": {"vae"}},
-    "tiny-sdxl": {"encode": {"tokenizer", "text_encoder", "tokenizer_2", "text_encoder_2"}, "denoise": {"unet"},
-                  "decode": {"vae"}},
-    "tiny-flux": {"encode": {"tokenizer", "text_encoder", "tokenizer_2", "text_encoder_2"},
-                  "denoise": {"transformer"}, "decode": {"vae"}},
+    "tiny-sdxl": {
+        "encode": {"tokenizer", "text_encoder", "tokenizer_2", "text_encoder_2"},
+        "denoise": {"unet"},
+        "decode": {"vae"},
+    },
+    "tiny-flux": {
+        "encode": {"tokenizer", "text_encoder", "tokenizer_2", "text_encoder_2"},
+        "denoise": {"transformer"},
+        "decode": {"vae"},
+    },
     "tiny-wan": {"encode": {"tokenizer", "text_encoder"}, "denoise": {"transformer"}, "decode": {"vae"}},
 }
 WEIGHT_SUFFIXES = (".safetensors", ".bin")
@@ -83,8 +90,9 @@ def test_each_stage_lists_and_loads_only_its_components(model: str, models_root:
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("model", sorted(EXPECTED))
-def test_meta_and_random_builds_count_the_bytes_a_checkpoint_load_holds(model: str, dtype: str,
-                                                                       models_root: Path) -> None:
+def test_meta_and_random_builds_count_the_bytes_a_checkpoint_load_holds(
+    model: str, dtype: str, models_root: Path
+) -> None:
     """The memory plan's numbers (meta device) are exactly what the loaded checkpoint holds, dtype by dtype
     (a bf16 Wan transformer keeps its norms and modulation in fp32, as from_pretrained keeps them)."""
     spec = dataclasses.replace(load_registry().get(model), dtype=dtype)
@@ -100,8 +108,7 @@ def test_meta_and_random_builds_count_the_bytes_a_checkpoint_load_holds(model: s
 
 
 @pytest.mark.parametrize("model", sorted(EXPECTED))
-def test_one_stage_workers_never_touch_the_other_stages_weights(model: str, models_root: Path,
-                                                                tmp_path: Path) -> None:
+def test_one_stage_workers_never_touch_the_other_stages_weights(model: str, models_root: Path, tmp_path: Path) -> None:
     """Encode, denoise and decode in three one-stage families, each built from a checkpoint stripped of
     the other stages' weights, give the very pixels of one family holding everything."""
     spec = load_registry().get(model)
@@ -160,8 +167,9 @@ def config_only_copy(source: Path, target: Path) -> Path:
 
 
 @pytest.mark.parametrize("model", sorted(EXPECTED))
-def test_a_config_only_folder_builds_on_meta_and_with_random_weights(model: str, models_root: Path,
-                                                                     tmp_path: Path) -> None:
+def test_a_config_only_folder_builds_on_meta_and_with_random_weights(
+    model: str, models_root: Path, tmp_path: Path
+) -> None:
     spec = load_registry().get(model)
     config_only_copy(spec.resolved_path(models_root), spec.resolved_path(tmp_path))
     cls = family_of(model)

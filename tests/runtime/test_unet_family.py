@@ -3,6 +3,7 @@
 The contract every family keeps (resumption, seeds, reference pipeline, errors)
 is tested in test_family_contract.py. No Django, no database, no downloads.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -18,6 +19,7 @@ from workers.runtime.unet import UNetFamily
 
 # --- the tiny checkpoints -------------------------------------------------------
 
+
 def test_tokenizer_takes_any_prompt(family: UNetFamily) -> None:
     prompts = ["", "a photo of the cat", "Ünïcödé 日本語 🐱\ttabs\nnewlines", "word " * 200]
     ids = family.tokenizer(prompts, padding="max_length", max_length=77, truncation=True).input_ids
@@ -26,6 +28,7 @@ def test_tokenizer_takes_any_prompt(family: UNetFamily) -> None:
 
 
 # --- encode -------------------------------------------------------------------
+
 
 def test_encode_is_batched_per_pair_on_cpu(family: UNetFamily) -> None:
     pairs = [("a cat", ""), ("a dog", "ugly"), ("a cat", "")]
@@ -67,6 +70,7 @@ def test_sd15_stays_sd15(family: UNetFamily) -> None:
 
 # --- checkpoint / restore -----------------------------------------------------
 
+
 @pytest.mark.parametrize("model", ["tiny-sd", "tiny-sdxl"])
 def test_dpm_history_is_checkpointed_and_matters(load_family: Callable[..., Family], model: str) -> None:
     family = load_family(model, "dpmpp_2m")
@@ -99,6 +103,7 @@ def test_a_unet_1_checkpoint_still_restores(family: UNetFamily) -> None:
 
 
 # --- loading and the registry ---------------------------------------------------
+
 
 def test_registry_unet_entries() -> None:
     registry = load_registry()

@@ -1,4 +1,5 @@
 """Large decodes are tiled (the VAE decode is a job's memory peak); small ones are not."""
+
 from __future__ import annotations
 
 import pytest

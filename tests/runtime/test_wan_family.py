@@ -3,6 +3,7 @@
 The contract every family keeps (resumption, seeds, reference pipeline, errors)
 is tested in test_family_contract.py. No Django, no database, no downloads.
 """
+
 from __future__ import annotations
 
 import io
@@ -33,6 +34,7 @@ def families(load_family: Callable[..., Family]) -> dict[str, WanFamily]:
 
 # --- the tiny checkpoint ------------------------------------------------------
 
+
 def test_tokenizer_takes_any_prompt(wan_family: WanFamily) -> None:
     prompts = ["", "a photo of the cat", "Ünïcödé 日本語 🐱\ttabs\nnewlines", "word " * 800]
     ids = wan_family.tokenizer(prompts, padding="max_length", max_length=512, truncation=True).input_ids
@@ -41,6 +43,7 @@ def test_tokenizer_takes_any_prompt(wan_family: WanFamily) -> None:
 
 
 # --- encode -------------------------------------------------------------------
+
 
 def test_encode_is_batched_trimmed_and_on_cpu(wan_family: WanFamily) -> None:
     pairs = [("a cat", ""), ("a dog running in the sky", "ugly"), ("a cat", "")]
@@ -61,9 +64,10 @@ def test_encode_is_batched_trimmed_and_on_cpu(wan_family: WanFamily) -> None:
 
 # --- prepare ------------------------------------------------------------------
 
+
 def test_latents_have_wan_geometry(wan_family: WanFamily) -> None:
     emb = embed(wan_family, make_request())
-    for (w, h, f, n) in [(64, 64, 9, 1), (96, 64, 17, 2), (64, 128, 1, 3)]:
+    for w, h, f, n in [(64, 64, 9, 1), (96, 64, 17, 2), (64, 128, 1, 3)]:
         state = wan_family.prepare(make_request(width=w, height=h, num_frames=f, num_outputs=n), emb)
         assert tuple(state.latents.shape) == (n, 16, 1 + (f - 1) // 4, h // 8, w // 8)
         assert state.step == 0
@@ -117,6 +121,7 @@ def test_restore_refuses_another_step_count_or_scheduler(families: dict[str, Wan
 
 # --- seeds, guidance and the reference pipeline -----------------------------------
 
+
 def test_guidance_one_skips_the_negative_pass(wan_family: WanFamily) -> None:
     request = make_request(guidance_scale=1.0, steps=2)
     state = wan_family.prepare(request, embed(wan_family, request))
@@ -134,6 +139,7 @@ def test_loads_as_a_plain_wan_pipeline(wan_data_dir: Path) -> None:
 
 
 # --- frames, preview, MP4 ---------------------------------------------------------
+
 
 def test_a_one_frame_video_decodes_to_one_frame(wan_family: WanFamily) -> None:
     single = make_request(num_frames=1, steps=1)
@@ -174,14 +180,17 @@ def test_mp4_pads_odd_sizes_and_checks_input() -> None:
 
 # --- loading and the registry ---------------------------------------------------
 
+
 def test_registry_entry_is_a_small_video_model(wan_spec: ModelSpec) -> None:
-    assert (wan_spec.family, wan_spec.kind, wan_spec.backend, wan_spec.scheduler) == \
-        ("wan", "video", "diffusers", "unipc")
+    assert (wan_spec.family, wan_spec.kind, wan_spec.backend, wan_spec.scheduler) == (
+        "wan",
+        "video",
+        "diffusers",
+        "unipc",
+    )
     limits, defaults = wan_spec.limits, wan_spec.defaults
     assert limits.frames_step == 4 and (defaults.num_frames - 1) % 4 == 0
     assert defaults.num_frames <= limits.max_frames and defaults.width <= limits.max_width
     # Calibrated on a 2-core CPU: a default CFG step is a few milliseconds.
     shape = JobShape("wan", defaults.width, defaults.height, defaults.num_frames, 1, defaults.guidance_scale)
     assert 0.001 < estimate_job_seconds(shape, wan_spec.cost_points) < 0.02
-
-

@@ -2,6 +2,7 @@
 
 Run alone with `.venv/bin/python -m pytest tests/scheduling -q -p no:django`.
 """
+
 from __future__ import annotations
 
 import json
@@ -57,8 +58,9 @@ def test_seed_cost_table_with_the_seeds_factors(name, tokens, steps, cfg, factor
 def test_seed_cost_table_through_the_registry(request_, seed_row):
     model, width, height, frames, steps, guidance = request_
     spec = load_registry().get(model)
-    shape = JobShape(family=spec.family, width=width, height=height, num_frames=frames, steps=steps,
-                     guidance_scale=guidance)
+    shape = JobShape(
+        family=spec.family, width=width, height=height, num_frames=frames, steps=steps, guidance_scale=guidance
+    )
     name, tokens, _, cfg, _, expected = seed_row
     assert shape.tokens() == tokens, name
     assert shape.cfg_passes() == cfg, name
@@ -70,9 +72,11 @@ def test_cost_grows_with_outputs_and_correction():
     one = JobShape("unet", 1024, 1024, 1, 30, 5.0)
     four = JobShape("unet", 1024, 1024, 1, 30, 5.0, num_outputs=4)
     assert estimate_job_seconds(four, spec.cost_points) == pytest.approx(
-        4 * estimate_job_seconds(one, spec.cost_points))
+        4 * estimate_job_seconds(one, spec.cost_points)
+    )
     assert estimate_job_seconds(one, spec.cost_points, correction=1.5) == pytest.approx(
-        1.5 * estimate_job_seconds(one, spec.cost_points))
+        1.5 * estimate_job_seconds(one, spec.cost_points)
+    )
 
 
 def test_interpolate_factor_between_and_beyond_the_points():
@@ -80,7 +84,7 @@ def test_interpolate_factor_between_and_beyond_the_points():
     assert interpolate_factor(points, 2000) == pytest.approx(3.0)
     assert interpolate_factor(points, 5000) == pytest.approx(6.0)  # the last segment, extended
     assert interpolate_factor({1000: 2.0}, 50_000) == 2.0
-    assert interpolate_factor(points, -10**9) == pytest.approx(0.02)  # floored at 1 % of the smallest
+    assert interpolate_factor(points, -(10**9)) == pytest.approx(0.02)  # floored at 1 % of the smallest
     with pytest.raises(ValueError):
         interpolate_factor({}, 1000)
 
@@ -91,7 +95,13 @@ def test_interpolate_factor_between_and_beyond_the_points():
 def test_classes_by_expected_seconds():
     t = ClassThresholds()
     assert [t.classify(s) for s in (0.2, 14.9, 15.0, 119.9, 120.0, 2959.9)] == [
-        SHORT, SHORT, MEDIUM, MEDIUM, LONG, LONG]
+        SHORT,
+        SHORT,
+        MEDIUM,
+        MEDIUM,
+        LONG,
+        LONG,
+    ]
     with pytest.raises(ValueError):
         ClassThresholds(short=120, medium=15)
 
@@ -106,7 +116,13 @@ def test_priority_bands_order_the_classes():
     assert all(p in PRIORITY_STEPS for p in (*short, medium_cont, medium_new, long_cont, *long_new))
     assert max(*short, medium_new, *long_new) < DEFAULT_PRIORITY  # unprioritised messages never jump ahead
     assert [band_of(p) for p in (min(short), max(short), medium_cont, medium_new, long_cont, max(long_new))] == [
-        SHORT, SHORT, MEDIUM, MEDIUM, LONG, LONG]
+        SHORT,
+        SHORT,
+        MEDIUM,
+        MEDIUM,
+        LONG,
+        LONG,
+    ]
 
 
 def test_shortest_first_within_short_and_within_new_long():
@@ -201,8 +217,12 @@ def test_default_layout_scales(gpus, image_only):
 def test_cpu_layout_and_overrides():
     cpu = default_layout(0, cpu_workers=2)
     assert all(w.devices == () for w in cpu.workers)
-    spec = {"workers": [{"name": "a", "queues": ["short", "medium", "long"], "devices": [0]},
-                        {"name": "b", "queues": ["encode", "decode", "control"]}]}
+    spec = {
+        "workers": [
+            {"name": "a", "queues": ["short", "medium", "long"], "devices": [0]},
+            {"name": "b", "queues": ["encode", "decode", "control"]},
+        ]
+    }
     layout = load_layout(json.dumps(spec), num_gpus=4)
     assert layout.capacity(LONG) == 1 and layout.to_dict()["workers"][0]["devices"] == [0]
     assert parse_layout(layout.to_dict()) == layout
@@ -217,4 +237,3 @@ def test_invalid_layouts_are_refused():
         PoolLayout((WorkerSpec("x", ("short", "medium", "long", "encode", "decode")),) * 2)
     with pytest.raises(ValueError):
         parse_layout({"workers": [{"queues": ["short"]}]})
-

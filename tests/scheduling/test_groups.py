@@ -1,4 +1,5 @@
 """Card groups: the seed's one-request-per-group-of-cards trade-off, in the layout and the simulator."""
+
 from __future__ import annotations
 
 import json
@@ -48,8 +49,7 @@ def test_group_speedup_and_size() -> None:
 
 
 def _lone_job_seconds(group: int) -> float:
-    cfg = SimConfig(layout=group_layout([group]), limits=None, checkpoint_seconds=0.0,
-                    steps={SEED_VIDEO_SECONDS: 50})
+    cfg = SimConfig(layout=group_layout([group]), limits=None, checkpoint_seconds=0.0, steps={SEED_VIDEO_SECONDS: 50})
     return simulate([Request(0.0, VIDEO, SEED_VIDEO_SECONDS)], cfg).classes[VIDEO].latencies[0]
 
 
@@ -60,8 +60,14 @@ def test_group_of_4_finishes_a_lone_job_3_5x_faster() -> None:
 
 
 def test_simulated_layouts() -> None:
-    assert list(group_layouts(8)) == ["8×1", "4×2", "2×4", "1×8", "pooled: 1×4 + 4×1",
-                                      "pooled, routed: 1×4 interactive + 4×1"]
+    assert list(group_layouts(8)) == [
+        "8×1",
+        "4×2",
+        "2×4",
+        "1×8",
+        "pooled: 1×4 + 4×1",
+        "pooled, routed: 1×4 interactive + 4×1",
+    ]
     first = simulate_groups()
     results = {r.layout: r for r in first}
     assert results["8×1"].capacity_per_hour == pytest.approx(19.2)
@@ -73,7 +79,6 @@ def test_simulated_layouts() -> None:
 
 
 # --------------------------------------------------------------------------- layout: a group on a lane
-
 
 
 def test_default_layout_with_a_group_on_the_interactive_lane() -> None:
@@ -112,12 +117,17 @@ def test_group_layout_on_cpu_and_refusals() -> None:
         WorkerSpec("g", ("long",), lane="long")
     # Work without a lane must have a worker outside the lanes.
     with pytest.raises(ValueError, match="without a worker"):
-        load_layout('{"workers": [{"name": "g", "queues": ["short", "medium", "long"], "devices": [0, 1],'
-                    ' "lane": "interactive"}, {"name": "s", "queues": ["short", "medium", "encode", "decode"]}]}',
-                    num_gpus=2)
+        load_layout(
+            '{"workers": [{"name": "g", "queues": ["short", "medium", "long"], "devices": [0, 1],'
+            ' "lane": "interactive"}, {"name": "s", "queues": ["short", "medium", "encode", "decode"]}]}',
+            num_gpus=2,
+        )
     # ... while its stage queues count like any worker's.
-    both = load_layout('{"workers": [{"name": "g", "queues": ["long", "encode", "decode"], "devices": [0, 1],'
-                       ' "lane": "interactive"}, {"name": "s", "queues": ["short", "medium", "long"]}]}', num_gpus=2)
+    both = load_layout(
+        '{"workers": [{"name": "g", "queues": ["long", "encode", "decode"], "devices": [0, 1],'
+        ' "lane": "interactive"}, {"name": "s", "queues": ["short", "medium", "long"]}]}',
+        num_gpus=2,
+    )
     assert both.workers[0].consumed_queues() == ("long@interactive", "encode", "decode")
 
 
@@ -152,8 +162,11 @@ def test_simulator_routes_the_interactive_lane_to_the_group() -> None:
 
 def test_routed_pooled_layout_serves_interactive_requests_faster() -> None:
     results = {r.layout: r for r in simulate_groups()}
-    routed, pooled, singles = (results["pooled, routed: 1×4 interactive + 4×1"], results["pooled: 1×4 + 4×1"],
-                               results["8×1"])
+    routed, pooled, singles = (
+        results["pooled, routed: 1×4 interactive + 4×1"],
+        results["pooled: 1×4 + 4×1"],
+        results["8×1"],
+    )
     # Routing is what makes the pooled layout pay: the interactive median falls from the
     # unrouted pool's (and 8 single cards') ~21-25 min to ~12 min; the others keep a card's latency.
     assert routed.interactive_p50_minutes < 0.6 * pooled.interactive_p50_minutes

@@ -1,4 +1,5 @@
 """The segment plan of a long video: frames per segment (the last included), seeds, step numbering, cost."""
+
 from __future__ import annotations
 
 import pytest
@@ -23,13 +24,16 @@ def test_a_video_that_fits_is_one_segment_with_the_jobs_seed():
     assert not is_segmented(81, 81) and is_segmented(85, 81) and not is_segmented(961, 0)
 
 
-@pytest.mark.parametrize("frames, expected", [
-    (162, [(81, 81), (81, 81)]),
-    (241, [(81, 81), (81, 81), (79, 81)]),  # 15 s: the last keeps 79 of the 81 it generates
-    (85, [(81, 81), (4, 5)]),  # 4 left over: Wan generates 4k+1 = 5 frames and keeps 4
-    (82, [(81, 81), (1, 1)]),
-    (961, [(81, 81)] * 11 + [(70, 73)]),  # 60 s at 16 fps
-])
+@pytest.mark.parametrize(
+    "frames, expected",
+    [
+        (162, [(81, 81), (81, 81)]),
+        (241, [(81, 81), (81, 81), (79, 81)]),  # 15 s: the last keeps 79 of the 81 it generates
+        (85, [(81, 81), (4, 5)]),  # 4 left over: Wan generates 4k+1 = 5 frames and keeps 4
+        (82, [(81, 81), (1, 1)]),
+        (961, [(81, 81)] * 11 + [(70, 73)]),  # 60 s at 16 fps
+    ],
+)
 def test_frames_per_segment_the_last_included(frames, expected):
     plan = segment_plan(frames, 81, 4, seed=1)
     assert [(s.frames, s.generate_frames) for s in plan] == expected

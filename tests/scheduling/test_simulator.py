@@ -3,6 +3,7 @@
 Run alone with `.venv/bin/python -m pytest tests/scheduling -q -p no:django`.
 The figures are explained in docs/BENCHMARKS.md, "Scheduling policy (simulator)".
 """
+
 from __future__ import annotations
 
 from functools import cache
@@ -41,8 +42,10 @@ def run(policy: str, rate: float) -> SimResult:
 @cache
 def bounds(rate: float) -> tuple[float, float]:
     """(0.6 × pools' image P99, 1.1 × FCFS' video P99) on the seed's workload at `rate`."""
-    return (0.6 * pct(seed_waits("pools", rate=rate)[IMAGE], 0.99),
-            1.1 * pct(seed_waits("fcfs", rate=rate)[VIDEO], 0.99))
+    return (
+        0.6 * pct(seed_waits("pools", rate=rate)[IMAGE], 0.99),
+        1.1 * pct(seed_waits("fcfs", rate=rate)[VIDEO], 0.99),
+    )
 
 
 # --------------------------------------------------------------------------- the seed's table
@@ -73,8 +76,7 @@ def test_seed_workload_is_the_chapters():
 
 # --------------------------------------------------------------------------- mechanics, by hand
 
-ONE_CARD = dict(layout=mixed_layout(1, 0), chunk_seconds=4.0, checkpoint_seconds=0.2, switch_seconds=0.5,
-                limits=None)
+ONE_CARD = dict(layout=mixed_layout(1, 0), chunk_seconds=4.0, checkpoint_seconds=0.2, switch_seconds=0.5, limits=None)
 
 
 def _by_arrival(result: SimResult, kind: str) -> list[tuple[float, float]]:
@@ -102,8 +104,7 @@ def test_yield_on_demand_pays_checkpoints_only_when_preempted():
     [(_, vid_delay)] = _by_arrival(r, VIDEO)
     assert vid_delay == pytest.approx(3.0 + 2 * 0.5 + 0.2)  # the image, two switches, one restore
     assert (r.republished, r.in_process) == (1, 48)
-    alone = simulate([Request(0.0, VIDEO, 300.0)], SimConfig(**ONE_CARD, yield_on_demand=True,
-                                                             in_process_seconds=0.0))
+    alone = simulate([Request(0.0, VIDEO, 300.0)], SimConfig(**ONE_CARD, yield_on_demand=True, in_process_seconds=0.0))
     assert alone.classes[VIDEO].delays == [pytest.approx(0.0)]
 
 
@@ -185,8 +186,11 @@ def test_videos_p99_as_achieved(policy, rate, metric):
     assert p99 <= 0.75 * pools  # far better than the pools that protect images as well
 
 
-@pytest.mark.xfail(strict=True, reason="target missed: videos P99 is 1.11-1.31 × FCFS' with the modelled "
-                                       "costs (docs/BENCHMARKS.md); strict, so meeting it shows up here")
+@pytest.mark.xfail(
+    strict=True,
+    reason="target missed: videos P99 is 1.11-1.31 × FCFS' with the modelled "
+    "costs (docs/BENCHMARKS.md); strict, so meeting it shows up here",
+)
 @pytest.mark.parametrize("policy", POLICIES)
 @pytest.mark.parametrize("rate", [0.06, 0.08])
 @pytest.mark.parametrize("metric", ["wait", "delay"])
@@ -212,11 +216,15 @@ def test_overload_refuses_video_first_and_no_image(policy):
 def test_overload_images_p99_as_achieved(policy, factor):
     for metric in ("wait", "delay"):
         assert run(policy, 0.12).classes[IMAGE].p(metric, 0.99) <= factor * run(policy, 0.06).classes[IMAGE].p(
-            metric, 0.99)
+            metric, 0.99
+        )
 
 
-@pytest.mark.xfail(strict=True, reason="target missed on seed 0: ours is equal on the wait but 0.02 s worse on "
-                                       "the delay; yield-on-demand 0.8 s worse (docs/BENCHMARKS.md)")
+@pytest.mark.xfail(
+    strict=True,
+    reason="target missed on seed 0: ours is equal on the wait but 0.02 s worse on "
+    "the delay; yield-on-demand 0.8 s worse (docs/BENCHMARKS.md)",
+)
 @pytest.mark.parametrize("policy", POLICIES)
 def test_overload_images_p99_no_worse_than_at_006(policy):
     for metric in ("wait", "delay"):

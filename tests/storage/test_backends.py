@@ -3,6 +3,7 @@
 Every test here runs twice (`storage_backend`: local, s3). On s3 each call is a
 real HTTP request from boto3 to moto's standalone server on 127.0.0.1.
 """
+
 from __future__ import annotations
 
 import os

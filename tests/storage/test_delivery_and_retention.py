@@ -5,6 +5,7 @@
 * Retention expires outputs and previews, and sweeps unused embeddings
   (moving candidates aside, then asking the database again), on both.
 """
+
 from __future__ import annotations
 
 import urllib.request
@@ -24,8 +25,9 @@ pytestmark = pytest.mark.django_db
 
 
 def finished_job_with_output(owner, ended_ago: float = 0.0) -> Job:
-    job = make_job(owner, status=JobStatus.SUCCEEDED, stage="done",
-                   finished_at=timezone.now() - timedelta(seconds=ended_ago))
+    job = make_job(
+        owner, status=JobStatus.SUCCEEDED, stage="done", finished_at=timezone.now() - timedelta(seconds=ended_ago)
+    )
     storage = default_storage()
     out = storage.put(f"outputs/{job.pk}/0.png", b"\x89PNG " + job.pk.bytes)
     preview = storage.put(f"previews/{job.pk}/preview.png", b"\x89PNG preview")
@@ -78,8 +80,10 @@ def test_unused_embeddings_are_swept_on_either_backend(storage_backend, make_use
     settings.EMBEDDINGS_TTL_SECONDS = 600
     storage = default_storage()
     run = uuid.uuid4().hex[:8]
-    keys = {name: storage.put(f"embeddings/{name}-{run}.pt", b"e")
-            for name in ("in_use", "old_unused", "old_of_finished_job")}
+    keys = {
+        name: storage.put(f"embeddings/{name}-{run}.pt", b"e")
+        for name in ("in_use", "old_unused", "old_of_finished_job")
+    }
 
     def modified(key: str) -> float:
         return next(e.modified for e in storage.list("embeddings") if e.key == key)

@@ -1,4 +1,5 @@
 """The REST API as a client calls it: submit a job, download a file."""
+
 from __future__ import annotations
 
 import json

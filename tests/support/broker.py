@@ -3,6 +3,7 @@
 Publishing lives in BROKER_MODULE (the `send_*` functions of `genserver/jobs/broker.py`);
 patching it there is what every caller sees, since callers look the functions up on the module.
 """
+
 from __future__ import annotations
 
 import importlib
@@ -17,8 +18,9 @@ def broker() -> ModuleType:
     return importlib.import_module(BROKER_MODULE)
 
 
-def capture_sends(monkeypatch, *names: str, into: list | None = None,
-                  **recorded_as: Callable[..., tuple]) -> list[tuple]:
+def capture_sends(
+    monkeypatch, *names: str, into: list | None = None, **recorded_as: Callable[..., tuple]
+) -> list[tuple]:
     """Replace the broker's `send_*` functions with recorders; the list of calls is returned.
 
     A name in `names` records `(name without "send_", *args)`; a keyword gives

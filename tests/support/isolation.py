@@ -9,6 +9,7 @@ not bit-equal. So after each stack test, before the tables are emptied,
 every active job is cancelled and the workers are waited on until none
 holds a job; before each, the same (cheap when nothing is left).
 """
+
 from __future__ import annotations
 
 from tests.support.waits import wait_for
@@ -25,6 +26,10 @@ def settle_stack(timeout: float = SETTLE_SECONDS) -> int:
     for job in leftovers:
         services.cancel_job(job)
     if leftovers:
-        wait_for(lambda: not Job.objects.filter(status__in=ACTIVE).exists(), timeout, interval=0.1,
-                 what=f"the {len(leftovers)} jobs left in flight by a test to end")
+        wait_for(
+            lambda: not Job.objects.filter(status__in=ACTIVE).exists(),
+            timeout,
+            interval=0.1,
+            what=f"the {len(leftovers)} jobs left in flight by a test to end",
+        )
     return len(leftovers)

@@ -8,6 +8,7 @@ the test session's environment (its database, Redis and storage). The
     def test_x(asgi_server):
         requests.get(f"{asgi_server.url}/healthz")
 """
+
 from __future__ import annotations
 
 import os
@@ -34,12 +35,28 @@ class AsgiServer:
     def __init__(self, env: dict[str, str] | None = None, boot_timeout: float = BOOT_SECONDS) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        environment = {**os.environ, "DJANGO_SETTINGS_MODULE": os.environ.get("DJANGO_SETTINGS_MODULE",
-                                                                               "tests.settings"), **(env or {})}
+        environment = {
+            **os.environ,
+            "DJANGO_SETTINGS_MODULE": os.environ.get("DJANGO_SETTINGS_MODULE", "tests.settings"),
+            **(env or {}),
+        }
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "uvicorn", "genserver.asgi:application", "--host", "127.0.0.1",
-             "--port", str(self.port), "--log-level", "warning", "--no-access-log"],
-            cwd=ROOT, env=environment)
+            [
+                sys.executable,
+                "-m",
+                "uvicorn",
+                "genserver.asgi:application",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(self.port),
+                "--log-level",
+                "warning",
+                "--no-access-log",
+            ],
+            cwd=ROOT,
+            env=environment,
+        )
         self._wait_ready(boot_timeout)
 
     def _wait_ready(self, timeout: float) -> None:

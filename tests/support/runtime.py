@@ -1,4 +1,5 @@
 """Fakes for the runtime tests: only what a real part cannot show (that something is NOT used)."""
+
 from __future__ import annotations
 
 

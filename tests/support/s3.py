@@ -8,6 +8,7 @@
 monkeypatch, the stack's workers and beat, a launcher of the two-node drill).
 The fixtures `s3_server` and `storage_backend` in tests/conftest.py use it.
 """
+
 from __future__ import annotations
 
 import os
@@ -24,8 +25,11 @@ from tests.support.waits import wait_for
 
 BOOT_SECONDS = 60.0  # moto imports Flask and every service model: seconds on a busy machine
 # moto accepts any credentials; boto3 needs some, and a region, to sign requests.
-TEST_CREDENTIALS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
-                    "AWS_DEFAULT_REGION": "us-east-1"}
+TEST_CREDENTIALS = {
+    "AWS_ACCESS_KEY_ID": "testing",
+    "AWS_SECRET_ACCESS_KEY": "testing",
+    "AWS_DEFAULT_REGION": "us-east-1",
+}
 
 
 def free_port() -> int:
@@ -49,8 +53,9 @@ class MotoServer:
     def __init__(self, boot_timeout: float = BOOT_SECONDS) -> None:
         self.port = free_port()
         self.endpoint_url = f"http://127.0.0.1:{self.port}"
-        self.process = subprocess.Popen(_moto_server_argv(self.port), stdout=subprocess.DEVNULL,
-                                        stderr=subprocess.DEVNULL, start_new_session=True)
+        self.process = subprocess.Popen(
+            _moto_server_argv(self.port), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
+        )
         try:
             wait_for(self._answers, boot_timeout, interval=0.1, what=f"moto_server on {self.endpoint_url}")
         except BaseException:
@@ -73,9 +78,12 @@ class MotoServer:
         import boto3
 
         return boto3.session.Session().client(
-            "s3", endpoint_url=self.endpoint_url, region_name=TEST_CREDENTIALS["AWS_DEFAULT_REGION"],
+            "s3",
+            endpoint_url=self.endpoint_url,
+            region_name=TEST_CREDENTIALS["AWS_DEFAULT_REGION"],
             aws_access_key_id=TEST_CREDENTIALS["AWS_ACCESS_KEY_ID"],
-            aws_secret_access_key=TEST_CREDENTIALS["AWS_SECRET_ACCESS_KEY"])
+            aws_secret_access_key=TEST_CREDENTIALS["AWS_SECRET_ACCESS_KEY"],
+        )
 
     def create_bucket(self, bucket: str) -> str:
         self.client().create_bucket(Bucket=bucket)
@@ -83,8 +91,13 @@ class MotoServer:
 
     def env(self, bucket: str, prefix: str = "") -> dict[str, str]:
         """The variables that put a process's storage on this server's `bucket` under `prefix`."""
-        return {"GENSERVER_STORAGE": "s3", "GENSERVER_S3_BUCKET": bucket, "GENSERVER_S3_PREFIX": prefix,
-                "GENSERVER_S3_ENDPOINT_URL": self.endpoint_url, **TEST_CREDENTIALS}
+        return {
+            "GENSERVER_STORAGE": "s3",
+            "GENSERVER_S3_BUCKET": bucket,
+            "GENSERVER_S3_PREFIX": prefix,
+            "GENSERVER_S3_ENDPOINT_URL": self.endpoint_url,
+            **TEST_CREDENTIALS,
+        }
 
     def stop(self) -> None:
         if self.process.poll() is None:

@@ -1,4 +1,5 @@
 """Condition waits: poll until something is true (with a generous timeout that only a real failure reaches)."""
+
 from __future__ import annotations
 
 import time

@@ -1,4 +1,5 @@
 """Prompts that wait together share one text-encoder call; each job still gets its own embeddings."""
+
 from __future__ import annotations
 
 import json
@@ -21,8 +22,12 @@ def test_waiting_prompts_are_encoded_in_one_batch(api, monkeypatch):
         return original(self, prompts)
 
     monkeypatch.setattr(SimulatedFamily, "encode", counting)
-    ids = [api.post("/api/v1/jobs/", data=json.dumps({"model": "sdxl-sim", "prompt": p}),
-                    content_type="application/json").json()["id"] for p in ("a fox", "a whale", "a fox")]
+    ids = [
+        api.post(
+            "/api/v1/jobs/", data=json.dumps({"model": "sdxl-sim", "prompt": p}), content_type="application/json"
+        ).json()["id"]
+        for p in ("a fox", "a whale", "a fox")
+    ]
     # (This test's transaction holds back the encode messages; the first job's task runs here.)
     result = encode.run(ids[0])
     assert calls == [2], "three jobs, two distinct prompts, one encoder call"

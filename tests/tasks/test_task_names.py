@@ -1,4 +1,5 @@
 """Every task the job service publishes (genserver/jobs/broker.py) is registered by tasks/ under that name, and back."""
+
 from __future__ import annotations
 
 import tasks  # noqa: F401 - registers the tasks

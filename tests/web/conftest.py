@@ -5,6 +5,7 @@ installs them when missing); nothing is downloaded. The page is served by
 pytest-django's `live_server` (the API and the page in the test process) and
 the jobs run on the `stack` fixture's real workers.
 """
+
 from __future__ import annotations
 
 import shutil
@@ -21,11 +22,14 @@ PASSWORD = "correct horse battery staple"
 
 def _chromium() -> tuple[str, str]:
     driver = shutil.which("chromedriver")
-    browser = next((found for name in ("chromium", "chromium-browser", "google-chrome")
-                    if (found := shutil.which(name))), None)
+    browser = next(
+        (found for name in ("chromium", "chromium-browser", "google-chrome") if (found := shutil.which(name))), None
+    )
     if not driver or not browser:
-        pytest.fail("the browser tests need Chromium and its driver: `apt-get install -y chromium chromium-driver` "
-                    "(Debian/Ubuntu; .ci/run does this when they are missing)")
+        pytest.fail(
+            "the browser tests need Chromium and its driver: `apt-get install -y chromium chromium-driver` "
+            "(Debian/Ubuntu; .ci/run does this when they are missing)"
+        )
     return browser, driver
 
 
@@ -56,8 +60,14 @@ def browser() -> Iterator:
     binary, driver_path = _chromium()
     options = webdriver.ChromeOptions()
     options.binary_location = binary
-    for arg in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu",
-                "--window-size=1280,1100", "--force-device-scale-factor=1"):
+    for arg in (
+        "--headless=new",
+        "--no-sandbox",
+        "--disable-dev-shm-usage",
+        "--disable-gpu",
+        "--window-size=1280,1100",
+        "--force-device-scale-factor=1",
+    ):
         options.add_argument(arg)
     driver = webdriver.Chrome(service=Service(executable_path=driver_path), options=options)
     yield driver

@@ -1,4 +1,5 @@
 """The page as the tests see it: sign in, fill the form, read the live job, each wait a WebDriverWait condition."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -26,15 +27,17 @@ class Page:
         except TimeoutException:
             shot = self.shot("timeout")
             state = self.driver.execute_script("return typeof liveJob === 'undefined' ? null : liveJob")
-            raise AssertionError(f"timed out after {timeout} s waiting for {what}; screenshot {shot}; "
-                                 f"the page's live job: {state}") from None
+            raise AssertionError(
+                f"timed out after {timeout} s waiting for {what}; screenshot {shot}; the page's live job: {state}"
+            ) from None
 
     def text_of(self, element_id: str) -> str:
         return self.driver.find_element(By.ID, element_id).text
 
     def until_text(self, element_id: str, wanted: str, timeout: float = PAGE_SECONDS) -> None:
-        self.until(ec.text_to_be_present_in_element((By.ID, element_id), wanted), timeout,
-                   f"#{element_id} to show {wanted!r}")
+        self.until(
+            ec.text_to_be_present_in_element((By.ID, element_id), wanted), timeout, f"#{element_id} to show {wanted!r}"
+        )
 
     def image_loaded(self, css: str):
         """A condition: an <img> matching `css` is displayed and its picture decoded."""
@@ -42,7 +45,8 @@ class Page:
         def loaded(driver):
             for img in driver.find_elements(By.CSS_SELECTOR, css):
                 if img.is_displayed() and driver.execute_script(
-                        "return arguments[0].complete && arguments[0].naturalWidth > 0", img):
+                    "return arguments[0].complete && arguments[0].naturalWidth > 0", img
+                ):
                     return img
             return False
 
@@ -84,9 +88,14 @@ class Page:
     # --- the live job ---------------------------------------------------------------------------------
     def live_job_id(self) -> str:
         """The id of the job the live panel shows (from the page's address, #job=<id>)."""
-        return self.until(lambda d: (h := d.execute_script("return location.hash")).startswith("#job=") and h[5:],
-                          what="the page to open the submitted job")
+        return self.until(
+            lambda d: (h := d.execute_script("return location.hash")).startswith("#job=") and h[5:],
+            what="the page to open the submitted job",
+        )
 
     def until_status(self, wanted: str, timeout: float = JOB_SECONDS) -> None:
-        self.until(lambda d: d.find_element(By.ID, "live-status").get_attribute("data-status") == wanted, timeout,
-                   f"the live job to be {wanted}")
+        self.until(
+            lambda d: d.find_element(By.ID, "live-status").get_attribute("data-status") == wanted,
+            timeout,
+            f"the live job to be {wanted}",
+        )

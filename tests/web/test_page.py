@@ -1,4 +1,5 @@
 """The web page in a real browser (headless Chromium) against the running stack: what a person sees and does."""
+
 from __future__ import annotations
 
 from selenium.webdriver.common.by import By
@@ -19,8 +20,16 @@ def test_sign_in_submit_watch_the_preview_and_get_the_images(stack, page, make_p
     assert not page.driver.find_elements(By.ID, "queues-panel")  # not staff
 
     # 128² × 50 steps with a preview every step: a second or more of denoising to watch.
-    page.fill("tiny-sd", "a lighthouse at dusk, oil painting", width=128, height=128, steps=50, preview_every=1,
-              num_outputs=2, seed=7)
+    page.fill(
+        "tiny-sd",
+        "a lighthouse at dusk, oil painting",
+        width=128,
+        height=128,
+        steps=50,
+        preview_every=1,
+        num_outputs=2,
+        seed=7,
+    )
     page.submit()
     job_id = page.live_job_id()
 
@@ -29,12 +38,14 @@ def test_sign_in_submit_watch_the_preview_and_get_the_images(stack, page, make_p
     page.shot("denoising")
 
     page.until_status("succeeded")
-    outputs = page.until(lambda d: len(found := d.find_elements(By.CSS_SELECTOR, "#live-outputs img")) == 2 and found,
-                         what="both images")
+    outputs = page.until(
+        lambda d: len(found := d.find_elements(By.CSS_SELECTOR, "#live-outputs img")) == 2 and found, what="both images"
+    )
     for index in range(2):
         page.until(page.image_loaded(f"#live-outputs figure:nth-child({index + 1}) img"), what=f"image {index}")
-    assert all(img.get_attribute("src").endswith(f"/api/v1/jobs/{job_id}/outputs/{i}/")
-               for i, img in enumerate(outputs))
+    assert all(
+        img.get_attribute("src").endswith(f"/api/v1/jobs/{job_id}/outputs/{i}/") for i, img in enumerate(outputs)
+    )
     assert not page.driver.find_element(By.ID, "live-preview-box").is_displayed()  # the images replaced it
     assert page.text_of("live-progress-label") == "Progress: step 50 of 50"
     assert not page.driver.find_element(By.ID, "cancel-button").is_displayed()
@@ -51,8 +62,10 @@ def test_sign_in_submit_watch_the_preview_and_get_the_images(stack, page, make_p
 
     # Re-run with the same settings: a second job, same seed and size.
     item.find_element(By.CSS_SELECTOR, "button.rerun").click()
-    rerun_id = page.until(lambda d: (h := d.execute_script("return location.hash")) != f"#job={job_id}" and h[5:],
-                          what="the re-run to open")
+    rerun_id = page.until(
+        lambda d: (h := d.execute_script("return location.hash")) != f"#job={job_id}" and h[5:],
+        what="the re-run to open",
+    )
     rerun = finished(rerun_id)
     assert (rerun.seed, rerun.width, rerun.steps, rerun.num_outputs) == (7, 128, 50, 2)
     assert rerun.status == "succeeded"

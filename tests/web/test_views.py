@@ -1,4 +1,5 @@
 """The page's server side without a browser: sign-in redirects, the shell page, and the API under session + CSRF."""
+
 from __future__ import annotations
 
 import pytest
@@ -58,8 +59,9 @@ def test_the_api_takes_the_session_with_its_csrf_token_and_refuses_it_without(ma
     job = {"model": "tiny-sd", "prompt": "a cat"}
     refused = client.post("/api/v1/jobs/", job, content_type="application/json")
     assert refused.status_code == 403 and "CSRF" in refused.json()["detail"]
-    accepted = client.post("/api/v1/jobs/", job, content_type="application/json",
-                           HTTP_X_CSRFTOKEN=client.cookies["csrftoken"].value)
+    accepted = client.post(
+        "/api/v1/jobs/", job, content_type="application/json", HTTP_X_CSRFTOKEN=client.cookies["csrftoken"].value
+    )
     assert accepted.status_code == 201, accepted.content
     assert accepted.json()["owner"] == "alice" and accepted.json()["status"] == "queued"
 

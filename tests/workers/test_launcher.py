@@ -1,4 +1,5 @@
 """The launcher: one worker per pool entry, pinned to its cards, concurrency 1, restarted when it exits."""
+
 from __future__ import annotations
 
 import sys
@@ -49,8 +50,10 @@ def test_workers_share_the_cores_out_for_torch(monkeypatch):
 
 
 def test_layout_override_from_json_and_file(tmp_path):
-    inline = '{"workers": [{"name": "big", "queues": ["short", "medium", "long"], "devices": [0, 1]},' \
-             '{"name": "side", "queues": ["encode", "decode"]}]}'
+    inline = (
+        '{"workers": [{"name": "big", "queues": ["short", "medium", "long"], "devices": [0, 1]},'
+        '{"name": "side", "queues": ["encode", "decode"]}]}'
+    )
     layout = load_layout(inline, num_gpus=8)
     assert worker_env(layout.workers[0])["CUDA_VISIBLE_DEVICES"] == "0,1"
     path = tmp_path / "pools.toml"
@@ -73,10 +76,13 @@ def test_supervisor_restarts_a_child_that_exits_and_stops_all():
 
 
 def test_a_worker_dedicated_to_a_model_reads_only_that_models_queues():
-    layout = load_layout('{"workers": ['
-                         '{"name": "sdxl", "queues": ["short", "medium"], "devices": [0], "models": ["sdxl-sim"]},'
-                         '{"name": "any", "queues": ["short", "medium", "long"], "devices": [1]},'
-                         '{"name": "side", "queues": ["encode", "decode", "control"]}]}', num_gpus=2)
+    layout = load_layout(
+        '{"workers": ['
+        '{"name": "sdxl", "queues": ["short", "medium"], "devices": [0], "models": ["sdxl-sim"]},'
+        '{"name": "any", "queues": ["short", "medium", "long"], "devices": [1]},'
+        '{"name": "side", "queues": ["encode", "decode", "control"]}]}',
+        num_gpus=2,
+    )
     dedicated, shared = layout.workers[0], layout.workers[1]
     assert dedicated.consumed_queues() == ("short.sdxl-sim", "medium.sdxl-sim")
     assert worker_argv(dedicated)[worker_argv(dedicated).index("--queues") + 1] == "short.sdxl-sim,medium.sdxl-sim"
@@ -91,10 +97,13 @@ def test_a_worker_dedicated_to_a_model_reads_only_that_models_queues():
 def test_admission_counts_only_the_dedicated_cards_for_their_model():
     from genserver.scheduling.admission import AdmissionLimits, WorkItem, decide
 
-    layout = load_layout('{"workers": ['
-                         '{"name": "a", "queues": ["short", "medium", "long"], "models": ["wan-sim"]},'
-                         '{"name": "b", "queues": ["short", "medium", "long"]},'
-                         '{"name": "c", "queues": ["encode", "decode"]}]}', num_gpus=0)
+    layout = load_layout(
+        '{"workers": ['
+        '{"name": "a", "queues": ["short", "medium", "long"], "models": ["wan-sim"]},'
+        '{"name": "b", "queues": ["short", "medium", "long"]},'
+        '{"name": "c", "queues": ["encode", "decode"]}]}',
+        num_gpus=0,
+    )
     busy = [WorkItem(queue="long.wan-sim", priority=7, remaining_seconds=2000.0)]
     refused = decide("long.wan-sim", 7, busy, layout, AdmissionLimits())
     assert not refused.accepted and "long class" in refused.reason
@@ -126,9 +135,11 @@ def test_a_card_group_is_one_worker_that_sees_all_its_cards():
     assert [worker_env(w)["CUDA_VISIBLE_DEVICES"] for w in singles] == ["4", "5", "6", "7"]
     assert all("GENSERVER_GROUP_SIZE" not in worker_env(w) for w in singles)
     # Declared by hand: a lane on any pool entry.
-    custom = load_layout('{"workers": ['
-                         '{"name": "g", "queues": ["long"], "devices": [0, 1], "lane": "interactive"},'
-                         '{"name": "s", "queues": ["short", "medium", "long", "encode", "decode"], "devices": [2]}]}',
-                         num_gpus=3)
+    custom = load_layout(
+        '{"workers": ['
+        '{"name": "g", "queues": ["long"], "devices": [0, 1], "lane": "interactive"},'
+        '{"name": "s", "queues": ["short", "medium", "long", "encode", "decode"], "devices": [2]}]}',
+        num_gpus=3,
+    )
     assert worker_argv(custom.workers[0])[worker_argv(custom.workers[0]).index("--queues") + 1] == "long@interactive"
     assert worker_env(custom.workers[0])["CUDA_VISIBLE_DEVICES"] == "0,1"

@@ -1,4 +1,5 @@
 """The memory plan: exact bytes from meta-device builds of the full-size configs, and the fit verdicts."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -29,18 +30,21 @@ def component(registry, model: str, stage: str, name: str) -> Component:
     return next(c for c in stage_components(registry.get(model), stage) if c.name == name)
 
 
-@pytest.mark.parametrize("model, stage, name, params, gigabytes", [
-    # Parameter counts of the public architectures; bytes in the entry's bfloat16 (Wan keeps its
-    # norms, modulation table and time embedder in fp32, as its from_pretrained does).
-    ("flux.1-dev", "denoise", "transformer", 11_901_408_320, 23.80),
-    ("flux.1-dev", "encode", "text_encoder_2", 4_762_310_656, 9.52),  # T5-XXL encoder
-    ("flux.1-dev", "encode", "text_encoder", 123_060_480, 0.246),  # CLIP ViT-L
-    ("sdxl-base-1.0", "denoise", "unet", 2_567_463_684, 5.13),
-    ("sdxl-base-1.0", "encode", "text_encoder_2", 694_659_840, 1.39),  # OpenCLIP bigG
-    ("wan2.1-t2v-14b", "denoise", "transformer", 14_288_491_584, 28.6),
-    ("wan2.1-t2v-1.3b", "denoise", "transformer", 1_418_996_800, 2.84),
-    ("wan2.1-t2v-14b", "encode", "text_encoder", 5_680_910_336, 11.36),  # UMT5-XXL encoder
-])
+@pytest.mark.parametrize(
+    "model, stage, name, params, gigabytes",
+    [
+        # Parameter counts of the public architectures; bytes in the entry's bfloat16 (Wan keeps its
+        # norms, modulation table and time embedder in fp32, as its from_pretrained does).
+        ("flux.1-dev", "denoise", "transformer", 11_901_408_320, 23.80),
+        ("flux.1-dev", "encode", "text_encoder_2", 4_762_310_656, 9.52),  # T5-XXL encoder
+        ("flux.1-dev", "encode", "text_encoder", 123_060_480, 0.246),  # CLIP ViT-L
+        ("sdxl-base-1.0", "denoise", "unet", 2_567_463_684, 5.13),
+        ("sdxl-base-1.0", "encode", "text_encoder_2", 694_659_840, 1.39),  # OpenCLIP bigG
+        ("wan2.1-t2v-14b", "denoise", "transformer", 14_288_491_584, 28.6),
+        ("wan2.1-t2v-1.3b", "denoise", "transformer", 1_418_996_800, 2.84),
+        ("wan2.1-t2v-14b", "encode", "text_encoder", 5_680_910_336, 11.36),  # UMT5-XXL encoder
+    ],
+)
 def test_meta_builds_give_the_public_sizes(registry, model, stage, name, params, gigabytes):
     built = component(registry, model, stage, name)
     assert built.params == params
@@ -52,7 +56,9 @@ def test_each_stage_holds_only_its_own_modules(registry):
     assert [c.name for c in stage_components(registry.get("flux.1-dev"), "denoise")] == ["transformer"]
     assert [c.name for c in stage_components(registry.get("flux.1-dev"), "decode")] == ["vae"]
     assert {c.name for c in stage_components(registry.get("sdxl-base-1.0"), "encode")} == {
-        "text_encoder", "text_encoder_2"}  # tokenizers hold no tensors and are not built on meta
+        "text_encoder",
+        "text_encoder_2",
+    }  # tokenizers hold no tensors and are not built on meta
 
 
 def test_80_gib_card_fits_the_four_models(registry, settings, capsys):

@@ -1,4 +1,5 @@
 """Node identity (GENSERVER_NODE) and capacity counted from live workers' heartbeats, on every node."""
+
 from __future__ import annotations
 
 import json
@@ -51,9 +52,13 @@ def _beat(node: str, worker: str, queues: list[str], ttl: float = 30) -> str:
     from genserver.redis_client import WORKER_KEY, client
 
     name = f"{worker}@{node}"
-    client().set(WORKER_KEY.format(name=name), json.dumps(
-        {"name": name, "node": node, "worker": worker, "queues": queues, "pid": 0, "devices": "", "models": []}),
-        px=int(ttl * 1000))
+    client().set(
+        WORKER_KEY.format(name=name),
+        json.dumps(
+            {"name": name, "node": node, "worker": worker, "queues": queues, "pid": 0, "devices": "", "models": []}
+        ),
+        px=int(ttl * 1000),
+    )
     return name
 
 

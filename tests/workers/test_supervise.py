@@ -1,4 +1,5 @@
 """The supervisor and the stack's bundled Redis: ordered stops, crash loops seen by /readyz, one Redis per stack."""
+
 from __future__ import annotations
 
 import json
@@ -50,8 +51,12 @@ def test_a_crash_looping_child_makes_readyz_unavailable(settings):
     supervisor = Supervisor(stop_timeout=5, state_file=state_file)
     try:
         supervisor.add("redis", [sys.executable, "-c", "import sys; sys.exit(3)"])
-        wait_for(lambda: (supervisor.poll(), json.loads(state_file.read_text())["children"]["redis"]
-                          ["crash_looping"])[1], 30, interval=0.1, what="the crash loop to be recorded")
+        wait_for(
+            lambda: (supervisor.poll(), json.loads(state_file.read_text())["children"]["redis"]["crash_looping"])[1],
+            30,
+            interval=0.1,
+            what="the crash loop to be recorded",
+        )
         body = Client().get("/readyz").json()
         assert any("'redis' is crash-looping" in p and "exit status 3" in p for p in body["problems"])
         assert body["status"] == "unavailable" and body["checks"]["processes"]["ok"] is False
@@ -71,8 +76,10 @@ def test_two_data_directories_get_two_redis_servers_and_a_taken_port_is_refused(
     assert ports["first"] != ports["second"]
     supervisors = [Supervisor(stop_timeout=5), Supervisor(stop_timeout=5)]
     try:
-        urls = [start_embedded_redis(sup, tmp_path / name, ports[name])
-                for sup, name in zip(supervisors, ("first", "second"))]
+        urls = [
+            start_embedded_redis(sup, tmp_path / name, ports[name])
+            for sup, name in zip(supervisors, ("first", "second"))
+        ]
         first, second = (redis.Redis.from_url(u) for u in urls)
         first.set("genserver:test:owner", "first")
         assert second.get("genserver:test:owner") is None

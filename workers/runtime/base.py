@@ -17,6 +17,7 @@ encode → text encoders, denoise → the denoiser, decode → the VAE; see
 components.py); steps 2-5 need the denoise stage, and a decode worker also runs
 `restore` (configs only, no denoiser weights).
 """
+
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
@@ -86,8 +87,7 @@ class Family(ABC):
 
         for stage in self.stages:
             device = "cpu" if stage == "encode" and self.spec.encode_device == "cpu" else self.device
-            self.components |= build_stage(self.spec, stage, device=device, weights=weights,
-                                           data_dir=self.data_dir)
+            self.components |= build_stage(self.spec, stage, device=device, weights=weights, data_dir=self.data_dir)
         apply_speed_options(self)
         return self.components
 
@@ -100,8 +100,10 @@ class Family(ABC):
         try:
             return self.components[name]
         except KeyError:
-            raise RuntimeError(f"model {self.spec.name!r}: {name} is not loaded in this worker, which holds "
-                               f"the {'/'.join(self.stages)} stage(s) (components.py)") from None
+            raise RuntimeError(
+                f"model {self.spec.name!r}: {name} is not loaded in this worker, which holds "
+                f"the {'/'.join(self.stages)} stage(s) (components.py)"
+            ) from None
 
     @property
     def denoiser(self) -> Any:
@@ -141,8 +143,7 @@ class Family(ABC):
         """A dict of CPU tensors and plain values from which `restore` continues exactly."""
 
     @abstractmethod
-    def restore(self, request: GenerationRequest, embeddings: dict[str, Any],
-                data: dict[str, Any]) -> DenoiseState:
+    def restore(self, request: GenerationRequest, embeddings: dict[str, Any], data: dict[str, Any]) -> DenoiseState:
         """Rebuild the state saved by `checkpoint`."""
 
     @abstractmethod
@@ -173,9 +174,18 @@ class Family(ABC):
         """One step at the entry's default shape on blank embeddings: what a compiled denoiser compiles
         on (speed.py), run before the worker takes a job."""
         d = self.spec.defaults
-        request = GenerationRequest(job_id="warm-up", model=self.spec.name, prompt="", negative_prompt="",
-                                    width=d.width, height=d.height, num_frames=d.num_frames, steps=d.steps,
-                                    guidance_scale=d.guidance_scale, seed=0)
+        request = GenerationRequest(
+            job_id="warm-up",
+            model=self.spec.name,
+            prompt="",
+            negative_prompt="",
+            width=d.width,
+            height=d.height,
+            num_frames=d.num_frames,
+            steps=d.steps,
+            guidance_scale=d.guidance_scale,
+            seed=0,
+        )
         self.step(self.prepare(request, self.blank_embeddings()))
 
     def checkpoint_fields(self, state: DenoiseState, checkpoint_format: str) -> dict[str, Any]:
@@ -216,8 +226,7 @@ class Family(ABC):
         raise NotImplementedError(f"{type(self).__name__} cannot change the step count midway")
 
     @staticmethod
-    def check_checkpoint_fields(data: dict[str, Any], request: GenerationRequest,
-                                formats: tuple[str, ...]) -> None:
+    def check_checkpoint_fields(data: dict[str, Any], request: GenerationRequest, formats: tuple[str, ...]) -> None:
         """Refuse a checkpoint of another format or step count before restoring anything."""
         if data.get("format") not in formats:
             raise ValueError(f"not a {formats[-1]} checkpoint (format={data.get('format')!r})")
@@ -233,9 +242,17 @@ class Family(ABC):
             if state.done:
                 raise ValueError(f"job {r.job_id}: all {r.steps} steps are done")
             if (r.model, r.width, r.height, r.num_frames, r.steps, r.guidance_scale) != (
-                    first.model, first.width, first.height, first.num_frames, first.steps, first.guidance_scale):
-                raise ValueError(f"job {r.job_id} cannot share a batch with job {first.job_id}: the model, size, "
-                                 f"frames, steps and guidance must all be equal")
+                first.model,
+                first.width,
+                first.height,
+                first.num_frames,
+                first.steps,
+                first.guidance_scale,
+            ):
+                raise ValueError(
+                    f"job {r.job_id} cannot share a batch with job {first.job_id}: the model, size, "
+                    f"frames, steps and guidance must all be equal"
+                )
             if state.step != states[0].step:
                 raise ValueError(f"job {r.job_id} is at step {state.step}, its batch at {states[0].step}")
 

@@ -5,6 +5,7 @@ task its UNet or transformer, a decode task its VAE (components.py), so a worker
 that serves all three holds each component once. The budget counts real bytes
 (parameters + buffers × element size) of what is loaded.
 """
+
 from __future__ import annotations
 
 import importlib
@@ -61,11 +62,13 @@ class ModelCache:
         if spec.backend == "simulated":
             from .simulated import SimulatedFamily
 
-            return SimulatedFamily(spec, "cpu", self.data_dir, time_scale=self.time_scale,
-                                   effective_tflops=self.effective_tflops)
+            return SimulatedFamily(
+                spec, "cpu", self.data_dir, time_scale=self.time_scale, effective_tflops=self.effective_tflops
+            )
         module_name, class_name = FAMILY_ADAPTERS[spec.family].split(":")
-        log.info("loading %s (%s, %s) from %s", spec.name, spec.family, "/".join(stages),
-                 spec.resolved_path(self.data_dir))
+        log.info(
+            "loading %s (%s, %s) from %s", spec.name, spec.family, "/".join(stages), spec.resolved_path(self.data_dir)
+        )
         adapter = getattr(importlib.import_module(module_name), class_name)
         family = adapter(spec, default_device(), self.data_dir, stages)
         if "denoise" in stages:
@@ -103,8 +106,12 @@ def model_cache() -> ModelCache:
     if _cache is None or _cache.pid != os.getpid():
         from django.conf import settings
 
-        _cache = ModelCache(settings.MODEL_CACHE_BYTES, settings.DATA_DIR, time_scale=settings.TIME_SCALE,
-                            effective_tflops=settings.EFFECTIVE_TFLOPS)
+        _cache = ModelCache(
+            settings.MODEL_CACHE_BYTES,
+            settings.DATA_DIR,
+            time_scale=settings.TIME_SCALE,
+            effective_tflops=settings.EFFECTIVE_TFLOPS,
+        )
     return _cache
 
 

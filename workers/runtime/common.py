@@ -2,6 +2,7 @@
 
 The families (unet.py, flux.py, wan.py) import from here, never from each other.
 """
+
 from __future__ import annotations
 
 import io
@@ -21,15 +22,18 @@ PREVIEW_MAX_SIDE = 64
 
 # --- checkpoint folders ---------------------------------------------------------
 
+
 class CheckpointMissingError(FileNotFoundError):
     """The model's local checkpoint directory (or one of its components) is missing."""
 
 
 def missing_checkpoint_message(spec: ModelSpec, path: Path, missing: list[str]) -> str:
     what = "does not exist" if not path.is_dir() else "lacks " + ", ".join(f"{c}/" for c in missing)
-    return (f"model {spec.name!r}: checkpoint directory {path} {what}. "
-            f"For the tiny test models run `python manage.py make_tiny_models`; otherwise "
-            f"put a diffusers checkpoint there (or fix `path` in the registry).")
+    return (
+        f"model {spec.name!r}: checkpoint directory {path} {what}. "
+        f"For the tiny test models run `python manage.py make_tiny_models`; otherwise "
+        f"put a diffusers checkpoint there (or fix `path` in the registry)."
+    )
 
 
 def check_checkpoint_dir(spec: ModelSpec, path: Path, components: tuple[str, ...]) -> None:
@@ -39,8 +43,9 @@ def check_checkpoint_dir(spec: ModelSpec, path: Path, components: tuple[str, ...
         raise CheckpointMissingError(missing_checkpoint_message(spec, path, missing))
 
 
-def scheduler_class(family: str, table: dict[str, tuple[str, dict[str, Any]]],
-                    name: str) -> tuple[type, dict[str, Any]]:
+def scheduler_class(
+    family: str, table: dict[str, tuple[str, dict[str, Any]]], name: str
+) -> tuple[type, dict[str, Any]]:
     """The diffusers class and settings that the registry's `scheduler = name` stands for."""
     import diffusers
 
@@ -59,6 +64,7 @@ def scheduler_class(family: str, table: dict[str, tuple[str, dict[str, Any]]],
 # flow-matching Euler) have no history; their dict is empty. Tensors keep the dtype
 # they ran in: a bf16 state is saved and restored as bf16, so resuming is exact.
 
+
 def scheduler_history(scheduler: Any) -> dict[str, Any]:
     """The multistep history as checkpoint entries: plain values + one stacked CPU tensor."""
     if not hasattr(scheduler, "model_outputs"):
@@ -66,12 +72,14 @@ def scheduler_history(scheduler: Any) -> dict[str, Any]:
     outputs = list(scheduler.model_outputs)
     present = [o is not None for o in outputs]
     first = next((o for o in outputs if o is not None), None)
-    stacked = (torch.stack([o if o is not None else torch.zeros_like(first) for o in outputs])
-               if first is not None else torch.zeros(0))
+    stacked = (
+        torch.stack([o if o is not None else torch.zeros_like(first) for o in outputs])
+        if first is not None
+        else torch.zeros(0)
+    )
     return {
         # Plain values: which history slots are filled, the warm-up count.
-        "scheduler_history": {"model_outputs_present": present,
-                              "lower_order_nums": int(scheduler.lower_order_nums)},
+        "scheduler_history": {"model_outputs_present": present, "lower_order_nums": int(scheduler.lower_order_nums)},
         # One tensor, [solver_order, *latent shape]; empty slots are zeros.
         "scheduler_model_outputs": stacked.detach().to("cpu", copy=True),
     }
@@ -88,8 +96,7 @@ def restore_scheduler_history(scheduler: Any, data: dict[str, Any], device: str)
         raise ValueError(f"checkpoint lacks the multistep history that {type(scheduler).__name__} needs")
     present = history["model_outputs_present"]
     if len(present) != len(scheduler.model_outputs):
-        raise ValueError(f"checkpoint's solver order {len(present)} != the scheduler's "
-                         f"{len(scheduler.model_outputs)}")
+        raise ValueError(f"checkpoint's solver order {len(present)} != the scheduler's {len(scheduler.model_outputs)}")
     stacked = data["scheduler_model_outputs"]
     scheduler.model_outputs = [stacked[i].to(device) if filled else None for i, filled in enumerate(present)]
     scheduler.lower_order_nums = int(history["lower_order_nums"])
@@ -123,8 +130,15 @@ def to_device(value: Any, device: str) -> Any:
 
 # --- restoring a state ------------------------------------------------------------
 
-def resumed_state(scheduler: Any, data: dict[str, Any], request: GenerationRequest, embeddings: dict[str, Any],
-                  device: str, dtype: torch.dtype) -> DenoiseState:
+
+def resumed_state(
+    scheduler: Any,
+    data: dict[str, Any],
+    request: GenerationRequest,
+    embeddings: dict[str, Any],
+    device: str,
+    dtype: torch.dtype,
+) -> DenoiseState:
     """The tail of a restore: the scheduler's history, the RNG and the latents back in place. The
     latents in the model's `dtype` (what they ran in: a no-op for a checkpoint of this entry, a cast
     for one made before its dtype changed); the history and x0 estimate in the dtype they were saved
@@ -134,8 +148,14 @@ def resumed_state(scheduler: Any, data: dict[str, Any], request: GenerationReque
     restore_scheduler_history(scheduler, data, device)
     generator = torch.Generator("cpu")
     generator.set_state(data["generator_state"])
-    state = DenoiseState(request=request, step=int(data["step"]), latents=data["latents"].to(device, dtype),
-                         embeddings=embeddings, scheduler=scheduler, generator=generator)
+    state = DenoiseState(
+        request=request,
+        step=int(data["step"]),
+        latents=data["latents"].to(device, dtype),
+        embeddings=embeddings,
+        scheduler=scheduler,
+        generator=generator,
+    )
     restore_denoised(state, data, device)
     return state
 
@@ -161,10 +181,11 @@ def last_denoised(state: DenoiseState) -> torch.Tensor | None:
 
 # --- previews, pixels, PNG ----------------------------------------------------------
 
+
 def latent_preview(latent: torch.Tensor, factors: torch.Tensor, bias: torch.Tensor | None = None) -> Image.Image:
     """A small RGB picture of one [C, h, w] latent by a linear C→3 projection, upscaled to ~64 px."""
     latent = latent.detach().to("cpu", torch.float32)
-    rgb = torch.einsum("chw,cr->rhw", latent[:factors.shape[0]], factors)
+    rgb = torch.einsum("chw,cr->rhw", latent[: factors.shape[0]], factors)
     if bias is not None:
         rgb = rgb + bias[:, None, None]
     rgb = ((rgb + 1) / 2).clamp(0, 1)

@@ -23,6 +23,7 @@ the scheduler config to restore a checkpoint. Those are configs, never weights.
 A folder holding only model_index.json and <component>/config.json files (no
 weights) builds with "meta" and "random".
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -43,16 +44,23 @@ WEIGHTS = ("checkpoint", "random", "meta")
 # stage only when the checkpoint has them (SDXL's second CLIP; SD 1.5 has none).
 FAMILY_COMPONENTS: dict[str, dict[str, dict[str, str]]] = {
     "unet": {
-        "encode": {"tokenizer": "transformers:CLIPTokenizer", "text_encoder": "transformers:CLIPTextModel",
-                   "tokenizer_2": "transformers:CLIPTokenizer",
-                   "text_encoder_2": "transformers:CLIPTextModelWithProjection"},
+        "encode": {
+            "tokenizer": "transformers:CLIPTokenizer",
+            "text_encoder": "transformers:CLIPTextModel",
+            "tokenizer_2": "transformers:CLIPTokenizer",
+            "text_encoder_2": "transformers:CLIPTextModelWithProjection",
+        },
         "denoise": {"unet": "diffusers:UNet2DConditionModel"},
         "decode": {"vae": "diffusers:AutoencoderKL"},
     },
     "flux": {
-        "encode": {"tokenizer": "transformers:CLIPTokenizer", "text_encoder": "transformers:CLIPTextModel",
-                   # transformers 5's T5Tokenizer is the tokenizers-backed one (formerly T5TokenizerFast).
-                   "tokenizer_2": "transformers:T5Tokenizer", "text_encoder_2": "transformers:T5EncoderModel"},
+        "encode": {
+            "tokenizer": "transformers:CLIPTokenizer",
+            "text_encoder": "transformers:CLIPTextModel",
+            # transformers 5's T5Tokenizer is the tokenizers-backed one (formerly T5TokenizerFast).
+            "tokenizer_2": "transformers:T5Tokenizer",
+            "text_encoder_2": "transformers:T5EncoderModel",
+        },
         "denoise": {"transformer": "diffusers:FluxTransformer2DModel"},
         "decode": {"vae": "diffusers:AutoencoderKL"},
     },
@@ -93,12 +101,13 @@ def stage_components(spec: ModelSpec, stage: str, *, data_dir: Path | str | None
     try:
         table = FAMILY_COMPONENTS[spec.family][stage]
     except KeyError:
-        raise ValueError(f"model {spec.name!r}: family {spec.family!r} has no diffusers components "
-                         f"(known: {sorted(FAMILY_COMPONENTS)})") from None
+        raise ValueError(
+            f"model {spec.name!r}: family {spec.family!r} has no diffusers components "
+            f"(known: {sorted(FAMILY_COMPONENTS)})"
+        ) from None
     optional = OPTIONAL.get(spec.family, ())
     root = checkpoint_dir(spec, data_dir)
-    return {name: _class(path) for name, path in table.items()
-            if name not in optional or (root / name).is_dir()}
+    return {name: _class(path) for name, path in table.items() if name not in optional or (root / name).is_dir()}
 
 
 def read_config(root: Path, name: str) -> dict[str, Any]:
@@ -107,8 +116,10 @@ def read_config(root: Path, name: str) -> dict[str, Any]:
     for file in ("config.json", "scheduler_config.json"):
         if (folder / file).is_file():
             return json.loads((folder / file).read_text())
-    raise FileNotFoundError(f"{folder} has no config.json: every component folder of a diffusers "
-                            f"checkpoint needs one (see docs/CONFIGURATION.md, `path`)")
+    raise FileNotFoundError(
+        f"{folder} has no config.json: every component folder of a diffusers "
+        f"checkpoint needs one (see docs/CONFIGURATION.md, `path`)"
+    )
 
 
 def is_tokenizer(cls: type) -> bool:
@@ -197,8 +208,9 @@ def _from_config(cls: type, folder: Path, dtype: Any, device: str) -> Any:
     return cast_like_from_pretrained(model, dtype)
 
 
-def build_stage(spec: ModelSpec, stage: str, *, device: str = "cpu", weights: str = "checkpoint",
-                data_dir: Path | str | None = None) -> dict[str, Any]:
+def build_stage(
+    spec: ModelSpec, stage: str, *, device: str = "cpu", weights: str = "checkpoint", data_dir: Path | str | None = None
+) -> dict[str, Any]:
     """The modules (and tokenizers) `stage` of this entry holds, on `device`, in the entry's dtype.
 
     Modules come back in eval mode without gradients. See the module docstring for `weights`.
@@ -210,8 +222,11 @@ def build_stage(spec: ModelSpec, stage: str, *, device: str = "cpu", weights: st
     root = checkpoint_dir(spec, data_dir)
     classes = stage_components(spec, stage, data_dir=data_dir)
     # A weightless config tree may lack the tokenizers: only a real checkpoint must have them.
-    missing = [name for name, cls in classes.items()
-               if not (root / name).is_dir() and (weights == "checkpoint" or not is_tokenizer(cls))]
+    missing = [
+        name
+        for name, cls in classes.items()
+        if not (root / name).is_dir() and (weights == "checkpoint" or not is_tokenizer(cls))
+    ]
     if missing:
         from .common import CheckpointMissingError, missing_checkpoint_message
 

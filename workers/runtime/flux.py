@@ -28,6 +28,7 @@ FLUX's own; `euler` is an alias, being the registry's default) and `flow_dpmpp_2
 (DPMSolverMultistepScheduler with flow sigmas and flow_prediction: DPM-Solver++
 2M on the same shifted schedule, multistep, so its history is checkpointed).
 """
+
 from __future__ import annotations
 
 import json
@@ -60,24 +61,26 @@ MAX_SEQUENCE_LENGTH = 512  # FluxPipeline's default (and maximum) T5 length
 
 # FLUX's latent → RGB projection (ComfyUI's factors, applied to the scaled and
 # shifted latents the transformer works on). Rows: 16 latent channels; columns: R, G, B.
-FLUX_LATENT_RGB = torch.tensor([
-    [-0.0346, 0.0244, 0.0681],
-    [0.0034, 0.0210, 0.0687],
-    [0.0275, -0.0668, -0.0433],
-    [-0.0174, 0.0160, 0.0617],
-    [0.0859, 0.0721, 0.0329],
-    [0.0004, 0.0383, 0.0115],
-    [0.0405, 0.0861, 0.0915],
-    [-0.0236, -0.0185, -0.0259],
-    [-0.0245, 0.0250, 0.1180],
-    [0.1008, 0.0755, -0.0421],
-    [-0.0515, 0.0201, 0.0011],
-    [0.0428, -0.0012, -0.0036],
-    [0.0817, 0.0765, 0.0749],
-    [-0.1264, -0.0522, -0.1103],
-    [-0.0280, -0.0881, -0.0499],
-    [-0.1262, -0.0982, -0.0778],
-])
+FLUX_LATENT_RGB = torch.tensor(
+    [
+        [-0.0346, 0.0244, 0.0681],
+        [0.0034, 0.0210, 0.0687],
+        [0.0275, -0.0668, -0.0433],
+        [-0.0174, 0.0160, 0.0617],
+        [0.0859, 0.0721, 0.0329],
+        [0.0004, 0.0383, 0.0115],
+        [0.0405, 0.0861, 0.0915],
+        [-0.0236, -0.0185, -0.0259],
+        [-0.0245, 0.0250, 0.1180],
+        [0.1008, 0.0755, -0.0421],
+        [-0.0515, 0.0201, 0.0011],
+        [0.0428, -0.0012, -0.0036],
+        [0.0817, 0.0765, 0.0749],
+        [-0.1264, -0.0522, -0.1103],
+        [-0.0280, -0.0881, -0.0499],
+        [-0.1262, -0.0982, -0.0778],
+    ]
+)
 FLUX_LATENT_RGB_BIAS = torch.tensor([-0.0329, -0.0718, -0.0851])
 
 # Registry `scheduler` name → (diffusers class, settings on top of the checkpoint's
@@ -87,15 +90,25 @@ _FLOW_EULER = ("FlowMatchEulerDiscreteScheduler", {})
 FLUX_SCHEDULERS: dict[str, tuple[str, dict[str, Any]]] = {
     "flow_euler": _FLOW_EULER,
     "euler": _FLOW_EULER,  # the registry's default scheduler name
-    "flow_dpmpp_2m": ("DPMSolverMultistepScheduler", {
-        "algorithm_type": "dpmsolver++", "solver_order": 2,
-        "use_flow_sigmas": True, "prediction_type": "flow_prediction",
-    }),
+    "flow_dpmpp_2m": (
+        "DPMSolverMultistepScheduler",
+        {
+            "algorithm_type": "dpmsolver++",
+            "solver_order": 2,
+            "use_flow_sigmas": True,
+            "prediction_type": "flow_prediction",
+        },
+    ),
 }
 
 
-def calculate_shift(image_seq_len: int, base_seq_len: int = 256, max_seq_len: int = 4096,
-                    base_shift: float = 0.5, max_shift: float = 1.15) -> float:
+def calculate_shift(
+    image_seq_len: int,
+    base_seq_len: int = 256,
+    max_seq_len: int = 4096,
+    base_shift: float = 0.5,
+    max_shift: float = 1.15,
+) -> float:
     """FluxPipeline's `calculate_shift`: mu grows linearly with the number of image tokens."""
     m = (max_shift - base_shift) / (max_seq_len - base_seq_len)
     b = base_shift - m * base_seq_len
@@ -131,12 +144,20 @@ class FluxFamily(Family):
     on `device`; embeddings, checkpoints and the random generator stay on the CPU.
     """
 
-    def __init__(self, spec: ModelSpec, device: str, data_dir: Path, stages: tuple[str, ...] = STAGES, *,
-                 weights: str = "checkpoint") -> None:
+    def __init__(
+        self,
+        spec: ModelSpec,
+        device: str,
+        data_dir: Path,
+        stages: tuple[str, ...] = STAGES,
+        *,
+        weights: str = "checkpoint",
+    ) -> None:
         super().__init__(spec, device, data_dir, stages)
         self.path = spec.resolved_path(data_dir)
-        check_checkpoint_dir(spec, self.path, tuple(c for c in COMPONENTS
-                                                    if weights == "checkpoint" or "tokenizer" not in c))
+        check_checkpoint_dir(
+            spec, self.path, tuple(c for c in COMPONENTS if weights == "checkpoint" or "tokenizer" not in c)
+        )
         # Fail before loading weights.
         self.scheduler_class, self.scheduler_settings = scheduler_class("flux", FLUX_SCHEDULERS, spec.scheduler)
         self.dtype = torch_dtype(spec, device)
@@ -160,9 +181,10 @@ class FluxFamily(Family):
     def blank_embeddings(self) -> dict[str, Any]:
         """Zero embeddings of the real shapes (the compile warm-up; benchmarks without tokenizers)."""
         config = self.transformer_config
-        return {"prompt_embeds": torch.zeros(1, self.max_sequence_length, config["joint_attention_dim"],
-                                             dtype=self.dtype),
-                "pooled_embeds": torch.zeros(1, config["pooled_projection_dim"], dtype=self.dtype)}
+        return {
+            "prompt_embeds": torch.zeros(1, self.max_sequence_length, config["joint_attention_dim"], dtype=self.dtype),
+            "pooled_embeds": torch.zeros(1, config["pooled_projection_dim"], dtype=self.dtype),
+        }
 
     def _dpm_flow_settings(self) -> dict[str, Any]:
         """DPM++ on FLUX's schedule: its `flow_shift` is the flow scheduler's static `shift`;
@@ -170,9 +192,11 @@ class FluxFamily(Family):
         from diffusers import FlowMatchEulerDiscreteScheduler
 
         config = FlowMatchEulerDiscreteScheduler.load_config(self.path / "scheduler", local_files_only=True)
-        return {"flow_shift": float(config.get("shift", 1.0)),
-                "use_dynamic_shifting": bool(config.get("use_dynamic_shifting", False)),
-                "time_shift_type": "exponential"}
+        return {
+            "flow_shift": float(config.get("shift", 1.0)),
+            "use_dynamic_shifting": bool(config.get("use_dynamic_shifting", False)),
+            "time_shift_type": "exponential",
+        }
 
     # 1. encode ---------------------------------------------------------------
 
@@ -183,25 +207,34 @@ class FluxFamily(Family):
             return []
         texts = [p for p, _ in prompts]
         # CLIP: only the pooled output (FluxPipeline._get_clip_prompt_embeds).
-        clip_ids = self.component("tokenizer")(texts, padding="max_length", max_length=self.tokenizer.model_max_length,
-                                  truncation=True, return_tensors="pt").input_ids
+        clip_ids = self.component("tokenizer")(
+            texts,
+            padding="max_length",
+            max_length=self.tokenizer.model_max_length,
+            truncation=True,
+            return_tensors="pt",
+        ).input_ids
         pooled = self.text_encoder(clip_ids.to(self.encode_device), output_hidden_states=False).pooler_output
         # T5: every token's last hidden state, padded to 512, no attention mask
         # (FluxPipeline._get_t5_prompt_embeds).
-        t5_ids = self.component("tokenizer_2")(texts, padding="max_length", max_length=self.max_sequence_length,
-                                  truncation=True, return_tensors="pt").input_ids
+        t5_ids = self.component("tokenizer_2")(
+            texts, padding="max_length", max_length=self.max_sequence_length, truncation=True, return_tensors="pt"
+        ).input_ids
         embeds = self.text_encoder_2(t5_ids.to(self.encode_device), output_hidden_states=False)[0]
         embeds, pooled = embeds.to("cpu"), pooled.to("cpu")
-        return [{"prompt_embeds": embeds[i:i + 1].clone(), "pooled_embeds": pooled[i:i + 1].clone()}
-                for i in range(len(prompts))]
+        return [
+            {"prompt_embeds": embeds[i : i + 1].clone(), "pooled_embeds": pooled[i : i + 1].clone()}
+            for i in range(len(prompts))
+        ]
 
     # 2. prepare --------------------------------------------------------------
 
     def _latent_size(self, request: GenerationRequest) -> tuple[int, int]:
         cell = self.vae_scale_factor * 2  # VAE downsampling × 2×2 packing
         if request.width % cell or request.height % cell:
-            raise ValueError(f"{self.spec.name}: width and height must be multiples of {cell}, "
-                             f"got {request.width}×{request.height}")
+            raise ValueError(
+                f"{self.spec.name}: width and height must be multiples of {cell}, got {request.width}×{request.height}"
+            )
         return request.height // self.vae_scale_factor, request.width // self.vae_scale_factor
 
     def prepare(self, request: GenerationRequest, embeddings: dict[str, Any]) -> DenoiseState:
@@ -209,24 +242,29 @@ class FluxFamily(Family):
         # One CPU generator for the whole batch: output i is the i-th slice of one
         # seeded draw (what FluxPipeline's randn_tensor does with a CPU generator).
         generator = torch.Generator("cpu").manual_seed(request.seed)
-        noise = torch.randn((request.num_outputs, self.latent_channels, h, w), generator=generator,
-                            dtype=self.dtype)
+        noise = torch.randn((request.num_outputs, self.latent_channels, h, w), generator=generator, dtype=self.dtype)
         latents = pack_latents(noise).to(self.device)  # σ = 1: pure noise, no scaling
         scheduler = self._new_scheduler(request, begin_index=0)
-        return DenoiseState(request=request, step=0, latents=latents, embeddings=embeddings,
-                            scheduler=scheduler, generator=generator)
+        return DenoiseState(
+            request=request, step=0, latents=latents, embeddings=embeddings, scheduler=scheduler, generator=generator
+        )
 
     def _new_scheduler(self, request: GenerationRequest, begin_index: int) -> Any:
-        scheduler = self.scheduler_class.from_pretrained(self.path / "scheduler", local_files_only=True,
-                                                         **self.scheduler_settings)
+        scheduler = self.scheduler_class.from_pretrained(
+            self.path / "scheduler", local_files_only=True, **self.scheduler_settings
+        )
         h, w = self._latent_size(request)
         config = scheduler.config
         # FluxPipeline: mu from the number of image tokens, sigmas 1 → 1/steps
         # (which the scheduler then shifts by mu), unless the scheduler makes its
         # own flow sigmas (DPM++ with use_flow_sigmas).
-        mu = calculate_shift((h // 2) * (w // 2), config.get("base_image_seq_len", 256),
-                             config.get("max_image_seq_len", 4096), config.get("base_shift", 0.5),
-                             config.get("max_shift", 1.15))
+        mu = calculate_shift(
+            (h // 2) * (w // 2),
+            config.get("base_image_seq_len", 256),
+            config.get("max_image_seq_len", 4096),
+            config.get("base_shift", 0.5),
+            config.get("max_shift", 1.15),
+        )
         kwargs: dict[str, Any] = {"mu": mu} if config.get("use_dynamic_shifting", False) else {}
         if not config.get("use_flow_sigmas", False):
             kwargs["sigmas"] = np.linspace(1.0, 1 / request.steps, request.steps)
@@ -234,8 +272,9 @@ class FluxFamily(Family):
         else:
             scheduler.set_timesteps(request.steps, device=self.device, **kwargs)
         if len(scheduler.timesteps) != request.steps:
-            raise ValueError(f"{type(scheduler).__name__} made {len(scheduler.timesteps)} timesteps "
-                             f"for {request.steps} steps")
+            raise ValueError(
+                f"{type(scheduler).__name__} made {len(scheduler.timesteps)} timesteps for {request.steps} steps"
+            )
         # set_timesteps clears the position; the first step takes it from begin_index.
         scheduler.set_begin_index(begin_index)
         return scheduler
@@ -257,8 +296,11 @@ class FluxFamily(Family):
             "txt_ids": torch.zeros(embeds.shape[1], 3, device=self.device, dtype=self.dtype),
             "img_ids": latent_image_ids(h, w).to(self.device, self.dtype),
             # FLUX.1-dev's distilled guidance: a number the transformer embeds, one pass.
-            "guidance": (torch.full([n], request.guidance_scale, device=self.device, dtype=torch.float32)
-                         if self.transformer_config.get("guidance_embeds") else None),
+            "guidance": (
+                torch.full([n], request.guidance_scale, device=self.device, dtype=torch.float32)
+                if self.transformer_config.get("guidance_embeds")
+                else None
+            ),
         }
         state.extra["conditioning"] = conditioning
         return conditioning
@@ -277,10 +319,15 @@ class FluxFamily(Family):
                 batch[name] = torch.cat([c[name] for c in conditioning])
         latents = torch.cat([state.latents for state in states])
         # The transformer takes t in [0, 1] (FluxPipeline: timestep / 1000).
-        timestep = torch.cat([state.scheduler.timesteps[state.step].expand(state.latents.shape[0])
-                              for state in states]).to(latents.dtype) / 1000
-        velocities = self.component("transformer")(hidden_states=latents, timestep=timestep, return_dict=False,
-                                      **batch)[0].split(self.rows(states))
+        timestep = (
+            torch.cat([state.scheduler.timesteps[state.step].expand(state.latents.shape[0]) for state in states]).to(
+                latents.dtype
+            )
+            / 1000
+        )
+        velocities = self.component("transformer")(
+            hidden_states=latents, timestep=timestep, return_dict=False, **batch
+        )[0].split(self.rows(states))
         for state, velocity in zip(states, velocities):
             scheduler, latents = state.scheduler, state.latents
             t = scheduler.timesteps[state.step]
@@ -297,14 +344,12 @@ class FluxFamily(Family):
         # Latents stay packed: [n, tokens, 64].
         return self.checkpoint_fields(state, CHECKPOINT_FORMAT) | scheduler_history(state.scheduler)
 
-    def restore(self, request: GenerationRequest, embeddings: dict[str, Any],
-                data: dict[str, Any]) -> DenoiseState:
+    def restore(self, request: GenerationRequest, embeddings: dict[str, Any], data: dict[str, Any]) -> DenoiseState:
         self.check_checkpoint_fields(data, request, (CHECKPOINT_FORMAT,))
         h, w = self._latent_size(request)
         expected = (request.num_outputs, (h // 2) * (w // 2), self.latent_channels * 4)
         if tuple(data["latents"].shape) != expected:
-            raise ValueError(f"checkpoint latents {tuple(data['latents'].shape)} do not fit the request "
-                             f"({expected})")
+            raise ValueError(f"checkpoint latents {tuple(data['latents'].shape)} do not fit the request ({expected})")
         scheduler = self._new_scheduler(request, begin_index=int(data["scheduler_step_index"]))
         return resumed_state(scheduler, data, request, embeddings, self.device, self.dtype)
 

@@ -29,6 +29,7 @@ backend returns no log-sum-exp). The CUDA/NCCL path is the same code with
 backend "nccl" and one device per rank, untested in this project: no machine
 here has two GPUs.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -189,13 +190,18 @@ class TransformerGroup:
 
         init_method = f"file://{self._dir}/rendezvous"
         ctx = mp.get_context("spawn")  # never fork a process that may hold CUDA state
-        self._followers = [ctx.Process(target=_follower, args=(rank, self.k, self.backend, init_method),
-                                       name=f"group-rank{rank}", daemon=True) for rank in range(1, self.k)]
+        self._followers = [
+            ctx.Process(
+                target=_follower, args=(rank, self.k, self.backend, init_method), name=f"group-rank{rank}", daemon=True
+            )
+            for rank in range(1, self.k)
+        ]
         for process in self._followers:
             process.start()
         _device(self.backend, 0)
-        dist.init_process_group(self.backend, init_method=init_method, rank=0, world_size=self.k,
-                                timeout=COLLECTIVE_TIMEOUT)
+        dist.init_process_group(
+            self.backend, init_method=init_method, rank=0, world_size=self.k, timeout=COLLECTIVE_TIMEOUT
+        )
         log.info("card group of %d started (%s backend)", self.k, self.backend)
         return self
 

@@ -22,6 +22,7 @@ Rescheduling to the same total is the identity up to float rounding.
 A state whose schedule had ended (σ_old[k] = 0, x_k = x̂0) has no noise left to
 estimate; ε̂ is then drawn from the job's own generator, so it stays deterministic.
 """
+
 from __future__ import annotations
 
 import logging
@@ -36,7 +37,7 @@ VP_SCHEDULERS = ("DPMSolverMultistepScheduler", "UniPCMultistepScheduler")
 
 
 def convention(scheduler: Any) -> str:
-    """"ve", "vp" or "flow": how the scheduler's latents mix signal and noise at its `sigmas`."""
+    """ "ve", "vp" or "flow": how the scheduler's latents mix signal and noise at its `sigmas`."""
     name = type(scheduler).__name__
     if name.startswith("FlowMatch") or getattr(scheduler.config, "use_flow_sigmas", False):
         return "flow"
@@ -62,8 +63,14 @@ def sigma_at(scheduler: Any, index: int) -> float:
     return float(sigmas[min(index, len(sigmas) - 1)])
 
 
-def reexpress(latents: torch.Tensor, denoised: torch.Tensor | None, old: Any, new: Any, step: int,
-              generator: torch.Generator | None) -> torch.Tensor:
+def reexpress(
+    latents: torch.Tensor,
+    denoised: torch.Tensor | None,
+    old: Any,
+    new: Any,
+    step: int,
+    generator: torch.Generator | None,
+) -> torch.Tensor:
     """x_k on the `old` schedule → the same x̂0 and ε̂ at the `new` schedule's level for step `step`."""
     kind = convention(old)
     if convention(new) != kind:
@@ -78,8 +85,7 @@ def reexpress(latents: torch.Tensor, denoised: torch.Tensor | None, old: Any, ne
     if s_old > 1e-8:
         noise = (latents - a_old * x0) / s_old
     else:  # the old schedule had ended: fresh noise from the job's generator (deterministic)
-        noise = torch.randn(latents.shape, generator=generator, dtype=torch.float32).to(latents.device,
-                                                                                          latents.dtype)
+        noise = torch.randn(latents.shape, generator=generator, dtype=torch.float32).to(latents.device, latents.dtype)
     return a_new * x0 + s_new * noise
 
 
@@ -94,6 +100,12 @@ def continue_state(state: Any, new_steps: int, new_scheduler: Any) -> Any:
         raise ValueError(f"cannot continue {state.step} steps done on a schedule of {new_steps}")
     denoised = state.extra.get("denoised")
     latents = reexpress(state.latents, denoised, state.scheduler, new_scheduler, state.step, state.generator)
-    return DenoiseState(request=dataclasses.replace(state.request, steps=new_steps), step=state.step,
-                        latents=latents, embeddings=state.embeddings, scheduler=new_scheduler,
-                        generator=state.generator, extra=dict(state.extra))
+    return DenoiseState(
+        request=dataclasses.replace(state.request, steps=new_steps),
+        step=state.step,
+        latents=latents,
+        embeddings=state.embeddings,
+        scheduler=new_scheduler,
+        generator=state.generator,
+        extra=dict(state.extra),
+    )

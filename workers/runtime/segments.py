@@ -5,6 +5,7 @@ A segment is an ordinary GenerationRequest (its frames, its seed) whose
 `job_id` is namespaced (`<job>/segments/<index>`), so its checkpoints and
 previews live under the job's own prefixes and never collide across segments.
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -43,8 +44,17 @@ def _frames_of(result: Any, frames: int) -> list[Image.Image]:
     return out
 
 
-def decode_segment(family: Family, storage: Storage, request: GenerationRequest, *, job_id: str, index: int,
-                   frames: int, embeddings_ref: str, checkpoint_ref: str) -> tuple[str, str]:
+def decode_segment(
+    family: Family,
+    storage: Storage,
+    request: GenerationRequest,
+    *,
+    job_id: str,
+    index: int,
+    frames: int,
+    embeddings_ref: str,
+    checkpoint_ref: str,
+) -> tuple[str, str]:
     """Decode a segment's final latents into its MP4 clip (`frames` frames) and poster; (clip, poster) keys."""
     state = load_state(family, storage, request, embeddings_ref, checkpoint_ref)
     results = family.decode(state)
@@ -84,8 +94,9 @@ def assemble(storage: Storage, job_id: str, clip_keys: list[str]) -> list[dict[s
                             stream.width, stream.height, stream.pix_fmt = width, height, "yuv420p"
                             stream.options = {"crf": str(CRF), "preset": "medium", "threads": "1"}
                             stream.codec_context.thread_count = 1
-                        picture = av.VideoFrame.from_ndarray(_even_rgb(image, stream.width, stream.height),
-                                                             format="rgb24")
+                        picture = av.VideoFrame.from_ndarray(
+                            _even_rgb(image, stream.width, stream.height), format="rgb24"
+                        )
                         out.mux(stream.encode(picture))
             if stream is None:
                 raise ValueError(f"job {job_id}: the segments hold no frames")

@@ -4,6 +4,7 @@ Everything else is real: latents are tensors, checkpoints are files written
 through storage, previews and outputs are PNGs. It exists for capacity
 planning and load tests of the real Django/Celery/Redis stack.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -29,15 +30,23 @@ class SimulatedFault(RuntimeError):
 
 
 class SimulatedFamily(Family):
-    def __init__(self, spec: ModelSpec, device: str, data_dir: Path, *, time_scale: float = 1.0,
-                 effective_tflops: float = 450.0) -> None:
+    def __init__(
+        self, spec: ModelSpec, device: str, data_dir: Path, *, time_scale: float = 1.0, effective_tflops: float = 450.0
+    ) -> None:
         super().__init__(spec, device, data_dir)
         self.time_scale = time_scale
         self.effective_tflops = effective_tflops
 
     def step_seconds(self, request: GenerationRequest) -> float:
-        shape = JobShape(self.spec.family, request.width, request.height, request.num_frames, request.steps,
-                         request.guidance_scale, request.num_outputs)
+        shape = JobShape(
+            self.spec.family,
+            request.width,
+            request.height,
+            request.num_frames,
+            request.steps,
+            request.guidance_scale,
+            request.num_outputs,
+        )
         return estimate_job_seconds(shape, self.spec.cost_points, self.effective_tflops) / request.steps
 
     def encode(self, prompts: list[tuple[str, str]]) -> list[dict[str, Any]]:
@@ -67,8 +76,7 @@ class SimulatedFamily(Family):
         for state in states:
             if self.spec.fault_at_step and state.step + 1 == self.spec.fault_at_step:
                 raise SimulatedFault(f"simulated out-of-memory at step {state.step + 1} of {self.spec.name}")
-        seconds = (self.step_seconds(states[0].request) if len(states) == 1
-                   else self.merged_step_seconds(states))
+        seconds = self.step_seconds(states[0].request) if len(states) == 1 else self.merged_step_seconds(states)
         time.sleep(seconds * self.time_scale)
         for state in states:
             # A deterministic pull towards a prompt-dependent target: outputs depend on prompt and seed.
@@ -77,7 +85,7 @@ class SimulatedFamily(Family):
             state.step += 1
             # The x0 estimate: where the remaining pulls take the latents (exact for this linear model).
             remaining = max(0, state.request.steps - state.step)
-            state.extra["denoised"] = target + (state.latents - target) * PULL ** remaining
+            state.extra["denoised"] = target + (state.latents - target) * PULL**remaining
 
     @staticmethod
     def _target(state: DenoiseState) -> torch.Tensor:
@@ -85,8 +93,11 @@ class SimulatedFamily(Family):
 
     def checkpoint(self, state: DenoiseState) -> dict[str, Any]:
         # `steps` (the total the state was made for) tells load_state when the job's total changed.
-        return {"step": state.step, "steps": state.request.steps, "latents": state.latents.clone()} | \
-            self.denoised_field(state)
+        return {
+            "step": state.step,
+            "steps": state.request.steps,
+            "latents": state.latents.clone(),
+        } | self.denoised_field(state)
 
     def restore(self, request: GenerationRequest, embeddings: dict[str, Any], data: dict[str, Any]) -> DenoiseState:
         state = DenoiseState(request=request, step=int(data["step"]), latents=data["latents"], embeddings=embeddings)
@@ -103,8 +114,13 @@ class SimulatedFamily(Family):
         request = dataclasses.replace(state.request, steps=new_steps)
         target = self._target(state)
         denoised = target + (state.latents - target) * PULL ** (new_steps - state.step)
-        return DenoiseState(request=request, step=state.step, latents=state.latents, embeddings=state.embeddings,
-                            extra={"denoised": denoised})
+        return DenoiseState(
+            request=request,
+            step=state.step,
+            latents=state.latents,
+            embeddings=state.embeddings,
+            extra={"denoised": denoised},
+        )
 
     def _render(self, latents: torch.Tensor, width: int, height: int) -> Image.Image:
         rgb = latents[:3].unsqueeze(0)

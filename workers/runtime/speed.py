@@ -13,6 +13,7 @@
 All default off. The warm-up runs in the worker process that serves the jobs
 (tasks/common.py connects it to Celery's worker start).
 """
+
 from __future__ import annotations
 
 import logging
@@ -41,8 +42,10 @@ def apply_speed_options(family: Any) -> None:
 
         known = sorted(b.value for b in AttentionBackendName)
         if spec.attention not in known:
-            raise ValueError(f"model {spec.name!r}: attention = {spec.attention!r} is not a diffusers attention "
-                             f"backend; known: {known}")
+            raise ValueError(
+                f"model {spec.name!r}: attention = {spec.attention!r} is not a diffusers attention "
+                f"backend; known: {known}"
+            )
         denoiser.set_attention_backend(spec.attention)
     if spec.compile:
         if getattr(denoiser, "_repeated_blocks", None):

@@ -4,6 +4,7 @@ Tasks call these with a GenerationRequest and keys; these call a family
 adapter and storage. Nothing here knows about Django or Celery: the task
 passes callbacks for the cancel check, the lease heartbeat and previews.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -64,8 +65,9 @@ def encode(family: Family, storage: Storage, requests: list[GenerationRequest]) 
     return [EncodeResult(key, key not in missing) for key in keys]
 
 
-def load_state(family: Family, storage: Storage, request: GenerationRequest, embeddings_ref: str,
-               checkpoint_ref: str) -> DenoiseState:
+def load_state(
+    family: Family, storage: Storage, request: GenerationRequest, embeddings_ref: str, checkpoint_ref: str
+) -> DenoiseState:
     embeddings = _from_bytes(storage.get(embeddings_ref))
     if not checkpoint_ref:
         return family.prepare(request, embeddings)
@@ -75,8 +77,9 @@ def load_state(family: Family, storage: Storage, request: GenerationRequest, emb
     return family.restore(request, embeddings, data)
 
 
-def restore_for_new_total(family: Family, request: GenerationRequest, embeddings: dict[str, Any],
-                          data: dict[str, Any]) -> DenoiseState:
+def restore_for_new_total(
+    family: Family, request: GenerationRequest, embeddings: dict[str, Any], data: dict[str, Any]
+) -> DenoiseState:
     """A checkpoint made for another total (the job's steps changed midway; the only way past the
     families' step-count check). Restored on the schedule it was made for, then:
 
@@ -101,22 +104,42 @@ class ChunkResult:
     checkpoint_seconds: float = 0.0  # how long writing it took (part of the chunk boundary)
 
 
-def run_chunk(family: Family, storage: Storage, state: DenoiseState, *, until_step: int,
-              preview_every: int, should_stop: Callable[[int], str],
-              on_preview: Callable[[str, int], None]) -> ChunkResult:
+def run_chunk(
+    family: Family,
+    storage: Storage,
+    state: DenoiseState,
+    *,
+    until_step: int,
+    preview_every: int,
+    should_stop: Callable[[int], str],
+    on_preview: Callable[[str, int], None],
+) -> ChunkResult:
     """Advance `state` in place up to `until_step`, then save an atomic checkpoint.
 
     `should_stop(step)` is asked before every step and returns "" to go on or
     the reason to stop (it also renews the lease and records progress).
     """
-    return run_merged_chunk(family, storage, [state], until_step=until_step, preview_every=preview_every,
-                            should_stop=lambda _, step: should_stop(step),
-                            on_preview=lambda _, key, step: on_preview(key, step))[0]
+    return run_merged_chunk(
+        family,
+        storage,
+        [state],
+        until_step=until_step,
+        preview_every=preview_every,
+        should_stop=lambda _, step: should_stop(step),
+        on_preview=lambda _, key, step: on_preview(key, step),
+    )[0]
 
 
-def run_merged_chunk(family: Family, storage: Storage, states: list[DenoiseState], *, until_step: int,
-                     preview_every: int, should_stop: Callable[[DenoiseState, int], str],
-                     on_preview: Callable[[DenoiseState, str, int], None]) -> list[ChunkResult]:
+def run_merged_chunk(
+    family: Family,
+    storage: Storage,
+    states: list[DenoiseState],
+    *,
+    until_step: int,
+    preview_every: int,
+    should_stop: Callable[[DenoiseState, int], str],
+    on_preview: Callable[[DenoiseState, str, int], None],
+) -> list[ChunkResult]:
     """Advance several jobs of one shape together (one batched model call per step), each in place.
 
     Before every step each job is asked `should_stop(state, step)`; a job that
@@ -152,8 +175,14 @@ def run_merged_chunk(family: Family, storage: Storage, states: list[DenoiseState
         key = storage.put(checkpoint_key(state.request.job_id, state.step), data)
         steps_run = state.step - start_step
         solo = len(states) == 1
-        results[id(state)] = ChunkResult(state.step, key, "", elapsed / steps_run if steps_run and solo else None,
-                                         len(data), time.perf_counter() - saving)
+        results[id(state)] = ChunkResult(
+            state.step,
+            key,
+            "",
+            elapsed / steps_run if steps_run and solo else None,
+            len(data),
+            time.perf_counter() - saving,
+        )
     return [results[id(state)] for state in states]
 
 
@@ -162,8 +191,9 @@ def save_checkpoint(family: Family, storage: Storage, state: DenoiseState) -> st
     return storage.put(checkpoint_key(state.request.job_id, state.step), _to_bytes(family.checkpoint(state)))
 
 
-def decode(family: Family, storage: Storage, request: GenerationRequest, *, embeddings_ref: str,
-           checkpoint_ref: str) -> list[dict[str, str]]:
+def decode(
+    family: Family, storage: Storage, request: GenerationRequest, *, embeddings_ref: str, checkpoint_ref: str
+) -> list[dict[str, str]]:
     """Final outputs saved through storage; returns [{key, content_type}].
 
     An image family yields one PIL image per output (a PNG each); a video

@@ -21,6 +21,7 @@ diffusers pipeline, which the tests use for cross-checks.
 
 Each takes well under a second to write (after the imports).
 """
+
 from __future__ import annotations
 
 import json
@@ -46,15 +47,26 @@ BOS, EOS = "<|startoftext|>", "<|endoftext|>"
 # A few English merges so the BPE actually merges something; the byte-level
 # base symbols alone already cover every possible input.
 _MERGES = [
-    ("t", "h"), ("th", "e</w>"), ("a", "n"), ("an", "d</w>"), ("i", "n"), ("in", "g</w>"),
-    ("o", "n</w>"), ("e", "r"), ("a", "r"), ("o", "r</w>"), ("e", "n"), ("a", "t</w>"),
+    ("t", "h"),
+    ("th", "e</w>"),
+    ("a", "n"),
+    ("an", "d</w>"),
+    ("i", "n"),
+    ("in", "g</w>"),
+    ("o", "n</w>"),
+    ("e", "r"),
+    ("a", "r"),
+    ("o", "r</w>"),
+    ("e", "n"),
+    ("a", "t</w>"),
 ]
 
 
 def _bytes_to_unicode() -> dict[int, str]:
     """GPT-2/CLIP's reversible map from the 256 byte values to printable characters."""
-    printable = (list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
-                 + list(range(ord("®"), ord("ÿ") + 1)))
+    printable = (
+        list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    )
     chars = printable[:]
     extra = 0
     for b in range(256):
@@ -96,10 +108,16 @@ def _tiny_clip_text_encoder(tokenizer: CLIPTokenizer, projection_dim: int | None
     from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection
 
     config = CLIPTextConfig(
-        vocab_size=len(tokenizer), hidden_size=TEXT_HIDDEN, intermediate_size=64,
-        num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=MAX_TEXT_TOKENS,
-        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id, **({"projection_dim": projection_dim} if projection_dim else {}),
+        vocab_size=len(tokenizer),
+        hidden_size=TEXT_HIDDEN,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        max_position_embeddings=MAX_TEXT_TOKENS,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        **({"projection_dim": projection_dim} if projection_dim else {}),
     )
     return CLIPTextModelWithProjection(config) if projection_dim else CLIPTextModel(config)
 
@@ -109,9 +127,16 @@ def _tiny_vae(latent_channels: int = 4, **config):
     from diffusers import AutoencoderKL
 
     return AutoencoderKL(
-        in_channels=3, out_channels=3, latent_channels=latent_channels, sample_size=64, layers_per_block=1,
-        block_out_channels=(16, 16, 32, 32), norm_num_groups=8,
-        down_block_types=("DownEncoderBlock2D",) * 4, up_block_types=("UpDecoderBlock2D",) * 4, **config,
+        in_channels=3,
+        out_channels=3,
+        latent_channels=latent_channels,
+        sample_size=64,
+        layers_per_block=1,
+        block_out_channels=(16, 16, 32, 32),
+        norm_num_groups=8,
+        down_block_types=("DownEncoderBlock2D",) * 4,
+        up_block_types=("UpDecoderBlock2D",) * 4,
+        **config,
     )
 
 
@@ -120,8 +145,13 @@ def _sd_scheduler():
     from diffusers import EulerDiscreteScheduler
 
     return EulerDiscreteScheduler(
-        num_train_timesteps=1000, beta_start=0.00085, beta_end=0.012, beta_schedule="scaled_linear",
-        prediction_type="epsilon", timestep_spacing="leading", steps_offset=1,
+        num_train_timesteps=1000,
+        beta_start=0.00085,
+        beta_end=0.012,
+        beta_schedule="scaled_linear",
+        prediction_type="epsilon",
+        timestep_spacing="leading",
+        steps_offset=1,
     )
 
 
@@ -144,8 +174,13 @@ def make_tiny_unet(path: Path, seed: int = 0) -> Path:
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         unet = UNet2DConditionModel(
-            sample_size=8, in_channels=4, out_channels=4, layers_per_block=1,
-            block_out_channels=(32, 64), norm_num_groups=32, cross_attention_dim=TEXT_HIDDEN,
+            sample_size=8,
+            in_channels=4,
+            out_channels=4,
+            layers_per_block=1,
+            block_out_channels=(32, 64),
+            norm_num_groups=32,
+            cross_attention_dim=TEXT_HIDDEN,
             attention_head_dim=8,
             # SD 1.5's arrangement in miniature: cross-attention at the high resolution,
             # plain ResNets at the lowest (the mid block attends there).
@@ -159,8 +194,14 @@ def make_tiny_unet(path: Path, seed: int = 0) -> Path:
     # Saving through the pipeline writes model_index.json too, so the directory
     # also loads with StableDiffusionPipeline.from_pretrained (handy for cross-checks).
     pipeline = StableDiffusionPipeline(
-        vae=vae, text_encoder=text_encoder, tokenizer=tokenizer, unet=unet, scheduler=_sd_scheduler(),
-        safety_checker=None, feature_extractor=None, requires_safety_checker=False,
+        vae=vae,
+        text_encoder=text_encoder,
+        tokenizer=tokenizer,
+        unet=unet,
+        scheduler=_sd_scheduler(),
+        safety_checker=None,
+        feature_extractor=None,
+        requires_safety_checker=False,
     )
     pipeline.save_pretrained(path)
     return path
@@ -190,12 +231,20 @@ def make_tiny_sdxl(path: Path, seed: int = 0) -> Path:
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         unet = UNet2DConditionModel(
-            sample_size=8, in_channels=4, out_channels=4, layers_per_block=1,
-            block_out_channels=(32, 48), norm_num_groups=16, cross_attention_dim=2 * TEXT_HIDDEN,
-            attention_head_dim=(4, 8), use_linear_projection=True, transformer_layers_per_block=(1, 1),
+            sample_size=8,
+            in_channels=4,
+            out_channels=4,
+            layers_per_block=1,
+            block_out_channels=(32, 48),
+            norm_num_groups=16,
+            cross_attention_dim=2 * TEXT_HIDDEN,
+            attention_head_dim=(4, 8),
+            use_linear_projection=True,
+            transformer_layers_per_block=(1, 1),
             down_block_types=("DownBlock2D", "CrossAttnDownBlock2D"),
             up_block_types=("CrossAttnUpBlock2D", "UpBlock2D"),
-            addition_embed_type="text_time", addition_time_embed_dim=SDXL_TIME_EMBED_DIM,
+            addition_embed_type="text_time",
+            addition_time_embed_dim=SDXL_TIME_EMBED_DIM,
             projection_class_embeddings_input_dim=6 * SDXL_TIME_EMBED_DIM + TEXT_HIDDEN,
         )
         torch.manual_seed(seed + 1)
@@ -205,9 +254,15 @@ def make_tiny_sdxl(path: Path, seed: int = 0) -> Path:
         torch.manual_seed(seed + 3)
         text_encoder_2 = _tiny_clip_text_encoder(tokenizer_2, projection_dim=TEXT_HIDDEN)
     pipeline = StableDiffusionXLPipeline(
-        vae=vae, text_encoder=text_encoder, text_encoder_2=text_encoder_2, tokenizer=tokenizer,
-        tokenizer_2=tokenizer_2, unet=unet, scheduler=_sd_scheduler(),
-        force_zeros_for_empty_prompt=True, add_watermarker=False,
+        vae=vae,
+        text_encoder=text_encoder,
+        text_encoder_2=text_encoder_2,
+        tokenizer=tokenizer,
+        tokenizer_2=tokenizer_2,
+        unet=unet,
+        scheduler=_sd_scheduler(),
+        force_zeros_for_empty_prompt=True,
+        add_watermarker=False,
     )
     pipeline.save_pretrained(path)
     return path
@@ -225,9 +280,12 @@ def tiny_t5_vocab() -> list[tuple[str, float]]:
     few whole words (more likely, so the Unigram prefers them).
     """
     chars = [chr(c) for c in range(ord("!"), ord("~") + 1)]
-    return ([("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0), ("▁", -2.0)]
-            + [(c, -5.0) for c in chars] + [("▁" + c, -4.5) for c in chars]
-            + [("▁" + w, -3.0) for w in _T5_WORDS])
+    return (
+        [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0), ("▁", -2.0)]
+        + [(c, -5.0) for c in chars]
+        + [("▁" + c, -4.5) for c in chars]
+        + [("▁" + w, -3.0) for w in _T5_WORDS]
+    )
 
 
 def make_tiny_flux(path: Path, seed: int = 0) -> Path:
@@ -252,32 +310,61 @@ def make_tiny_flux(path: Path, seed: int = 0) -> Path:
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         transformer = FluxTransformer2DModel(
-            patch_size=1, in_channels=latent_channels * 4, num_layers=1, num_single_layers=2,
-            attention_head_dim=16, num_attention_heads=2, joint_attention_dim=T5_HIDDEN,
-            pooled_projection_dim=TEXT_HIDDEN, guidance_embeds=True, axes_dims_rope=(4, 6, 6),
+            patch_size=1,
+            in_channels=latent_channels * 4,
+            num_layers=1,
+            num_single_layers=2,
+            attention_head_dim=16,
+            num_attention_heads=2,
+            joint_attention_dim=T5_HIDDEN,
+            pooled_projection_dim=TEXT_HIDDEN,
+            guidance_embeds=True,
+            axes_dims_rope=(4, 6, 6),
         )
         torch.manual_seed(seed + 1)
         # FLUX's VAE: 16 channels, a shift as well as a scale, no quant convs.
-        vae = _tiny_vae(latent_channels, scaling_factor=0.3611, shift_factor=0.1159,
-                        use_quant_conv=False, use_post_quant_conv=False)
+        vae = _tiny_vae(
+            latent_channels, scaling_factor=0.3611, shift_factor=0.1159, use_quant_conv=False, use_post_quant_conv=False
+        )
         torch.manual_seed(seed + 2)
         text_encoder = _tiny_clip_text_encoder(tokenizer)
         torch.manual_seed(seed + 3)
-        text_encoder_2 = T5EncoderModel(T5Config(
-            vocab_size=len(tokenizer_2), d_model=T5_HIDDEN, d_kv=8, d_ff=64, num_layers=2, num_heads=4,
-            relative_attention_num_buckets=8, relative_attention_max_distance=32,
-            feed_forward_proj="gated-gelu", is_encoder_decoder=False, use_cache=False,
-            pad_token_id=tokenizer_2.pad_token_id, eos_token_id=tokenizer_2.eos_token_id,
-            decoder_start_token_id=tokenizer_2.pad_token_id,
-        ))
+        text_encoder_2 = T5EncoderModel(
+            T5Config(
+                vocab_size=len(tokenizer_2),
+                d_model=T5_HIDDEN,
+                d_kv=8,
+                d_ff=64,
+                num_layers=2,
+                num_heads=4,
+                relative_attention_num_buckets=8,
+                relative_attention_max_distance=32,
+                feed_forward_proj="gated-gelu",
+                is_encoder_decoder=False,
+                use_cache=False,
+                pad_token_id=tokenizer_2.pad_token_id,
+                eos_token_id=tokenizer_2.eos_token_id,
+                decoder_start_token_id=tokenizer_2.pad_token_id,
+            )
+        )
     # FLUX.1-dev's scheduler config.
     scheduler = FlowMatchEulerDiscreteScheduler(
-        num_train_timesteps=1000, shift=3.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=1.15,
-        base_image_seq_len=256, max_image_seq_len=4096,
+        num_train_timesteps=1000,
+        shift=3.0,
+        use_dynamic_shifting=True,
+        base_shift=0.5,
+        max_shift=1.15,
+        base_image_seq_len=256,
+        max_image_seq_len=4096,
     )
     pipeline = FluxPipeline(
-        scheduler=scheduler, vae=vae, text_encoder=text_encoder, tokenizer=tokenizer,
-        text_encoder_2=text_encoder_2, tokenizer_2=tokenizer_2, transformer=transformer,
+        scheduler=scheduler,
+        vae=vae,
+        text_encoder=text_encoder,
+        tokenizer=tokenizer,
+        text_encoder_2=text_encoder_2,
+        tokenizer_2=tokenizer_2,
+        transformer=transformer,
     )
     pipeline.save_pretrained(path)
     return path

@@ -21,6 +21,7 @@ The components are Wan 2.1's in miniature:
 * scheduler    UniPCMultistepScheduler with Wan's flow settings
                (flow_prediction, use_flow_sigmas, flow_shift 3.0)
 """
+
 from __future__ import annotations
 
 import string
@@ -35,8 +36,29 @@ LATENT_CHANNELS = 16  # Wan 2.1's z_dim
 FLOW_SHIFT = 3.0  # Wan 2.1 uses 3.0 at 480p, 5.0 at 720p
 
 # A few whole words, so the Unigram model prefers real pieces over characters.
-_WORDS = ("a", "the", "and", "of", "on", "in", "with", "cat", "dog", "red", "blue", "photo", "video",
-          "walking", "running", "sky", "sea", "tree", "blurry", "low", "quality")
+_WORDS = (
+    "a",
+    "the",
+    "and",
+    "of",
+    "on",
+    "in",
+    "with",
+    "cat",
+    "dog",
+    "red",
+    "blue",
+    "photo",
+    "video",
+    "walking",
+    "running",
+    "sky",
+    "sea",
+    "tree",
+    "blurry",
+    "low",
+    "quality",
+)
 
 
 def tiny_t5_vocab() -> list[tuple[str, float]]:
@@ -74,33 +96,62 @@ def make_tiny_wan(path: Path, seed: int = 0) -> Path:
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         transformer = WanTransformer3DModel(
-            patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=16,
-            in_channels=LATENT_CHANNELS, out_channels=LATENT_CHANNELS, text_dim=TEXT_HIDDEN,
-            freq_dim=64, ffn_dim=64, num_layers=2, cross_attn_norm=True,
-            qk_norm="rms_norm_across_heads", rope_max_seq_len=64,
+            patch_size=(1, 2, 2),
+            num_attention_heads=2,
+            attention_head_dim=16,
+            in_channels=LATENT_CHANNELS,
+            out_channels=LATENT_CHANNELS,
+            text_dim=TEXT_HIDDEN,
+            freq_dim=64,
+            ffn_dim=64,
+            num_layers=2,
+            cross_attn_norm=True,
+            qk_norm="rms_norm_across_heads",
+            rope_max_seq_len=64,
         )
         torch.manual_seed(seed + 1)
         # Three spatial downsamplings (8×), the last two also temporal (4×), as Wan's.
         vae = AutoencoderKLWan(
-            base_dim=8, z_dim=LATENT_CHANNELS, dim_mult=[1, 2, 2, 2], num_res_blocks=1,
-            attn_scales=[], temperal_downsample=[False, True, True],
+            base_dim=8,
+            z_dim=LATENT_CHANNELS,
+            dim_mult=[1, 2, 2, 2],
+            num_res_blocks=1,
+            attn_scales=[],
+            temperal_downsample=[False, True, True],
         )
         torch.manual_seed(seed + 2)
-        text_encoder = UMT5EncoderModel(UMT5Config(
-            vocab_size=len(tokenizer), d_model=TEXT_HIDDEN, d_kv=8, d_ff=64, num_layers=2, num_heads=4,
-            relative_attention_num_buckets=32, relative_attention_max_distance=128,
-            feed_forward_proj="gated-gelu", pad_token_id=tokenizer.pad_token_id,
-            eos_token_id=tokenizer.eos_token_id, decoder_start_token_id=tokenizer.pad_token_id,
-        ))
+        text_encoder = UMT5EncoderModel(
+            UMT5Config(
+                vocab_size=len(tokenizer),
+                d_model=TEXT_HIDDEN,
+                d_kv=8,
+                d_ff=64,
+                num_layers=2,
+                num_heads=4,
+                relative_attention_num_buckets=32,
+                relative_attention_max_distance=128,
+                feed_forward_proj="gated-gelu",
+                pad_token_id=tokenizer.pad_token_id,
+                eos_token_id=tokenizer.eos_token_id,
+                decoder_start_token_id=tokenizer.pad_token_id,
+            )
+        )
     # Wan 2.1's scheduler settings.
     scheduler = UniPCMultistepScheduler(
-        num_train_timesteps=1000, prediction_type="flow_prediction", use_flow_sigmas=True,
-        flow_shift=FLOW_SHIFT, solver_order=2, solver_type="bh2", lower_order_final=True,
-        final_sigmas_type="zero", timestep_spacing="linspace",
+        num_train_timesteps=1000,
+        prediction_type="flow_prediction",
+        use_flow_sigmas=True,
+        flow_shift=FLOW_SHIFT,
+        solver_order=2,
+        solver_type="bh2",
+        lower_order_final=True,
+        final_sigmas_type="zero",
+        timestep_spacing="linspace",
     )
     # Saving through the pipeline writes model_index.json too, so the directory
     # also loads with WanPipeline.from_pretrained (handy for cross-checks).
-    pipeline = WanPipeline(tokenizer=tokenizer, text_encoder=text_encoder, vae=vae, scheduler=scheduler,
-                           transformer=transformer)
+    pipeline = WanPipeline(
+        tokenizer=tokenizer, text_encoder=text_encoder, vae=vae, scheduler=scheduler, transformer=transformer
+    )
     pipeline.save_pretrained(path)
     return path

@@ -24,6 +24,7 @@ Each stage builds only its own components (components.py): encode the CLIP
 tokenizers and encoders, denoise the UNet, decode the VAE; every stage reads the
 others' config.json files for shapes. Shared helpers live in common.py.
 """
+
 from __future__ import annotations
 
 import json
@@ -58,18 +59,22 @@ SDXL_COMPONENTS = ("text_encoder_2", "tokenizer_2")
 
 # Latent → RGB projections (the community-standard factors, as used by ComfyUI's
 # previews). Rows: latent channels; columns: R, G, B in [-1, 1].
-SD15_LATENT_RGB = torch.tensor([
-    [0.3512, 0.2297, 0.3227],
-    [0.3250, 0.4974, 0.2350],
-    [-0.2829, 0.1762, 0.2721],
-    [-0.2120, -0.2616, -0.7177],
-])
-SDXL_LATENT_RGB = torch.tensor([
-    [0.3651, 0.4232, 0.4341],
-    [-0.2533, -0.0042, 0.1068],
-    [0.1076, 0.1111, -0.0362],
-    [-0.3165, -0.2492, -0.2188],
-])
+SD15_LATENT_RGB = torch.tensor(
+    [
+        [0.3512, 0.2297, 0.3227],
+        [0.3250, 0.4974, 0.2350],
+        [-0.2829, 0.1762, 0.2721],
+        [-0.2120, -0.2616, -0.7177],
+    ]
+)
+SDXL_LATENT_RGB = torch.tensor(
+    [
+        [0.3651, 0.4232, 0.4341],
+        [-0.2533, -0.0042, 0.1068],
+        [0.1076, 0.1111, -0.0362],
+        [-0.3165, -0.2492, -0.2188],
+    ]
+)
 SDXL_LATENT_RGB_BIAS = torch.tensor([0.1084, -0.0175, -0.0011])
 
 # Registry `scheduler` name → (diffusers class, settings on top of the checkpoint's
@@ -92,15 +97,23 @@ class UNetFamily(Family):
     so a job's randomness doesn't depend on the card it happens to run on.
     """
 
-    def __init__(self, spec: ModelSpec, device: str, data_dir: Path, stages: tuple[str, ...] = STAGES, *,
-                 weights: str = "checkpoint") -> None:
+    def __init__(
+        self,
+        spec: ModelSpec,
+        device: str,
+        data_dir: Path,
+        stages: tuple[str, ...] = STAGES,
+        *,
+        weights: str = "checkpoint",
+    ) -> None:
         super().__init__(spec, device, data_dir, stages)
         self.path = spec.resolved_path(data_dir)
         # SDXL if either second-encoder folder is there (then both must be).
         self.is_sdxl = any((self.path / c).exists() for c in SDXL_COMPONENTS)
         required = COMPONENTS + (SDXL_COMPONENTS if self.is_sdxl else ())
-        check_checkpoint_dir(spec, self.path, tuple(c for c in required
-                                                    if weights == "checkpoint" or "tokenizer" not in c))
+        check_checkpoint_dir(
+            spec, self.path, tuple(c for c in required if weights == "checkpoint" or "tokenizer" not in c)
+        )
         # Fail before loading weights.
         self.scheduler_class, self.scheduler_settings = scheduler_class("unet", UNET_SCHEDULERS, spec.scheduler)
         self.dtype = torch_dtype(spec, device)
@@ -113,7 +126,8 @@ class UNetFamily(Family):
         # SDXL zeroes an empty negative prompt (StableDiffusionXLPipeline's
         # `force_zeros_for_empty_prompt`, stored in model_index.json) instead of encoding "".
         self.force_zeros_for_empty_prompt = self.is_sdxl and self._model_index().get(
-            "force_zeros_for_empty_prompt", True)
+            "force_zeros_for_empty_prompt", True
+        )
         components = self.load_components(weights)
         self.tokenizer, self.text_encoder = components.get("tokenizer"), components.get("text_encoder")
         # SDXL: a second CLIP (OpenCLIP bigG) whose projected pooled output and the
@@ -129,13 +143,17 @@ class UNetFamily(Family):
         """The UNet's added embedding must take 6 time ids + the pooled projection (as the pipeline checks)."""
         config = self.unet_config
         if config.get("addition_embed_type") != "text_time":
-            raise ValueError(f"model {self.spec.name!r}: has text_encoder_2/ but its UNet's addition_embed_type "
-                             f"is {config.get('addition_embed_type')!r}, not 'text_time' (SDXL)")
+            raise ValueError(
+                f"model {self.spec.name!r}: has text_encoder_2/ but its UNet's addition_embed_type "
+                f"is {config.get('addition_embed_type')!r}, not 'text_time' (SDXL)"
+            )
         passed = config["addition_time_embed_dim"] * 6 + self.pooled_dim
         expected = config["projection_class_embeddings_input_dim"]
         if passed != expected:
-            raise ValueError(f"model {self.spec.name!r}: UNet expects an added embedding of {expected}, "
-                             f"6 time ids + pooled text give {passed}")
+            raise ValueError(
+                f"model {self.spec.name!r}: UNet expects an added embedding of {expected}, "
+                f"6 time ids + pooled text give {passed}"
+            )
 
     @property
     def pooled_dim(self) -> int:
@@ -165,10 +183,10 @@ class UNetFamily(Family):
         n = len(prompts)
         out = []
         for i, (_, negative) in enumerate(prompts):
-            item = {"prompt_embeds": embeds[i:i + 1].clone(), "negative_embeds": embeds[n + i:n + i + 1].clone()}
+            item = {"prompt_embeds": embeds[i : i + 1].clone(), "negative_embeds": embeds[n + i : n + i + 1].clone()}
             if pooled is not None:
-                item["pooled_embeds"] = pooled[i:i + 1].clone()
-                item["negative_pooled_embeds"] = pooled[n + i:n + i + 1].clone()
+                item["pooled_embeds"] = pooled[i : i + 1].clone()
+                item["negative_pooled_embeds"] = pooled[n + i : n + i + 1].clone()
                 if self.force_zeros_for_empty_prompt and not negative:
                     item["negative_embeds"] = torch.zeros_like(item["negative_embeds"])
                     item["negative_pooled_embeds"] = torch.zeros_like(item["negative_pooled_embeds"])
@@ -184,23 +202,27 @@ class UNetFamily(Family):
         # SDXL: the penultimate hidden states of both encoders, side by side; the
         # pooled projection of the second (its output [0] is the 2-D `text_embeds`).
         hidden = []
-        for tokenizer, encoder in ((self.component("tokenizer"), self.text_encoder),
-                                   (self.component("tokenizer_2"), self.text_encoder_2)):
+        for tokenizer, encoder in (
+            (self.component("tokenizer"), self.text_encoder),
+            (self.component("tokenizer_2"), self.text_encoder_2),
+        ):
             output = encoder(self._tokens(tokenizer, texts), output_hidden_states=True)
             hidden.append(output.hidden_states[-2])
         return torch.cat(hidden, dim=-1), output[0]
 
     def _tokens(self, tokenizer: Any, texts: list[str]) -> torch.Tensor:
-        return tokenizer(texts, padding="max_length", max_length=tokenizer.model_max_length, truncation=True,
-                         return_tensors="pt").input_ids.to(self.encode_device)
+        return tokenizer(
+            texts, padding="max_length", max_length=tokenizer.model_max_length, truncation=True, return_tensors="pt"
+        ).input_ids.to(self.encode_device)
 
     # 2. prepare --------------------------------------------------------------
 
     def prepare(self, request: GenerationRequest, embeddings: dict[str, Any]) -> DenoiseState:
         cell = self.vae_scale_factor
         if request.width % cell or request.height % cell:
-            raise ValueError(f"{self.spec.name}: width and height must be multiples of {cell}, "
-                             f"got {request.width}×{request.height}")
+            raise ValueError(
+                f"{self.spec.name}: width and height must be multiples of {cell}, got {request.width}×{request.height}"
+            )
         shape = (request.num_outputs, self.latent_channels, request.height // cell, request.width // cell)
         # One CPU generator for the whole batch: output i is the i-th slice of one
         # seeded draw, identical on every device (as diffusers' randn_tensor does
@@ -209,12 +231,14 @@ class UNetFamily(Family):
         noise = torch.randn(shape, generator=generator, dtype=self.dtype)
         scheduler = self._new_scheduler(request.steps, begin_index=0)
         latents = (noise * scheduler.init_noise_sigma).to(self.device)
-        return DenoiseState(request=request, step=0, latents=latents, embeddings=embeddings,
-                            scheduler=scheduler, generator=generator)
+        return DenoiseState(
+            request=request, step=0, latents=latents, embeddings=embeddings, scheduler=scheduler, generator=generator
+        )
 
     def _new_scheduler(self, steps: int, begin_index: int) -> Any:
-        scheduler = self.scheduler_class.from_pretrained(self.path / "scheduler", local_files_only=True,
-                                                         **self.scheduler_settings)
+        scheduler = self.scheduler_class.from_pretrained(
+            self.path / "scheduler", local_files_only=True, **self.scheduler_settings
+        )
         scheduler.set_timesteps(steps, device=self.device)
         # set_timesteps clears the position; the first scale_model_input/step then
         # takes it from begin_index (public API, unlike assigning _step_index).
@@ -250,8 +274,10 @@ class UNetFamily(Family):
             # pixels, (h, w) order; the pipeline's defaults (no crop, original = target).
             h, w = request.height, request.width
             time_ids = torch.tensor([[h, w, 0, 0, h, w]], dtype=self.dtype, device=self.device)
-            added = {"text_embeds": batch("pooled_embeds", "negative_pooled_embeds"),
-                     "time_ids": time_ids.repeat(hidden.shape[0], 1)}
+            added = {
+                "text_embeds": batch("pooled_embeds", "negative_pooled_embeds"),
+                "time_ids": time_ids.repeat(hidden.shape[0], 1),
+            }
         state.extra["conditioning"] = (hidden, added)
         return hidden, added
 
@@ -278,11 +304,15 @@ class UNetFamily(Family):
         model_input, timestep = torch.cat(inputs), torch.cat(timesteps)
         if cfg:  # Classifier-free guidance: [uncond, cond] in one UNet call.
             model_input, timestep = torch.cat([model_input] * 2), torch.cat([timestep] * 2)
-        added = ({"text_embeds": self.guidance_batch(text_embeds, cfg), "time_ids": self.guidance_batch(time_ids, cfg)}
-                 if text_embeds else None)
+        added = (
+            {"text_embeds": self.guidance_batch(text_embeds, cfg), "time_ids": self.guidance_batch(time_ids, cfg)}
+            if text_embeds
+            else None
+        )
         unet = self.component("unet")
-        noise_pred = unet(model_input, timestep, encoder_hidden_states=self.guidance_batch(hidden, cfg),
-                          added_cond_kwargs=added).sample
+        noise_pred = unet(
+            model_input, timestep, encoder_hidden_states=self.guidance_batch(hidden, cfg), added_cond_kwargs=added
+        ).sample
         halves = [part.split(rows) for part in noise_pred.chunk(2)] if cfg else [noise_pred.split(rows)]
         for i, state in enumerate(states):
             pred = halves[0][i] + state.request.guidance_scale * (halves[1][i] - halves[0][i]) if cfg else halves[0][i]
@@ -303,8 +333,7 @@ class UNetFamily(Family):
     def checkpoint(self, state: DenoiseState) -> dict[str, Any]:
         return self.checkpoint_fields(state, CHECKPOINT_FORMAT) | scheduler_history(state.scheduler)
 
-    def restore(self, request: GenerationRequest, embeddings: dict[str, Any],
-                data: dict[str, Any]) -> DenoiseState:
+    def restore(self, request: GenerationRequest, embeddings: dict[str, Any], data: dict[str, Any]) -> DenoiseState:
         self.check_checkpoint_fields(data, request, READABLE_FORMATS)
         scheduler = self._new_scheduler(request.steps, begin_index=int(data["scheduler_step_index"]))
         return resumed_state(scheduler, data, request, embeddings, self.device, self.dtype)
@@ -329,7 +358,7 @@ class UNetFamily(Family):
             denoised = state.latents
             if scheduler.init_noise_sigma > 1:
                 sigma = float(scheduler.sigmas[min(state.step, len(scheduler.sigmas) - 1)])
-                denoised = denoised / (sigma ** 2 + 1) ** 0.5
+                denoised = denoised / (sigma**2 + 1) ** 0.5
         if self.is_sdxl:
             return latent_preview(denoised[0], SDXL_LATENT_RGB, SDXL_LATENT_RGB_BIAS)
         return latent_preview(denoised[0], SD15_LATENT_RGB)  # first output

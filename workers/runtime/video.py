@@ -6,6 +6,7 @@ profile, yuv420p, `+faststart` (the index up front, so playback starts before
 the download ends). yuv420p needs even dimensions: odd ones are padded by
 repeating the last row/column, so no picture is lost.
 """
+
 from __future__ import annotations
 
 import io

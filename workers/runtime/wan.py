@@ -29,6 +29,7 @@ Each stage builds only its own components (components.py): encode the UMT5
 encoder, denoise the transformer, decode the VAE. Latents stay float32 (as
 WanPipeline keeps them); the transformer runs in the entry's dtype.
 """
+
 from __future__ import annotations
 
 import inspect
@@ -69,14 +70,26 @@ SCHEDULER_HISTORY = ("model_outputs", "timestep_list", "lower_order_nums", "last
 
 # Wan 2.1's latent → RGB projection (ComfyUI's Wan21 latent_rgb_factors), applied to the
 # normalized latents the transformer works in. Rows: the 16 latent channels; columns: R, G, B.
-WAN21_LATENT_RGB = torch.tensor([
-    [-0.1299, -0.1692, 0.2932], [0.0671, 0.0406, 0.0442], [0.3568, 0.2548, 0.1747],
-    [0.0372, 0.2344, 0.1420], [0.0313, 0.0189, -0.0328], [0.0296, -0.0956, -0.0665],
-    [-0.3477, -0.4059, -0.2925], [0.0166, 0.1902, 0.1975], [-0.0412, 0.0267, -0.1364],
-    [-0.1293, 0.0740, 0.1636], [0.0680, 0.3019, 0.1128], [0.0032, 0.0581, 0.0639],
-    [-0.1251, 0.0927, 0.1699], [0.0060, -0.0633, 0.0005], [0.3477, 0.2275, 0.2950],
-    [0.1984, 0.0913, 0.1861],
-])
+WAN21_LATENT_RGB = torch.tensor(
+    [
+        [-0.1299, -0.1692, 0.2932],
+        [0.0671, 0.0406, 0.0442],
+        [0.3568, 0.2548, 0.1747],
+        [0.0372, 0.2344, 0.1420],
+        [0.0313, 0.0189, -0.0328],
+        [0.0296, -0.0956, -0.0665],
+        [-0.3477, -0.4059, -0.2925],
+        [0.0166, 0.1902, 0.1975],
+        [-0.0412, 0.0267, -0.1364],
+        [-0.1293, 0.0740, 0.1636],
+        [0.0680, 0.3019, 0.1128],
+        [0.0032, 0.0581, 0.0639],
+        [-0.1251, 0.0927, 0.1699],
+        [0.0060, -0.0633, 0.0005],
+        [0.3477, 0.2275, 0.2950],
+        [0.1984, 0.0913, 0.1861],
+    ]
+)
 WAN21_LATENT_RGB_BIAS = torch.tensor([-0.1835, -0.0868, -0.3360])
 
 
@@ -92,12 +105,19 @@ def _new_scheduler_of(name: str, config: dict[str, Any]) -> Any:
     if name == "unipc":
         # The checkpoint's own config (Wan ships UniPC), with the flow settings enforced.
         return UniPCMultistepScheduler.from_config(
-            config, prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=shift)
+            config, prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=shift
+        )
     if name == "dpmpp_2m":
         return DPMSolverMultistepScheduler(
-            num_train_timesteps=train_steps, prediction_type="flow_prediction", use_flow_sigmas=True,
-            flow_shift=shift, algorithm_type="dpmsolver++", solver_order=2, lower_order_final=True,
-            final_sigmas_type="zero")
+            num_train_timesteps=train_steps,
+            prediction_type="flow_prediction",
+            use_flow_sigmas=True,
+            flow_shift=shift,
+            algorithm_type="dpmsolver++",
+            solver_order=2,
+            lower_order_final=True,
+            final_sigmas_type="zero",
+        )
     if name == "flow_euler":
         return FlowMatchEulerDiscreteScheduler(num_train_timesteps=train_steps, shift=shift)
     raise ValueError(f"wan family: unknown scheduler {name!r}; known: {sorted(SCHEDULERS)}")
@@ -111,12 +131,20 @@ class WanFamily(Family):
     so a job's randomness doesn't depend on the card it happens to run on.
     """
 
-    def __init__(self, spec: ModelSpec, device: str, data_dir: Path, stages: tuple[str, ...] = STAGES, *,
-                 weights: str = "checkpoint") -> None:
+    def __init__(
+        self,
+        spec: ModelSpec,
+        device: str,
+        data_dir: Path,
+        stages: tuple[str, ...] = STAGES,
+        *,
+        weights: str = "checkpoint",
+    ) -> None:
         super().__init__(spec, device, data_dir, stages)
         self.path = spec.resolved_path(data_dir)
-        check_checkpoint_dir(spec, self.path, tuple(c for c in COMPONENTS
-                                                    if weights == "checkpoint" or "tokenizer" not in c))
+        check_checkpoint_dir(
+            spec, self.path, tuple(c for c in COMPONENTS if weights == "checkpoint" or "tokenizer" not in c)
+        )
         if spec.scheduler not in SCHEDULERS:  # fail before loading weights
             raise ValueError(f"wan family: unknown scheduler {spec.scheduler!r}; known: {sorted(SCHEDULERS)}")
         self.dtype = torch_dtype(spec, device)
@@ -158,9 +186,15 @@ class WanFamily(Family):
         """WanPipeline._get_t5_prompt_embeds, less the padding: one [1, L_i, D] CPU tensor per text."""
         from diffusers.pipelines.wan.pipeline_wan import prompt_clean
 
-        tokens = self.component("tokenizer")([prompt_clean(t) for t in texts], padding="max_length",
-                                max_length=MAX_TEXT_TOKENS, truncation=True, add_special_tokens=True,
-                                return_attention_mask=True, return_tensors="pt")
+        tokens = self.component("tokenizer")(
+            [prompt_clean(t) for t in texts],
+            padding="max_length",
+            max_length=MAX_TEXT_TOKENS,
+            truncation=True,
+            add_special_tokens=True,
+            return_attention_mask=True,
+            return_tensors="pt",
+        )
         mask = tokens.attention_mask
         device = self.encode_device
         hidden = self.text_encoder(tokens.input_ids.to(device), mask.to(device)).last_hidden_state
@@ -168,22 +202,27 @@ class WanFamily(Family):
         lengths = mask.gt(0).sum(dim=1).tolist()
         # Kept trimmed (a real UMT5-XXL embedding padded to 512 is 8 MB); _conditioning
         # zero-pads to MAX_TEXT_TOKENS exactly as the pipeline does.
-        return [hidden[i:i + 1, :length].clone() for i, length in enumerate(lengths)]
+        return [hidden[i : i + 1, :length].clone() for i, length in enumerate(lengths)]
 
     # 2. prepare --------------------------------------------------------------
 
     def latent_shape(self, request: GenerationRequest) -> tuple[int, int, int, int, int]:
         cell = self.vae_scale_spatial * max(self.patch[1], self.patch[2])
         if request.width % cell or request.height % cell:
-            raise ValueError(f"{self.spec.name}: width and height must be multiples of {cell}, "
-                             f"got {request.width}×{request.height}")
+            raise ValueError(
+                f"{self.spec.name}: width and height must be multiples of {cell}, got {request.width}×{request.height}"
+            )
         step = self.vae_scale_temporal
         if request.num_frames < 1 or (request.num_frames - 1) % step:
-            raise ValueError(f"{self.spec.name}: num_frames must be 1 + a multiple of {step}, "
-                             f"got {request.num_frames}")
+            raise ValueError(f"{self.spec.name}: num_frames must be 1 + a multiple of {step}, got {request.num_frames}")
         latent_frames = (request.num_frames - 1) // step + 1
-        return (request.num_outputs, self.latent_channels, latent_frames,
-                request.height // self.vae_scale_spatial, request.width // self.vae_scale_spatial)
+        return (
+            request.num_outputs,
+            self.latent_channels,
+            latent_frames,
+            request.height // self.vae_scale_spatial,
+            request.width // self.vae_scale_spatial,
+        )
 
     def prepare(self, request: GenerationRequest, embeddings: dict[str, Any]) -> DenoiseState:
         shape = self.latent_shape(request)
@@ -193,8 +232,14 @@ class WanFamily(Family):
         generator = torch.Generator("cpu").manual_seed(request.seed)
         noise = torch.randn(shape, generator=generator, dtype=torch.float32)
         scheduler = self._new_scheduler(request.steps, begin_index=0)
-        return DenoiseState(request=request, step=0, latents=noise.to(self.device), embeddings=embeddings,
-                            scheduler=scheduler, generator=generator)
+        return DenoiseState(
+            request=request,
+            step=0,
+            latents=noise.to(self.device),
+            embeddings=embeddings,
+            scheduler=scheduler,
+            generator=generator,
+        )
 
     def _new_scheduler(self, steps: int, begin_index: int) -> Any:
         scheduler = _new_scheduler_of(self.spec.scheduler, self.scheduler_config)
@@ -246,14 +291,15 @@ class WanFamily(Family):
         cfg = self._cfg(states[0].request)
         rows = self.rows(states)
         model_input = torch.cat([state.latents for state in states])
-        timestep = torch.cat([state.scheduler.timesteps[state.step].expand(state.latents.shape[0])
-                              for state in states])
+        timestep = torch.cat([state.scheduler.timesteps[state.step].expand(state.latents.shape[0]) for state in states])
         if cfg:  # Classifier-free guidance: [uncond, cond] in one transformer call.
             model_input, timestep = torch.cat([model_input] * 2), torch.cat([timestep] * 2)
-        velocity = self.component("transformer")(hidden_states=model_input.to(self.dtype), timestep=timestep,
-                                    encoder_hidden_states=self.guidance_batch(
-                                        [self._conditioning(state) for state in states], cfg),
-                                    return_dict=False)[0]
+        velocity = self.component("transformer")(
+            hidden_states=model_input.to(self.dtype),
+            timestep=timestep,
+            encoder_hidden_states=self.guidance_batch([self._conditioning(state) for state in states], cfg),
+            return_dict=False,
+        )[0]
         halves = [part.split(rows) for part in velocity.chunk(2)] if cfg else [velocity.split(rows)]
         for i, state in enumerate(states):
             scheduler, request = state.scheduler, state.request
@@ -263,8 +309,9 @@ class WanFamily(Family):
             # x0 = x_t - sigma·v of flow matching, a far better picture than x_t.
             sigma = float(scheduler.sigmas[state.step])
             state.extra["denoised"] = state.latents - sigma * v
-            state.latents = scheduler.step(v, t, state.latents, return_dict=False,
-                                           **self._step_kwargs(scheduler, state.generator))[0]
+            state.latents = scheduler.step(
+                v, t, state.latents, return_dict=False, **self._step_kwargs(scheduler, state.generator)
+            )[0]
             state.step += 1
 
     # 4. checkpoint / restore -------------------------------------------------
@@ -273,21 +320,27 @@ class WanFamily(Family):
         history = scheduler_attributes(state.scheduler, SCHEDULER_HISTORY)
         return self.checkpoint_fields(state, CHECKPOINT_FORMAT) | {"scheduler_history": history}
 
-    def restore(self, request: GenerationRequest, embeddings: dict[str, Any],
-                data: dict[str, Any]) -> DenoiseState:
+    def restore(self, request: GenerationRequest, embeddings: dict[str, Any], data: dict[str, Any]) -> DenoiseState:
         self.check_checkpoint_fields(data, request, (CHECKPOINT_FORMAT,))
         scheduler = self._new_scheduler(request.steps, begin_index=int(data["scheduler_step_index"]))
         if type(scheduler).__name__ != data["scheduler_class"]:
-            raise ValueError(f"checkpoint used {data['scheduler_class']}, the model now uses "
-                             f"{type(scheduler).__name__}")
+            raise ValueError(
+                f"checkpoint used {data['scheduler_class']}, the model now uses {type(scheduler).__name__}"
+            )
         # After set_timesteps (which resets the history): put the saved history back.
         for name, value in data["scheduler_history"].items():
             setattr(scheduler, name, to_device(value, self.device))
         generator = torch.Generator("cpu")
         generator.set_state(data["generator_state"])
         latents = data["latents"].to(self.device, torch.float32)
-        state = DenoiseState(request=request, step=int(data["step"]), latents=latents,
-                             embeddings=embeddings, scheduler=scheduler, generator=generator)
+        state = DenoiseState(
+            request=request,
+            step=int(data["step"]),
+            latents=latents,
+            embeddings=embeddings,
+            scheduler=scheduler,
+            generator=generator,
+        )
         if data.get("denoised") is not None:  # older checkpoints have no x0 estimate
             state.extra["denoised"] = data["denoised"].to(self.device, torch.float32)
         return state

@@ -1,4 +1,5 @@
 """`Authorization: Bearer <token>`: the API's own tokens under the keyword OpenAI clients send."""
+
 from __future__ import annotations
 
 from rest_framework.authentication import TokenAuthentication

@@ -1,4 +1,5 @@
 """Error responses: DRF's field errors for 400s, and 503 (never a traceback) when a backing service is down."""
+
 from __future__ import annotations
 
 import logging
@@ -21,8 +22,11 @@ def exception_handler(exc, context):
     if isinstance(exc, (DatabaseError, RedisError, ConnectionError)):
         service = "database" if isinstance(exc, DatabaseError) else "broker (Redis)"
         log.error("%s unavailable while serving %s: %s", service, context.get("request"), exc)
-        return Response({"detail": f"The {service} is unavailable; retry shortly.", "reason": "unavailable"},
-                        status=status.HTTP_503_SERVICE_UNAVAILABLE, headers={"Retry-After": "5"})
+        return Response(
+            {"detail": f"The {service} is unavailable; retry shortly.", "reason": "unavailable"},
+            status=status.HTTP_503_SERVICE_UNAVAILABLE,
+            headers={"Retry-After": "5"},
+        )
     return None
 
 

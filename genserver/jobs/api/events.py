@@ -20,6 +20,7 @@ An open stream holds no request thread and no database connection: only a
 Redis subscription on the event loop, so submits are served alongside
 hundreds of streams.
 """
+
 from __future__ import annotations
 
 import json
@@ -59,8 +60,9 @@ def _redis() -> aioredis.Redis:
     if _pool is None:
         # Each open stream holds one connection (its subscription): redis-py's default cap (100) would refuse
         # the 101st stream of a process; the server's own limit (maxclients, 10,000 by default) is the bound.
-        _pool = aioredis.ConnectionPool.from_url(settings.REDIS_URL, socket_connect_timeout=5,
-                                                 max_connections=MAX_REDIS_CONNECTIONS)
+        _pool = aioredis.ConnectionPool.from_url(
+            settings.REDIS_URL, socket_connect_timeout=5, max_connections=MAX_REDIS_CONNECTIONS
+        )
     return aioredis.Redis(connection_pool=_pool)
 
 
@@ -71,8 +73,7 @@ def _authenticate(request: HttpRequest) -> Any:
 
 
 def _visible_job(user: Any, job_id: Any) -> dict[str, Any] | None:
-    job = (selectors.jobs_visible_to(user).select_related("owner").prefetch_related("segments")
-           .filter(pk=job_id).first())
+    job = selectors.jobs_visible_to(user).select_related("owner").prefetch_related("segments").filter(pk=job_id).first()
     return render_jobs([job])[0] if job is not None else None
 
 
@@ -112,8 +113,11 @@ async def job_events(request: HttpRequest, job_id: Any) -> HttpResponse:
         session_user = await request.auser()
         user = session_user if session_user.is_authenticated else None
     if user is None:
-        return JsonResponse({"detail": "Authentication credentials were not provided."}, status=401,
-                            headers={"WWW-Authenticate": "Token"})
+        return JsonResponse(
+            {"detail": "Authentication credentials were not provided."},
+            status=401,
+            headers={"WWW-Authenticate": "Token"},
+        )
     current = await sync_to_async(_visible_job)(user, job_id)
     if current is None:
         raise Http404("No such job.")
@@ -124,23 +128,26 @@ async def job_events(request: HttpRequest, job_id: Any) -> HttpResponse:
         log_tail = await conn.xrevrange(events.log_key(job_id), count=1)
         if log_tail and _text(log_tail[0][0]) == last_id:
             return HttpResponse(status=204)  # the client has the terminal event: stop reconnecting
-    response = StreamingHttpResponse(_stream(request, conn, job_id, current, last_id),
-                                     content_type="text/event-stream")
+    response = StreamingHttpResponse(_stream(request, conn, job_id, current, last_id), content_type="text/event-stream")
     response["Cache-Control"] = "no-cache"
     response["X-Accel-Buffering"] = "no"  # nginx: pass each event on at once
     return response
 
 
-async def _stream(request: HttpRequest, conn: aioredis.Redis, job_id: Any, current: dict[str, Any],
-                  last_id: str) -> AsyncIterator[bytes]:
+async def _stream(
+    request: HttpRequest, conn: aioredis.Redis, job_id: Any, current: dict[str, Any], last_id: str
+) -> AsyncIterator[bytes]:
     log_key = events.log_key(job_id)
     pubsub = conn.pubsub()
     try:
         # 2. subscribe first: whatever is published from here on is either in the log read below or announced
         await pubsub.subscribe(events.channel(job_id))
         # 3. a reconnect replays what it missed; a new stream (or one whose log expired) starts from the job as it is
-        if last_id and current["status"] in events.TERMINAL_EVENTS and not await conn.xrange(
-                log_key, min=f"({last_id}", count=1):
+        if (
+            last_id
+            and current["status"] in events.TERMINAL_EVENTS
+            and not await conn.xrange(log_key, min=f"({last_id}", count=1)
+        ):
             last_id = ""  # ended, and its log no longer holds what came after: the job as it ended
         if not last_id:
             newest = await conn.xrevrange(log_key, count=1)
@@ -155,8 +162,9 @@ async def _stream(request: HttpRequest, conn: aioredis.Redis, job_id: Any, curre
                 yield _frame(request, last_id, _text(fields[b"job"]))
                 if fields.get(b"terminal") == b"1":
                     return  # 5. the terminal event was the last
-            message = await pubsub.get_message(ignore_subscribe_messages=True,
-                                               timeout=settings.EVENTS_KEEPALIVE_SECONDS)
+            message = await pubsub.get_message(
+                ignore_subscribe_messages=True, timeout=settings.EVENTS_KEEPALIVE_SECONDS
+            )
             if message is None:
                 yield b": keepalive\n\n"
     except aioredis.ConnectionError:

@@ -15,6 +15,7 @@ OpenAI's response shape, or OpenAI's error shape
 * when the wait ends first: 202 with `data: []` and an error naming the job
   (`job_id`, Location), which keeps running: poll GET /api/v1/jobs/{id}/.
 """
+
 from __future__ import annotations
 
 import base64
@@ -41,8 +42,13 @@ from genserver.storage import StorageError, default_storage
 
 _SIZE = re.compile(r"^(\d{1,5})x(\d{1,5})$")
 # A native field's error is reported under the OpenAI field it came from.
-_PARAM_OF = {"width": "size", "height": "size", "num_outputs": "n", "steps": "num_inference_steps",
-             "num_frames": "model"}
+_PARAM_OF = {
+    "width": "size",
+    "height": "size",
+    "num_outputs": "n",
+    "steps": "num_inference_steps",
+    "num_frames": "model",
+}
 _NO_RETRY = {"x-should-retry": "false"}  # the OpenAI client would otherwise resubmit: a second job
 
 
@@ -52,15 +58,22 @@ class ImageGenerationRequestSerializer(serializers.Serializer):
 
     prompt = PromptField(max_length=20000)
     model = RegistryModelField(kind="image", max_length=100, help_text="an image model of GET /v1/models")
-    n = serializers.IntegerField(required=False, default=1, min_value=1, max_value=4,
-                                 help_text="images to make (the job's num_outputs)")
-    size = serializers.RegexField(r"^(auto|\d{1,5}x\d{1,5})$", required=False, default="auto", max_length=16,
-                                  error_messages={"invalid": 'Give "WIDTHxHEIGHT" (e.g. "512x512") or "auto".'},
-                                  help_text='"WIDTHxHEIGHT" within the model\'s limits, or "auto" (its default)')
+    n = serializers.IntegerField(
+        required=False, default=1, min_value=1, max_value=4, help_text="images to make (the job's num_outputs)"
+    )
+    size = serializers.RegexField(
+        r"^(auto|\d{1,5}x\d{1,5})$",
+        required=False,
+        default="auto",
+        max_length=16,
+        error_messages={"invalid": 'Give "WIDTHxHEIGHT" (e.g. "512x512") or "auto".'},
+        help_text='"WIDTHxHEIGHT" within the model\'s limits, or "auto" (its default)',
+    )
     response_format = serializers.ChoiceField(choices=["url", "b64_json"], required=False, default="url")
     output_format = serializers.ChoiceField(choices=["png"], required=False, default="png")
-    user = serializers.CharField(required=False, max_length=256, allow_blank=True,
-                                 help_text="your end user's id (accepted, not stored)")
+    user = serializers.CharField(
+        required=False, max_length=256, allow_blank=True, help_text="your end user's id (accepted, not stored)"
+    )
     quality = serializers.CharField(required=False, max_length=32, help_text="accepted and ignored")
     style = serializers.CharField(required=False, max_length=32, help_text="accepted and ignored")
     negative_prompt = serializers.CharField(required=False, max_length=20000, allow_blank=True)
@@ -97,8 +110,12 @@ class ImageGenerationRequestSerializer(serializers.Serializer):
         if data["size"] != "auto":
             width, height = _SIZE.match(data["size"]).groups()  # type: ignore[union-attr] - validated
             job |= {"width": int(width), "height": int(height)}
-        for ours, theirs in (("negative_prompt", "negative_prompt"), ("seed", "seed"),
-                             ("steps", "num_inference_steps"), ("guidance_scale", "guidance_scale")):
+        for ours, theirs in (
+            ("negative_prompt", "negative_prompt"),
+            ("seed", "seed"),
+            ("steps", "num_inference_steps"),
+            ("guidance_scale", "guidance_scale"),
+        ):
             if theirs in data:
                 job[ours] = data[theirs]
         return job
@@ -145,19 +162,35 @@ class OpenAIModelListSerializer(serializers.Serializer):
 
 
 def _error_responses(*statuses: int) -> dict[int, OpenApiResponse]:
-    why = {400: "bad fields (`param` names the field)", 401: "no token, or an unknown one",
-           409: "the job was cancelled before it finished", 413: "the request body is too large",
-           422: "the Idempotency-Key was used for a different request",
-           415: "the body is not JSON", 429: "refused: overloaded, too many jobs in flight or too fast (Retry-After)",
-           500: "the job failed (`job_id` names it)", 503: "the database or the broker is unavailable"}
+    why = {
+        400: "bad fields (`param` names the field)",
+        401: "no token, or an unknown one",
+        409: "the job was cancelled before it finished",
+        413: "the request body is too large",
+        422: "the Idempotency-Key was used for a different request",
+        415: "the body is not JSON",
+        429: "refused: overloaded, too many jobs in flight or too fast (Retry-After)",
+        500: "the job failed (`job_id` names it)",
+        503: "the database or the broker is unavailable",
+    }
     return {code: OpenApiResponse(OpenAIErrorSerializer, description=why[code]) for code in statuses}
 
 
 # --- Errors in OpenAI's shape -------------------------------------------------------------------
-def openai_error(http_status: int, message: str, type_: str, param: str | None = None, code: str | None = None,
-                 headers: dict[str, str] | None = None, **extra: Any) -> Response:
-    return Response({"error": {"message": message, "type": type_, "param": param, "code": code} | extra},
-                    status=http_status, headers=headers)
+def openai_error(
+    http_status: int,
+    message: str,
+    type_: str,
+    param: str | None = None,
+    code: str | None = None,
+    headers: dict[str, str] | None = None,
+    **extra: Any,
+) -> Response:
+    return Response(
+        {"error": {"message": message, "type": type_, "param": param, "code": code} | extra},
+        status=http_status,
+        headers=headers,
+    )
 
 
 def _first_field_error(detail: Any, prefix: str = "") -> tuple[str | None, str]:
@@ -189,9 +222,14 @@ class OpenAIView(APIView):
             param, message = _first_field_error(data)
             body = openai_error(code, message, "invalid_request_error", param, "invalid_value").data
         elif code in (status.HTTP_401_UNAUTHORIZED, status.HTTP_403_FORBIDDEN):
-            body = openai_error(code, "Incorrect or missing API key: send `Authorization: Bearer <token>` with a "
-                                      "token from `manage.py issue_token USER`.", "invalid_request_error",
-                                None, "invalid_api_key").data
+            body = openai_error(
+                code,
+                "Incorrect or missing API key: send `Authorization: Bearer <token>` with a "
+                "token from `manage.py issue_token USER`.",
+                "invalid_request_error",
+                None,
+                "invalid_api_key",
+            ).data
         elif code == status.HTTP_429_TOO_MANY_REQUESTS:
             body = openai_error(code, _detail(data), "rate_limit_error", None, reason or "rate_limit_exceeded").data
         elif code >= 500:
@@ -214,13 +252,27 @@ class ImageGenerationView(OpenAIView):
     throttle_classes = [throttling.SubmitRateThrottle]
 
     @extend_schema(
-        operation_id="openai_images_generate", tags=["openai"], request=ImageGenerationRequestSerializer,
-        parameters=[OpenApiParameter("Idempotency-Key", str, OpenApiParameter.HEADER,
-                                     description="a retry with the same key waits on the first job")],
-        responses={200: ImagesResponseSerializer,
-                   202: OpenApiResponse(PendingImagesSerializer, description="the wait ended first: `data` is "
-                                        "empty and `error.job_id` names the job, which keeps running"),
-                   **_error_responses(400, 401, 409, 413, 415, 422, 429, 500, 503)})
+        operation_id="openai_images_generate",
+        tags=["openai"],
+        request=ImageGenerationRequestSerializer,
+        parameters=[
+            OpenApiParameter(
+                "Idempotency-Key",
+                str,
+                OpenApiParameter.HEADER,
+                description="a retry with the same key waits on the first job",
+            )
+        ],
+        responses={
+            200: ImagesResponseSerializer,
+            202: OpenApiResponse(
+                PendingImagesSerializer,
+                description="the wait ended first: `data` is "
+                "empty and `error.job_id` names the job, which keeps running",
+            ),
+            **_error_responses(400, 401, 409, 413, 415, 422, 429, 500, 503),
+        },
+    )
     def post(self, request: Request) -> Response:
         """Make images (the OpenAI Images API): an ordinary job, waited for up to GENSERVER_OPENAI_WAIT_SECONDS."""
         # 1. Validate the OpenAI shape, then the native job request (registry limits).
@@ -232,20 +284,36 @@ class ImageGenerationView(OpenAIView):
         # 2. Submit through the job service: admission, classes and limits as for any job.
         key = request.headers.get("Idempotency-Key", "").strip()
         if len(key) > 200:
-            return openai_error(400, "Idempotency-Key: at most 200 characters.", "invalid_request_error",
-                                "Idempotency-Key", "invalid_value")
+            return openai_error(
+                400,
+                "Idempotency-Key: at most 200 characters.",
+                "invalid_request_error",
+                "Idempotency-Key",
+                "invalid_value",
+            )
         try:
             job, _ = services.submit_or_replay(request.user, native.validated_data, key)
         except services.IdempotencyConflict as conflict:
-            return openai_error(422, str(conflict), "invalid_request_error", "Idempotency-Key",
-                                "idempotency_conflict")
+            return openai_error(422, str(conflict), "invalid_request_error", "Idempotency-Key", "idempotency_conflict")
         except services.InFlightLimitReached as full:
-            return openai_error(429, str(full), "rate_limit_error", None, "too_many_in_flight",
-                                headers={"Retry-After": str(full.retry_after_seconds)})
+            return openai_error(
+                429,
+                str(full),
+                "rate_limit_error",
+                None,
+                "too_many_in_flight",
+                headers={"Retry-After": str(full.retry_after_seconds)},
+            )
         except services.AdmissionRefused as refused:
             d = refused.decision
-            return openai_error(429, d.reason, "rate_limit_error", None, "overloaded",
-                                headers={"Retry-After": str(d.retry_after_seconds)})
+            return openai_error(
+                429,
+                d.reason,
+                "rate_limit_error",
+                None,
+                "overloaded",
+                headers={"Retry-After": str(d.retry_after_seconds)},
+            )
         # 3. Wait for it (bounded), then answer the images or what became of the job.
         job = selectors.wait_for_terminal(job.pk, settings.OPENAI_WAIT_SECONDS)
         return self._answer(request, job, incoming.validated_data["response_format"])
@@ -257,20 +325,55 @@ class ImageGenerationView(OpenAIView):
             data = [self._image(request, job, i, response_format) for i in range(len(job.outputs))]
             if None not in data:
                 return Response({"created": created, "data": data, "job_id": str(job.pk)})
-            return openai_error(500, f"The outputs of job {job.pk} are no longer stored.", "server_error", None,
-                                "output_gone", headers=_NO_RETRY, job_id=str(job.pk))
+            return openai_error(
+                500,
+                f"The outputs of job {job.pk} are no longer stored.",
+                "server_error",
+                None,
+                "output_gone",
+                headers=_NO_RETRY,
+                job_id=str(job.pk),
+            )
         if job.status == JobStatus.CANCELLED:
-            return openai_error(409, f"Job {job.pk} was cancelled before it finished.", "invalid_request_error",
-                                None, "job_cancelled", headers=_NO_RETRY, job_id=str(job.pk))
+            return openai_error(
+                409,
+                f"Job {job.pk} was cancelled before it finished.",
+                "invalid_request_error",
+                None,
+                "job_cancelled",
+                headers=_NO_RETRY,
+                job_id=str(job.pk),
+            )
         if job.is_terminal:
-            return openai_error(500, f"Job {job.pk} {job.status}: {job.error or 'no error recorded'}",
-                                "server_error", None, f"job_{job.status}", headers=_NO_RETRY, job_id=str(job.pk))
-        message = (f"Job {job.pk} did not finish within {settings.OPENAI_WAIT_SECONDS:g} s; it keeps running "
-                   f"({job.status}): poll GET {where} and download its outputs from there.")
-        return Response({"created": created, "data": [], "job_id": str(job.pk),
-                         "error": {"message": message, "type": "timeout", "param": None, "code": "job_pending",
-                                   "job_id": str(job.pk)}},
-                        status=status.HTTP_202_ACCEPTED, headers={"Location": where} | _NO_RETRY)
+            return openai_error(
+                500,
+                f"Job {job.pk} {job.status}: {job.error or 'no error recorded'}",
+                "server_error",
+                None,
+                f"job_{job.status}",
+                headers=_NO_RETRY,
+                job_id=str(job.pk),
+            )
+        message = (
+            f"Job {job.pk} did not finish within {settings.OPENAI_WAIT_SECONDS:g} s; it keeps running "
+            f"({job.status}): poll GET {where} and download its outputs from there."
+        )
+        return Response(
+            {
+                "created": created,
+                "data": [],
+                "job_id": str(job.pk),
+                "error": {
+                    "message": message,
+                    "type": "timeout",
+                    "param": None,
+                    "code": "job_pending",
+                    "job_id": str(job.pk),
+                },
+            },
+            status=status.HTTP_202_ACCEPTED,
+            headers={"Location": where} | _NO_RETRY,
+        )
 
     @staticmethod
     def _image(request: Request, job: Job, index: int, response_format: str) -> dict[str, str] | None:
@@ -283,12 +386,18 @@ class ImageGenerationView(OpenAIView):
 
 
 class OpenAIModelListView(OpenAIView):
-    @extend_schema(operation_id="openai_models_list", tags=["openai"],
-                   responses={200: OpenAIModelListSerializer, **_error_responses(401, 503)})
+    @extend_schema(
+        operation_id="openai_models_list",
+        tags=["openai"],
+        responses={200: OpenAIModelListSerializer, **_error_responses(401, 503)},
+    )
     def get(self, request: Request) -> Response:
         """The image models, in OpenAI's list shape (video models are on GET /api/v1/models/)."""
         reg = deployment.registry()
         names = [n for n in reg.names() if reg.get(n).kind == "image"]
-        return Response({"object": "list",
-                         "data": [{"id": n, "object": "model", "created": 0, "owned_by": "genserver"}
-                                  for n in names]})
+        return Response(
+            {
+                "object": "list",
+                "data": [{"id": n, "object": "model", "created": 0, "owned_by": "genserver"} for n in names],
+            }
+        )

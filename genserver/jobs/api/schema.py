@@ -4,6 +4,7 @@ A client generated from /api/schema/ (openapi-generator, openapi-python-client)
 must be able to decode every answer, so each operation lists every status it
 can send with its body schema, and the error bodies have one shape.
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -21,8 +22,10 @@ class ErrorSerializer(serializers.Serializer):
 
     detail = serializers.CharField(required=False, help_text="what went wrong and what to change")
     reason = serializers.CharField(
-        required=False, help_text="a stable code: overloaded, too_many_in_flight, rate_limited, too_large, "
-                                  "idempotency_conflict, unavailable, or why a step change was refused")
+        required=False,
+        help_text="a stable code: overloaded, too_many_in_flight, rate_limited, too_large, "
+        "idempotency_conflict, unavailable, or why a step change was refused",
+    )
     retry_after = serializers.IntegerField(required=False, help_text="seconds; also in the Retry-After header")
     non_field_errors = serializers.ListField(child=serializers.CharField(), required=False)
 
@@ -50,8 +53,9 @@ def error_responses(*statuses: int, **described: str) -> dict[int, OpenApiRespon
     `described` overrides a status's description, keyed `s409="..."`.
     """
     wanted = sorted({401, 503, *statuses})
-    return {code: OpenApiResponse(ErrorSerializer, description=described.get(f"s{code}", _WHY[code]))
-            for code in wanted}
+    return {
+        code: OpenApiResponse(ErrorSerializer, description=described.get(f"s{code}", _WHY[code])) for code in wanted
+    }
 
 
 class RegistryModelField(serializers.CharField):
@@ -146,8 +150,14 @@ class PromptFieldExtension(OpenApiSerializerFieldExtension):
 
 # Request bodies whose unknown fields are refused (400): the schema says so, so generated clients and
 # schemathesis do not send extras.
-CLOSED_REQUEST_BODIES = ("JobCreateRequest", "StepsChangeRequest", "ImageGenerationRequestRequest",
-                         "JobCreate", "StepsChange", "ImageGenerationRequest")
+CLOSED_REQUEST_BODIES = (
+    "JobCreateRequest",
+    "StepsChangeRequest",
+    "ImageGenerationRequestRequest",
+    "JobCreate",
+    "StepsChange",
+    "ImageGenerationRequest",
+)
 
 
 def close_request_bodies(result: dict[str, Any], generator: Any, request: Any, public: bool) -> dict[str, Any]:

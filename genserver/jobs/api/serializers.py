@@ -1,4 +1,5 @@
 """Request validation against the model registry, and the job's public representation."""
+
 from __future__ import annotations
 
 import math
@@ -51,25 +52,39 @@ class JobCreateSerializer(serializers.Serializer):
     seed = StrictIntegerField(required=False, min_value=0, max_value=2**63 - 1)
     num_outputs = StrictIntegerField(required=False, default=1, min_value=1, max_value=4)
     preview_every = StrictIntegerField(required=False, default=0, min_value=0, max_value=10000)
-    webhook_url = serializers.URLField(max_length=500, required=False, allow_blank=True, default="",
-                                       help_text="http(s) URL that receives signed JSON events of the job")
+    webhook_url = serializers.URLField(
+        max_length=500,
+        required=False,
+        allow_blank=True,
+        default="",
+        help_text="http(s) URL that receives signed JSON events of the job",
+    )
     webhook_events = serializers.ListField(
-        child=serializers.ChoiceField(choices=WEBHOOK_EVENTS), required=False, max_length=len(WEBHOOK_EVENTS),
+        child=serializers.ChoiceField(choices=WEBHOOK_EVENTS),
+        required=False,
+        max_length=len(WEBHOOK_EVENTS),
         help_text="which events webhook_url receives (default: started, succeeded, failed, cancelled); "
-                  "previews are sent at most once per GENSERVER_WEBHOOK_PREVIEW_SECONDS")
-    lane = serializers.RegexField(r"^[a-z0-9][a-z0-9_-]{0,31}$", max_length=32, required=False, allow_blank=True,
-                                  default="",
-                                  help_text='route the job to the workers on this lane of the pool layout '
-                                            '("interactive": a card group, for a user waiting on a video); '
-                                            'where no worker serves it, the job runs as without a lane')
+        "previews are sent at most once per GENSERVER_WEBHOOK_PREVIEW_SECONDS",
+    )
+    lane = serializers.RegexField(
+        r"^[a-z0-9][a-z0-9_-]{0,31}$",
+        max_length=32,
+        required=False,
+        allow_blank=True,
+        default="",
+        help_text="route the job to the workers on this lane of the pool layout "
+        '("interactive": a card group, for a user waiting on a video); '
+        "where no worker serves it, the job runs as without a lane",
+    )
 
     def to_internal_value(self, data: Any) -> dict[str, Any]:
         if not isinstance(data, dict):
             raise serializers.ValidationError({"non_field_errors": ["Send a JSON object of job fields."]})
         unknown = sorted(set(data) - set(self.fields))
         if unknown:
-            raise serializers.ValidationError({k: ["Unknown field; see GET /api/v1/models/ and the schema."]
-                                               for k in unknown})
+            raise serializers.ValidationError(
+                {k: ["Unknown field; see GET /api/v1/models/ and the schema."] for k in unknown}
+            )
         return super().to_internal_value(data)
 
     def validate_model(self, value: str) -> str:
@@ -77,7 +92,8 @@ class JobCreateSerializer(serializers.Serializer):
             deployment.registry().get(value)
         except RegistryError:
             raise serializers.ValidationError(
-                f"Unknown model {value!r}; available: {', '.join(deployment.registry().names())}.") from None
+                f"Unknown model {value!r}; available: {', '.join(deployment.registry().names())}."
+            ) from None
         return value
 
     def validate_webhook_url(self, value: str) -> str:
@@ -123,8 +139,10 @@ class JobCreateSerializer(serializers.Serializer):
             elif (frames - 1) % lim.frames_step:
                 errors["num_frames"] = [f"Must be 1 + a multiple of {lim.frames_step} for {spec.name} (e.g. 81)."]
             elif attrs["num_outputs"] > 1 and frames > spec.segment_frames > 0:
-                errors["num_outputs"] = [f"A video longer than {spec.segment_frames} frames runs in segments "
-                                         f"and makes one output; set num_outputs to 1."]
+                errors["num_outputs"] = [
+                    f"A video longer than {spec.segment_frames} frames runs in segments "
+                    f"and makes one output; set num_outputs to 1."
+                ]
         if attrs["steps"] > lim.max_steps:
             errors["steps"] = [f"At most {lim.max_steps} steps for {spec.name}."]
         if attrs["guidance_scale"] > lim.max_guidance:
@@ -142,13 +160,16 @@ class JobCreateSerializer(serializers.Serializer):
 class StepsChangeSerializer(serializers.Serializer):
     """POST /jobs/{id}/steps/: a new total. Needs the job's `model` in the context (its max_steps)."""
 
-    steps = StrictIntegerField(min_value=1, max_value=10000,
-                               help_text="the new total: at most the steps done stops the job at its next step "
-                                         "and decodes its current x0 estimate; more continues refining")
+    steps = StrictIntegerField(
+        min_value=1,
+        max_value=10000,
+        help_text="the new total: at most the steps done stops the job at its next step "
+        "and decodes its current x0 estimate; more continues refining",
+    )
 
     def to_internal_value(self, data: Any) -> dict[str, Any]:
         if not isinstance(data, dict):
-            raise serializers.ValidationError({"non_field_errors": ["Send a JSON object: {\"steps\": N}."]})
+            raise serializers.ValidationError({"non_field_errors": ['Send a JSON object: {"steps": N}.']})
         unknown = sorted(set(data) - set(self.fields))
         if unknown:
             raise serializers.ValidationError({k: ["Unknown field; only `steps` can change."] for k in unknown})
@@ -197,13 +218,42 @@ class JobSerializer(serializers.ModelSerializer):
     class Meta:
         model = Job
         fields = [
-            "id", "owner", "model", "kind", "status", "stage", "progress", "queue_position", "eta_seconds",
-            "estimated_seconds", "duration_class", "queue", "preview_url", "preview_step", "outputs", "segment_count",
-            "segments", "error",
-            "prompt", "negative_prompt", "width", "height", "num_frames", "steps", "steps_requested", "guidance_scale",
+            "id",
+            "owner",
+            "model",
+            "kind",
+            "status",
+            "stage",
+            "progress",
+            "queue_position",
+            "eta_seconds",
+            "estimated_seconds",
+            "duration_class",
+            "queue",
+            "preview_url",
+            "preview_step",
+            "outputs",
+            "segment_count",
+            "segments",
+            "error",
+            "prompt",
+            "negative_prompt",
+            "width",
+            "height",
+            "num_frames",
+            "steps",
+            "steps_requested",
+            "guidance_scale",
             "seed",
-            "num_outputs", "preview_every", "webhook_url", "webhook_events", "attempts", "cancel_requested",
-            "created_at", "started_at", "finished_at",
+            "num_outputs",
+            "preview_every",
+            "webhook_url",
+            "webhook_events",
+            "attempts",
+            "cancel_requested",
+            "created_at",
+            "started_at",
+            "finished_at",
         ]
         read_only_fields = fields
 
@@ -237,8 +287,10 @@ class JobSerializer(serializers.ModelSerializer):
     @extend_schema_field(OutputSerializer(many=True))
     def get_outputs(self, job: Job) -> list[dict[str, str]]:
         request = self.context.get("request")
-        return [{"url": reverse("job-output", args=[job.pk, i], request=request),
-                 "content_type": out["content_type"]} for i, out in enumerate(job.outputs)]
+        return [
+            {"url": reverse("job-output", args=[job.pk, i], request=request), "content_type": out["content_type"]}
+            for i, out in enumerate(job.outputs)
+        ]
 
     @extend_schema_field(SegmentSerializer(many=True))
     def get_segments(self, job: Job) -> list[dict]:
@@ -248,9 +300,17 @@ class JobSerializer(serializers.ModelSerializer):
         from genserver.jobs.models import SegmentStatus
 
         request = self.context.get("request")
-        published = sorted((s for s in job.segments.all() if s.status == SegmentStatus.PUBLISHED and s.key),
-                           key=lambda s: s.index)
-        return [{"index": s.index, "frames": s.frames, "seed": s.seed, "content_type": "video/mp4",
-                 "url": reverse("job-segment", args=[job.pk, s.index], request=request),
-                 "poster_url": reverse("job-segment-poster", args=[job.pk, s.index], request=request)}
-                for s in published]
+        published = sorted(
+            (s for s in job.segments.all() if s.status == SegmentStatus.PUBLISHED and s.key), key=lambda s: s.index
+        )
+        return [
+            {
+                "index": s.index,
+                "frames": s.frames,
+                "seed": s.seed,
+                "content_type": "video/mp4",
+                "url": reverse("job-segment", args=[job.pk, s.index], request=request),
+                "poster_url": reverse("job-segment-poster", args=[job.pk, s.index], request=request),
+            }
+            for s in published
+        ]

@@ -10,6 +10,7 @@
 * `SubmitJSONParser`: JSON only (another content type → 415); a document nested
   too deeply for the decoder is a 400, not a 500.
 """
+
 from __future__ import annotations
 
 import math
@@ -27,7 +28,10 @@ class SubmitRateLimited(exceptions.Throttled):
         super().__init__(wait=wait)
         self.detail = {
             "detail": f"Too many submissions: at most {limit} jobs per {window:g} s; retry in {wait} s.",
-            "reason": "rate_limited", "limit": limit, "window_seconds": window, "retry_after": wait,
+            "reason": "rate_limited",
+            "limit": limit,
+            "window_seconds": window,
+            "retry_after": wait,
         }
 
 
@@ -37,8 +41,11 @@ class RequestTooLarge(exceptions.APIException):
 
     def __init__(self, length: int, limit: int) -> None:
         super().__init__()
-        self.detail = {"detail": f"Request body is {length} bytes; at most {limit} are accepted.",
-                       "reason": "too_large", "limit_bytes": limit}
+        self.detail = {
+            "detail": f"Request body is {length} bytes; at most {limit} are accepted.",
+            "reason": "too_large",
+            "limit_bytes": limit,
+        }
 
 
 class SubmitRateThrottle(BaseThrottle):
@@ -52,8 +59,11 @@ class SubmitRateThrottle(BaseThrottle):
         from genserver.jobs.models import Job
 
         now = timezone.now()
-        recent = list(Job.objects.filter(owner=user, created_at__gte=now - timedelta(seconds=window))
-                      .order_by("-created_at").values_list("created_at", flat=True)[:limit])
+        recent = list(
+            Job.objects.filter(owner=user, created_at__gte=now - timedelta(seconds=window))
+            .order_by("-created_at")
+            .values_list("created_at", flat=True)[:limit]
+        )
         if len(recent) < limit:
             return True
         # The next submit fits once the oldest of the last `limit` jobs is out of the window.

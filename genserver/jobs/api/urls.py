@@ -1,4 +1,5 @@
 """Routes of /api/v1/."""
+
 from django.urls import path
 
 from genserver.jobs.api import events, views
@@ -13,8 +14,11 @@ urlpatterns = [
     path("jobs/<uuid:job_id>/outputs/<int:index>/", views.JobOutputView.as_view(), name="job-output"),
     path("jobs/<uuid:job_id>/preview/", views.JobPreviewView.as_view(), name="job-preview"),
     path("jobs/<uuid:job_id>/segments/<int:index>/", views.JobSegmentView.as_view(), name="job-segment"),
-    path("jobs/<uuid:job_id>/segments/<int:index>/poster/", views.JobSegmentView.as_view(poster=True),
-         name="job-segment-poster"),
+    path(
+        "jobs/<uuid:job_id>/segments/<int:index>/poster/",
+        views.JobSegmentView.as_view(poster=True),
+        name="job-segment-poster",
+    ),
     path("models/", views.ModelListView.as_view(), name="model-list"),
     path("queues/", views.QueueListView.as_view(), name="queue-list"),
     path("workers/", views.WorkerListView.as_view(), name="worker-list"),

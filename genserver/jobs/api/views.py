@@ -1,4 +1,5 @@
 """One thin view per endpoint: parse, call a service or selector, render."""
+
 from __future__ import annotations
 
 import math
@@ -64,25 +65,39 @@ class JobListCreateView(GenericAPIView):
             qs = qs.filter(status=wanted)
         return qs.order_by("-created_at")
 
-    @extend_schema(parameters=[OpenApiParameter("status", OpenApiTypes.STR, enum=JobStatus.values)],
-                   responses={200: JobSerializer(many=True), **error_responses(400)})
+    @extend_schema(
+        parameters=[OpenApiParameter("status", OpenApiTypes.STR, enum=JobStatus.values)],
+        responses={200: JobSerializer(many=True), **error_responses(400)},
+    )
     def get(self, request: Request) -> Response:
         page = self.paginate_queryset(self.get_queryset())
         data = JobSerializer(page, many=True, context=_job_context(request)).data
         return self.get_paginated_response(data)
 
-    @extend_schema(request=JobCreateSerializer, parameters=[
-        OpenApiParameter("Idempotency-Key", OpenApiTypes.STR, OpenApiParameter.HEADER,
-                         description="retrying a submit with the same key returns the first job (200) instead of "
-                                     "a new one"),
-        OpenApiParameter("Prefer", OpenApiTypes.STR, OpenApiParameter.HEADER,  # RFC 7240: any text; unknown ignored
-                         description="`wait=N`: hold the answer until the job ends or N seconds pass (N is cut "
-                                     "to GENSERVER_PREFER_WAIT_MAX_SECONDS); a job that ended is answered with "
-                                     "`Preference-Applied: wait=N`, otherwise the usual 201 without it")],
+    @extend_schema(
+        request=JobCreateSerializer,
+        parameters=[
+            OpenApiParameter(
+                "Idempotency-Key",
+                OpenApiTypes.STR,
+                OpenApiParameter.HEADER,
+                description="retrying a submit with the same key returns the first job (200) instead of a new one",
+            ),
+            OpenApiParameter(
+                "Prefer",
+                OpenApiTypes.STR,
+                OpenApiParameter.HEADER,  # RFC 7240: any text; unknown ignored
+                description="`wait=N`: hold the answer until the job ends or N seconds pass (N is cut "
+                "to GENSERVER_PREFER_WAIT_MAX_SECONDS); a job that ended is answered with "
+                "`Preference-Applied: wait=N`, otherwise the usual 201 without it",
+            ),
+        ],
         responses={
-        201: OpenApiResponse(JobSerializer, description="the job; finished when `Preference-Applied` is present"),
-        200: OpenApiResponse(JobSerializer, description="a retry with the same Idempotency-Key"),
-        **error_responses(400, 413, 415, 422, 429)})
+            201: OpenApiResponse(JobSerializer, description="the job; finished when `Preference-Applied` is present"),
+            200: OpenApiResponse(JobSerializer, description="a retry with the same Idempotency-Key"),
+            **error_responses(400, 413, 415, 422, 429),
+        },
+    )
     def post(self, request: Request) -> Response:
         throttling.check_body_size(request)
         incoming = JobCreateSerializer(data=request.data)
@@ -93,13 +108,21 @@ class JobListCreateView(GenericAPIView):
         try:
             job, replayed = services.submit_or_replay(request.user, incoming.validated_data, key)
         except services.IdempotencyConflict as conflict:
-            return Response({"detail": str(conflict), "reason": "idempotency_conflict"},
-                            status=status.HTTP_422_UNPROCESSABLE_ENTITY)
+            return Response(
+                {"detail": str(conflict), "reason": "idempotency_conflict"}, status=status.HTTP_422_UNPROCESSABLE_ENTITY
+            )
         except services.InFlightLimitReached as full:
-            return Response({"detail": str(full), "reason": "too_many_in_flight", "limit": full.limit,
-                             "in_flight": full.in_flight, "retry_after": full.retry_after_seconds},
-                            status=status.HTTP_429_TOO_MANY_REQUESTS,
-                            headers={"Retry-After": str(full.retry_after_seconds)})
+            return Response(
+                {
+                    "detail": str(full),
+                    "reason": "too_many_in_flight",
+                    "limit": full.limit,
+                    "in_flight": full.in_flight,
+                    "retry_after": full.retry_after_seconds,
+                },
+                status=status.HTTP_429_TOO_MANY_REQUESTS,
+                headers={"Retry-After": str(full.retry_after_seconds)},
+            )
         except services.AdmissionRefused as refused:
             return _overloaded(refused)
         headers = {"Idempotent-Replayed": "true"} if replayed else {}
@@ -130,14 +153,28 @@ class JobCancelView(APIView):
 class JobStepsView(APIView):
     parser_classes = [throttling.SubmitJSONParser]  # JSON only
 
-    @extend_schema(request=StepsChangeSerializer, responses={
-        202: OpenApiResponse(JobSerializer, description="accepted: `steps` is the new total (a running job takes it "
-                                                        "up at its next step; one stopped early then shows the "
-                                                        "steps it did), `steps_requested` the total asked at submit"),
-        **error_responses(400, 404, 409, 413, 415, 429,
-                          s409="the job is decoding, finished or being cancelled; see `reason`",
-                          s429="the added work is refused by admission (class overloaded); "
-                               "see Retry-After and `reason`; nothing changed")})
+    @extend_schema(
+        request=StepsChangeSerializer,
+        responses={
+            202: OpenApiResponse(
+                JobSerializer,
+                description="accepted: `steps` is the new total (a running job takes it "
+                "up at its next step; one stopped early then shows the "
+                "steps it did), `steps_requested` the total asked at submit",
+            ),
+            **error_responses(
+                400,
+                404,
+                409,
+                413,
+                415,
+                429,
+                s409="the job is decoding, finished or being cancelled; see `reason`",
+                s429="the added work is refused by admission (class overloaded); "
+                "see Retry-After and `reason`; nothing changed",
+            ),
+        },
+    )
     def post(self, request: Request, job_id) -> Response:
         """Change the step count midway: fewer stops early (decoding the current x0 estimate), more continues."""
         job = get_object_or_404(selectors.jobs_visible_to(request.user), pk=job_id)
@@ -146,8 +183,10 @@ class JobStepsView(APIView):
         try:
             job = services.change_steps(job, incoming.validated_data["steps"])
         except services.StepsChangeRefused as refused:
-            return Response({"detail": str(refused), "reason": refused.reason, "status": refused.status},
-                            status=status.HTTP_409_CONFLICT)
+            return Response(
+                {"detail": str(refused), "reason": refused.reason, "status": refused.status},
+                status=status.HTTP_409_CONFLICT,
+            )
         except services.AdmissionRefused as refused:
             return _overloaded(refused)
         return Response(JobSerializer(job, context=_job_context(request)).data, status=status.HTTP_202_ACCEPTED)
@@ -156,12 +195,21 @@ class JobStepsView(APIView):
 def _overloaded(refused: services.AdmissionRefused) -> Response:
     """429 with Retry-After for work admission refused (a submit, or steps added to a job)."""
     d = refused.decision
-    return Response({"detail": d.reason, "reason": "overloaded", "duration_class": refused.duration_class,
-                     # None: no live card serves the queue (every node with one is down)
-                     "expected_wait_seconds": (round(d.expected_wait_seconds, 1)
-                                               if math.isfinite(d.expected_wait_seconds) else None),
-                     "limit_seconds": d.limit_seconds, "retry_after": d.retry_after_seconds},
-                    status=status.HTTP_429_TOO_MANY_REQUESTS, headers={"Retry-After": str(d.retry_after_seconds)})
+    return Response(
+        {
+            "detail": d.reason,
+            "reason": "overloaded",
+            "duration_class": refused.duration_class,
+            # None: no live card serves the queue (every node with one is down)
+            "expected_wait_seconds": (
+                round(d.expected_wait_seconds, 1) if math.isfinite(d.expected_wait_seconds) else None
+            ),
+            "limit_seconds": d.limit_seconds,
+            "retry_after": d.retry_after_seconds,
+        },
+        status=status.HTTP_429_TOO_MANY_REQUESTS,
+        headers={"Retry-After": str(d.retry_after_seconds)},
+    )
 
 
 def _serve(key: str, content_type: str, *, delivery: str = "stream") -> HttpResponseBase:
@@ -186,10 +234,16 @@ def _serve(key: str, content_type: str, *, delivery: str = "stream") -> HttpResp
 
 
 class JobOutputView(APIView):
-    @extend_schema(responses={(200, "image/png"): OpenApiTypes.BINARY,
-                              302: OpenApiResponse(description="GENSERVER_OUTPUT_DELIVERY=presigned on object "
-                                                               "storage: Location is a short-lived URL of the output"),
-                              **error_responses(404)})
+    @extend_schema(
+        responses={
+            (200, "image/png"): OpenApiTypes.BINARY,
+            302: OpenApiResponse(
+                description="GENSERVER_OUTPUT_DELIVERY=presigned on object "
+                "storage: Location is a short-lived URL of the output"
+            ),
+            **error_responses(404),
+        }
+    )
     def get(self, request: Request, job_id, index: int):
         job = get_object_or_404(selectors.jobs_visible_to(request.user), pk=job_id)
         if index >= len(job.outputs):
@@ -212,8 +266,13 @@ class JobSegmentView(APIView):
 
     poster = False
 
-    @extend_schema(responses={(200, "video/mp4"): OpenApiTypes.BINARY, (200, "image/png"): OpenApiTypes.BINARY,
-                              **error_responses(404)})
+    @extend_schema(
+        responses={
+            (200, "video/mp4"): OpenApiTypes.BINARY,
+            (200, "image/png"): OpenApiTypes.BINARY,
+            **error_responses(404),
+        }
+    )
     def get(self, request: Request, job_id, index: int):
         from genserver.jobs.models import JobSegment, SegmentStatus
 
@@ -241,8 +300,14 @@ class WorkerListView(APIView):
         from genserver.metrics import embedding_cache_counts, merged_counts
 
         workers = selectors.live_workers()
-        return Response({"workers": workers, "nodes": selectors.nodes_overview(workers),
-                         "embedding_cache": embedding_cache_counts(), "merged_denoise": merged_counts()})
+        return Response(
+            {
+                "workers": workers,
+                "nodes": selectors.nodes_overview(workers),
+                "embedding_cache": embedding_cache_counts(),
+                "merged_denoise": merged_counts(),
+            }
+        )
 
 
 class QueueListView(APIView):

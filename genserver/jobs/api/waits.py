@@ -1,4 +1,5 @@
 """`Prefer: wait=N` (RFC 7240, as Replicate uses it): how long a submit may hold the request for its job to end."""
+
 from __future__ import annotations
 
 import re

@@ -10,16 +10,15 @@ def route_existing_jobs(apps, schema_editor):
 
 
 class Migration(migrations.Migration):
-
     dependencies = [
-        ('jobs', '0001_initial'),
+        ("jobs", "0001_initial"),
     ]
 
     operations = [
         migrations.AddField(
-            model_name='job',
-            name='queue',
-            field=models.CharField(default='', help_text='broker queue of its denoise chunks', max_length=120),
+            model_name="job",
+            name="queue",
+            field=models.CharField(default="", help_text="broker queue of its denoise chunks", max_length=120),
         ),
         migrations.RunPython(route_existing_jobs, migrations.RunPython.noop),
     ]

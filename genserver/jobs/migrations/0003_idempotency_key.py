@@ -5,25 +5,28 @@ from django.db import migrations, models
 
 
 class Migration(migrations.Migration):
-
     dependencies = [
-        ('jobs', '0002_job_queue'),
+        ("jobs", "0002_job_queue"),
         migrations.swappable_dependency(settings.AUTH_USER_MODEL),
     ]
 
     operations = [
         migrations.AddField(
-            model_name='job',
-            name='idempotency_key',
-            field=models.CharField(blank=True, default='', max_length=200),
+            model_name="job",
+            name="idempotency_key",
+            field=models.CharField(blank=True, default="", max_length=200),
         ),
         migrations.AddField(
-            model_name='job',
-            name='request_fingerprint',
-            field=models.CharField(blank=True, default='', max_length=64),
+            model_name="job",
+            name="request_fingerprint",
+            field=models.CharField(blank=True, default="", max_length=64),
         ),
         migrations.AddConstraint(
-            model_name='job',
-            constraint=models.UniqueConstraint(condition=models.Q(('idempotency_key', ''), _negated=True), fields=('owner', 'idempotency_key'), name='unique_idempotency_key_per_owner'),
+            model_name="job",
+            constraint=models.UniqueConstraint(
+                condition=models.Q(("idempotency_key", ""), _negated=True),
+                fields=("owner", "idempotency_key"),
+                name="unique_idempotency_key_per_owner",
+            ),
         ),
     ]

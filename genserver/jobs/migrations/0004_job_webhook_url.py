@@ -4,15 +4,19 @@ from django.db import migrations, models
 
 
 class Migration(migrations.Migration):
-
     dependencies = [
-        ('jobs', '0003_idempotency_key'),
+        ("jobs", "0003_idempotency_key"),
     ]
 
     operations = [
         migrations.AddField(
-            model_name='job',
-            name='webhook_url',
-            field=models.URLField(blank=True, default='', help_text='receives signed JSON events (started, preview, succeeded, ...)', max_length=500),
+            model_name="job",
+            name="webhook_url",
+            field=models.URLField(
+                blank=True,
+                default="",
+                help_text="receives signed JSON events (started, preview, succeeded, ...)",
+                max_length=500,
+            ),
         ),
     ]

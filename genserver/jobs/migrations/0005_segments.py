@@ -5,46 +5,68 @@ from django.db import migrations, models
 
 
 class Migration(migrations.Migration):
-
     dependencies = [
-        ('jobs', '0004_job_webhook_url'),
+        ("jobs", "0004_job_webhook_url"),
     ]
 
     operations = [
         migrations.AddField(
-            model_name='job',
-            name='segment_count',
-            field=models.PositiveIntegerField(default=1, help_text='segments denoised one after the other'),
+            model_name="job",
+            name="segment_count",
+            field=models.PositiveIntegerField(default=1, help_text="segments denoised one after the other"),
         ),
         migrations.AddField(
-            model_name='job',
-            name='segment_frames',
-            field=models.PositiveIntegerField(default=0, help_text='frames per segment (0: not segmented)'),
+            model_name="job",
+            name="segment_frames",
+            field=models.PositiveIntegerField(default=0, help_text="frames per segment (0: not segmented)"),
         ),
         migrations.CreateModel(
-            name='JobSegment',
+            name="JobSegment",
             fields=[
-                ('id', models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name='ID')),
-                ('index', models.PositiveIntegerField()),
-                ('frames', models.PositiveIntegerField(help_text='frames it adds to the video')),
-                ('seed', models.BigIntegerField()),
-                ('status', models.CharField(choices=[('denoised', 'Denoised'), ('decoding', 'Decoding'), ('published', 'Published'), ('failed', 'Failed')], default='denoised', max_length=20)),
-                ('checkpoint_key', models.CharField(blank=True, default='', help_text='its final latents', max_length=300)),
-                ('key', models.CharField(blank=True, default='', help_text='its MP4 clip', max_length=300)),
-                ('poster_key', models.CharField(blank=True, default='', max_length=300)),
-                ('lease_owner', models.CharField(blank=True, default='', max_length=200)),
-                ('lease_expires_at', models.DateTimeField(blank=True, null=True)),
-                ('published_at', models.DateTimeField(blank=True, help_text='when its decode was last published', null=True)),
-                ('attempts', models.PositiveIntegerField(default=0)),
-                ('error', models.TextField(blank=True, default='')),
-                ('created_at', models.DateTimeField(auto_now_add=True)),
-                ('decoded_at', models.DateTimeField(blank=True, null=True)),
-                ('job', models.ForeignKey(on_delete=django.db.models.deletion.CASCADE, related_name='segments', to='jobs.job')),
+                ("id", models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name="ID")),
+                ("index", models.PositiveIntegerField()),
+                ("frames", models.PositiveIntegerField(help_text="frames it adds to the video")),
+                ("seed", models.BigIntegerField()),
+                (
+                    "status",
+                    models.CharField(
+                        choices=[
+                            ("denoised", "Denoised"),
+                            ("decoding", "Decoding"),
+                            ("published", "Published"),
+                            ("failed", "Failed"),
+                        ],
+                        default="denoised",
+                        max_length=20,
+                    ),
+                ),
+                (
+                    "checkpoint_key",
+                    models.CharField(blank=True, default="", help_text="its final latents", max_length=300),
+                ),
+                ("key", models.CharField(blank=True, default="", help_text="its MP4 clip", max_length=300)),
+                ("poster_key", models.CharField(blank=True, default="", max_length=300)),
+                ("lease_owner", models.CharField(blank=True, default="", max_length=200)),
+                ("lease_expires_at", models.DateTimeField(blank=True, null=True)),
+                (
+                    "published_at",
+                    models.DateTimeField(blank=True, help_text="when its decode was last published", null=True),
+                ),
+                ("attempts", models.PositiveIntegerField(default=0)),
+                ("error", models.TextField(blank=True, default="")),
+                ("created_at", models.DateTimeField(auto_now_add=True)),
+                ("decoded_at", models.DateTimeField(blank=True, null=True)),
+                (
+                    "job",
+                    models.ForeignKey(
+                        on_delete=django.db.models.deletion.CASCADE, related_name="segments", to="jobs.job"
+                    ),
+                ),
             ],
             options={
-                'ordering': ['job', 'index'],
-                'indexes': [models.Index(fields=['status', 'published_at'], name='jobs_jobseg_status_fb16f9_idx')],
-                'constraints': [models.UniqueConstraint(fields=('job', 'index'), name='unique_segment_per_job')],
+                "ordering": ["job", "index"],
+                "indexes": [models.Index(fields=["status", "published_at"], name="jobs_jobseg_status_fb16f9_idx")],
+                "constraints": [models.UniqueConstraint(fields=("job", "index"), name="unique_segment_per_job")],
             },
         ),
     ]

@@ -4,20 +4,23 @@ from django.db import migrations, models
 
 
 class Migration(migrations.Migration):
-
     dependencies = [
-        ('jobs', '0005_segments'),
+        ("jobs", "0005_segments"),
     ]
 
     operations = [
         migrations.AddField(
-            model_name='job',
-            name='steps_requested',
-            field=models.PositiveIntegerField(blank=True, help_text='the total asked at submit, once the steps were changed', null=True),
+            model_name="job",
+            name="steps_requested",
+            field=models.PositiveIntegerField(
+                blank=True, help_text="the total asked at submit, once the steps were changed", null=True
+            ),
         ),
         migrations.AlterField(
-            model_name='job',
-            name='steps',
-            field=models.PositiveIntegerField(help_text='the total: as asked, or as changed midway (a job stopped early: the steps it did)'),
+            model_name="job",
+            name="steps",
+            field=models.PositiveIntegerField(
+                help_text="the total: as asked, or as changed midway (a job stopped early: the steps it did)"
+            ),
         ),
     ]

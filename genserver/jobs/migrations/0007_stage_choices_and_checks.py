@@ -5,56 +5,109 @@ from django.db import migrations, models
 
 
 class Migration(migrations.Migration):
-
     dependencies = [
-        ('jobs', '0006_job_steps_requested'),
+        ("jobs", "0006_job_steps_requested"),
         migrations.swappable_dependency(settings.AUTH_USER_MODEL),
     ]
 
     operations = [
         migrations.AlterField(
-            model_name='job',
-            name='stage',
-            field=models.CharField(choices=[('queued', 'Queued'), ('encoding', 'Encoding'), ('waiting', 'Waiting'), ('denoising', 'Denoising'), ('decoding', 'Decoding'), ('retrying', 'Retrying'), ('done', 'Done'), ('failed', 'Failed'), ('cancelled', 'Cancelled'), ('expired', 'Expired')], default='queued', max_length=20),
+            model_name="job",
+            name="stage",
+            field=models.CharField(
+                choices=[
+                    ("queued", "Queued"),
+                    ("encoding", "Encoding"),
+                    ("waiting", "Waiting"),
+                    ("denoising", "Denoising"),
+                    ("decoding", "Decoding"),
+                    ("retrying", "Retrying"),
+                    ("done", "Done"),
+                    ("failed", "Failed"),
+                    ("cancelled", "Cancelled"),
+                    ("expired", "Expired"),
+                ],
+                default="queued",
+                max_length=20,
+            ),
         ),
         migrations.AddConstraint(
-            model_name='job',
-            constraint=models.CheckConstraint(condition=models.Q(('priority__gte', 0), ('priority__lte', 9)), name='job_priority_0_to_9'),
+            model_name="job",
+            constraint=models.CheckConstraint(
+                condition=models.Q(("priority__gte", 0), ("priority__lte", 9)), name="job_priority_0_to_9"
+            ),
         ),
         migrations.AddConstraint(
-            model_name='job',
-            constraint=models.CheckConstraint(condition=models.Q(('steps__gte', 1)), name='job_steps_at_least_1'),
+            model_name="job",
+            constraint=models.CheckConstraint(condition=models.Q(("steps__gte", 1)), name="job_steps_at_least_1"),
         ),
         migrations.AddConstraint(
-            model_name='job',
-            constraint=models.CheckConstraint(condition=models.Q(('chunk_steps__gte', 1)), name='job_chunk_steps_at_least_1'),
+            model_name="job",
+            constraint=models.CheckConstraint(
+                condition=models.Q(("chunk_steps__gte", 1)), name="job_chunk_steps_at_least_1"
+            ),
         ),
         migrations.AddConstraint(
-            model_name='job',
-            constraint=models.CheckConstraint(condition=models.Q(('num_outputs__gte', 1)), name='job_num_outputs_at_least_1'),
+            model_name="job",
+            constraint=models.CheckConstraint(
+                condition=models.Q(("num_outputs__gte", 1)), name="job_num_outputs_at_least_1"
+            ),
         ),
         migrations.AddConstraint(
-            model_name='job',
-            constraint=models.CheckConstraint(condition=models.Q(('segment_count__gte', 1)), name='job_segment_count_at_least_1'),
+            model_name="job",
+            constraint=models.CheckConstraint(
+                condition=models.Q(("segment_count__gte", 1)), name="job_segment_count_at_least_1"
+            ),
         ),
         migrations.AddConstraint(
-            model_name='job',
-            constraint=models.CheckConstraint(condition=models.Q(('estimated_seconds__gte', 0)), name='job_estimate_not_negative'),
+            model_name="job",
+            constraint=models.CheckConstraint(
+                condition=models.Q(("estimated_seconds__gte", 0)), name="job_estimate_not_negative"
+            ),
         ),
         migrations.AddConstraint(
-            model_name='job',
-            constraint=models.CheckConstraint(condition=models.Q(('clock_scale__gt', 0)), name='job_clock_scale_positive'),
+            model_name="job",
+            constraint=models.CheckConstraint(
+                condition=models.Q(("clock_scale__gt", 0)), name="job_clock_scale_positive"
+            ),
         ),
         migrations.AddConstraint(
-            model_name='job',
-            constraint=models.CheckConstraint(condition=models.Q(('status__in', ['queued', 'encoding', 'denoising', 'decoding', 'succeeded', 'failed', 'cancelled'])), name='job_status_known'),
+            model_name="job",
+            constraint=models.CheckConstraint(
+                condition=models.Q(
+                    ("status__in", ["queued", "encoding", "denoising", "decoding", "succeeded", "failed", "cancelled"])
+                ),
+                name="job_status_known",
+            ),
         ),
         migrations.AddConstraint(
-            model_name='job',
-            constraint=models.CheckConstraint(condition=models.Q(('stage__in', ['queued', 'encoding', 'waiting', 'denoising', 'decoding', 'retrying', 'done', 'failed', 'cancelled', 'expired'])), name='job_stage_known'),
+            model_name="job",
+            constraint=models.CheckConstraint(
+                condition=models.Q(
+                    (
+                        "stage__in",
+                        [
+                            "queued",
+                            "encoding",
+                            "waiting",
+                            "denoising",
+                            "decoding",
+                            "retrying",
+                            "done",
+                            "failed",
+                            "cancelled",
+                            "expired",
+                        ],
+                    )
+                ),
+                name="job_stage_known",
+            ),
         ),
         migrations.AddConstraint(
-            model_name='jobsegment',
-            constraint=models.CheckConstraint(condition=models.Q(('status__in', ['denoised', 'decoding', 'published', 'failed'])), name='segment_status_known'),
+            model_name="jobsegment",
+            constraint=models.CheckConstraint(
+                condition=models.Q(("status__in", ["denoised", "decoding", "published", "failed"])),
+                name="segment_status_known",
+            ),
         ),
     ]

@@ -6,15 +6,18 @@ import genserver.jobs.models
 
 
 class Migration(migrations.Migration):
-
     dependencies = [
-        ('jobs', '0007_stage_choices_and_checks'),
+        ("jobs", "0007_stage_choices_and_checks"),
     ]
 
     operations = [
         migrations.AddField(
-            model_name='job',
-            name='webhook_events',
-            field=models.JSONField(blank=True, default=genserver.jobs.models.default_webhook_events, help_text='events sent to webhook_url (default: started and terminal)'),
+            model_name="job",
+            name="webhook_events",
+            field=models.JSONField(
+                blank=True,
+                default=genserver.jobs.models.default_webhook_events,
+                help_text="events sent to webhook_url (default: started and terminal)",
+            ),
         ),
     ]

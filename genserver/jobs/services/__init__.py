@@ -12,6 +12,7 @@ claims, heartbeats, chunks and decode), `recovery` (failed attempts, the
 reaper, the admin's retry), `retention`; `_common` holds what they and
 segment_service.py share. Callers use the names re-exported here.
 """
+
 from __future__ import annotations
 
 from ._common import Outcome, disk_full, publish_or_leave_to_reaper
@@ -45,10 +46,40 @@ from .transitions import (
 )
 
 __all__ = [
-    "AdmissionRefused", "Estimate", "IdempotencyConflict", "InFlightLimitReached", "Outcome", "STEPS_CHANGEABLE",
-    "StepsChangeRefused", "cancel_job", "change_steps", "check_in_flight", "claim_chunk", "claim_encode_batch",
-    "claim_merge_partners", "disk_full", "estimate", "expire_outputs", "fail_attempt", "fingerprint",
-    "finish_cancelled", "finish_chunk", "finish_decoding", "finish_encoding", "heartbeat", "publish_or_leave_to_reaper",
-    "reap_stale", "record_preview", "release_for_new_total", "replayed_job", "reprioritise", "retain",
-    "retry_failed", "start_decoding", "start_encoding", "submit_job", "submit_or_replay", "sweep_embeddings",
+    "AdmissionRefused",
+    "Estimate",
+    "IdempotencyConflict",
+    "InFlightLimitReached",
+    "Outcome",
+    "STEPS_CHANGEABLE",
+    "StepsChangeRefused",
+    "cancel_job",
+    "change_steps",
+    "check_in_flight",
+    "claim_chunk",
+    "claim_encode_batch",
+    "claim_merge_partners",
+    "disk_full",
+    "estimate",
+    "expire_outputs",
+    "fail_attempt",
+    "fingerprint",
+    "finish_cancelled",
+    "finish_chunk",
+    "finish_decoding",
+    "finish_encoding",
+    "heartbeat",
+    "publish_or_leave_to_reaper",
+    "reap_stale",
+    "record_preview",
+    "release_for_new_total",
+    "replayed_job",
+    "reprioritise",
+    "retain",
+    "retry_failed",
+    "start_decoding",
+    "start_encoding",
+    "submit_job",
+    "submit_or_replay",
+    "sweep_embeddings",
 ]

@@ -3,6 +3,7 @@
 A leaf: it imports no other part of the service but the leaf `observe`, so segment_service.py and
 each module of this package import it directly.
 """
+
 from __future__ import annotations
 
 import enum
@@ -28,7 +29,6 @@ from genserver.storage import default_storage
 from . import observe
 
 log = logging.getLogger(__name__)
-
 
 
 class Outcome(enum.StrEnum):
@@ -93,6 +93,7 @@ def after_end(job_id: JobId) -> None:
 def emit_on_commit(job_id: JobId, event: str, segment: int | None = None) -> None:
     """Publish the job's event (its open streams, and its webhook) once the transition that made it true
     commits (`segment`: the index of the segment a `segment` event is for)."""
+
     def emit() -> None:
         events.publish(job_id, event)
         webhooks.emit(job_id, event, segment=segment)

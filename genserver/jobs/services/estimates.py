@@ -1,4 +1,5 @@
 """Estimates: a request's cost, class, priority and chunking, and the online step-time correction."""
+
 from __future__ import annotations
 
 import logging
@@ -43,22 +44,36 @@ def _learned_correction(model: str, bucket: str) -> float:
 def estimate(data: dict[str, Any]) -> Estimate:
     """Cost, class, priority and chunking of a validated request."""
     spec = deployment.registry().get(data["model"])
-    shape = JobShape(family=spec.family, width=data["width"], height=data["height"],
-                     num_frames=data["num_frames"], steps=data["steps"],
-                     guidance_scale=data["guidance_scale"], num_outputs=data["num_outputs"])
+    shape = JobShape(
+        family=spec.family,
+        width=data["width"],
+        height=data["height"],
+        num_frames=data["num_frames"],
+        steps=data["steps"],
+        guidance_scale=data["guidance_scale"],
+        num_outputs=data["num_outputs"],
+    )
     # A long video costs all its segments (each at the frames it generates).
     plan = segment_plan(data["num_frames"], spec.segment_frames, spec.limits.frames_step)
     # Simulated models *are* the cost model; only real ones learn from measured steps.
-    correction = 1.0 if spec.backend == "simulated" else _learned_correction(
-        spec.name, segment_shape(shape, spec.segment_frames).bucket())
+    correction = (
+        1.0
+        if spec.backend == "simulated"
+        else _learned_correction(spec.name, segment_shape(shape, spec.segment_frames).bucket())
+    )
     seconds = estimate_segmented_seconds(shape, plan, spec.cost_points, settings.EFFECTIVE_TFLOPS, correction)
     duration_class = deployment.thresholds().classify(seconds)
     total_steps = data["steps"] * len(plan)
     chunk_steps = min(data["steps"], steps_per_chunk(settings.CHUNK_SECONDS, seconds / total_steps))
-    return Estimate(seconds=seconds, duration_class=duration_class,
-                    priority=priority_for(duration_class, seconds, False, deployment.thresholds()),
-                    chunk_steps=chunk_steps, clock_scale=deployment.clock_scale(spec.backend),
-                    segment_frames=spec.segment_frames if len(plan) > 1 else 0, segment_count=len(plan))
+    return Estimate(
+        seconds=seconds,
+        duration_class=duration_class,
+        priority=priority_for(duration_class, seconds, False, deployment.thresholds()),
+        chunk_steps=chunk_steps,
+        clock_scale=deployment.clock_scale(spec.backend),
+        segment_frames=spec.segment_frames if len(plan) > 1 else 0,
+        segment_count=len(plan),
+    )
 
 
 def chunked_for_queue(est: Estimate, queue: str, steps: int) -> Estimate:
@@ -80,23 +95,29 @@ def rescale_to_total(job: Job, steps: int) -> None:
     job.estimated_seconds = per_step * steps
     job.steps = steps
     job.chunk_steps = max(1, min(steps, steps_per_chunk(settings.CHUNK_SECONDS, per_step))) if per_step else steps
-    job.priority = priority_for(job.duration_class, job.remaining_seconds, job.checkpoint_step > 0,
-                                deployment.thresholds())
+    job.priority = priority_for(
+        job.duration_class, job.remaining_seconds, job.checkpoint_step > 0, deployment.thresholds()
+    )
 
 
 def learn_step_time(job: Job, measured_step_seconds: float) -> None:
     """Fold a chunk's measured single-card step time into the model's correction for its shape bucket."""
     if job.backend == "simulated":
         return
-    shape = segment_shape(JobShape(job.family, job.width, job.height, job.num_frames, job.steps,
-                                   job.guidance_scale, job.num_outputs), job.segment_frames)
+    shape = segment_shape(
+        JobShape(job.family, job.width, job.height, job.num_frames, job.steps, job.guidance_scale, job.num_outputs),
+        job.segment_frames,
+    )
     key = StepTimeCorrection.key(job.model, shape.bucket())
     try:
         r = redis_client()
         correction = StepTimeCorrection(ratios={key: float(r.hget(CORRECTION_KEY, key) or 1.0)})
-        uncorrected_step = estimate_job_seconds(shape, deployment.registry().get(job.model).cost_points,
-                                                settings.EFFECTIVE_TFLOPS) / job.steps
-        r.hset(CORRECTION_KEY, key, correction.observe(job.model, shape.bucket(), uncorrected_step,
-                                                        measured_step_seconds))
+        uncorrected_step = (
+            estimate_job_seconds(shape, deployment.registry().get(job.model).cost_points, settings.EFFECTIVE_TFLOPS)
+            / job.steps
+        )
+        r.hset(
+            CORRECTION_KEY, key, correction.observe(job.model, shape.bucket(), uncorrected_step, measured_step_seconds)
+        )
     except Exception:
         log.warning("could not record step time of job %s", job.id, exc_info=True)

@@ -5,6 +5,7 @@ A leaf (`_common` imports it): every transition that changes `status` calls
 transaction commits (a rolled-back change is not reported), read the row
 once more, and never raise: a log or a metric must not fail a job.
 """
+
 from __future__ import annotations
 
 import logging
@@ -21,8 +22,16 @@ from genserver.jobs.models import Job, JobStatus
 # Its own logger, so the format and level of these lines are set apart from the rest (settings.LOGGING).
 log = logging.getLogger("genserver.transitions")
 JobId = UUID | str  # as in _common, which imports this module
-_FIELDS = ("owner__username", "model", "duration_class", "created_at", "finished_at", "estimated_seconds",
-           "clock_scale", "steps_done")
+_FIELDS = (
+    "owner__username",
+    "model",
+    "duration_class",
+    "created_at",
+    "finished_at",
+    "estimated_seconds",
+    "clock_scale",
+    "steps_done",
+)
 
 
 def node_of(worker: str) -> str:
@@ -32,8 +41,7 @@ def node_of(worker: str) -> str:
     return socket.gethostname()
 
 
-def transition(job_id: JobId, from_status: str, to_status: str, *, worker: str = "",
-               step: int | None = None) -> None:
+def transition(job_id: JobId, from_status: str, to_status: str, *, worker: str = "", step: int | None = None) -> None:
     """Report a status change once it commits (at once outside a transaction)."""
     if from_status == to_status:
         return
@@ -60,13 +68,30 @@ def _report(job_id: JobId, from_status: str, to_status: str, worker: str, step: 
             delay = max(0.0, (finished - row["created_at"]).total_seconds() - service)
             metrics.observe(metrics.JOB_DELAY, row["duration_class"], delay)
         fields = {
-            "event": "job.transition", "job_id": str(job_id), "user": row["owner__username"], "model": row["model"],
-            "class": row["duration_class"], "from": from_status or None, "to": to_status,
-            "step": row["steps_done"] if step is None else step, "worker": worker or None,
-            "node": node_of(worker), "seconds": round((now - row["created_at"]).total_seconds(), 3),
+            "event": "job.transition",
+            "job_id": str(job_id),
+            "user": row["owner__username"],
+            "model": row["model"],
+            "class": row["duration_class"],
+            "from": from_status or None,
+            "to": to_status,
+            "step": row["steps_done"] if step is None else step,
+            "worker": worker or None,
+            "node": node_of(worker),
+            "seconds": round((now - row["created_at"]).total_seconds(), 3),
         }
-        log.info("job %s %s → %s (user %s, model %s, class %s, step %s, worker %s, %.3f s since arrival)",
-                 job_id, from_status or "new", to_status, fields["user"], fields["model"], fields["class"],
-                 fields["step"], worker or "-", fields["seconds"], extra=fields)
+        log.info(
+            "job %s %s → %s (user %s, model %s, class %s, step %s, worker %s, %.3f s since arrival)",
+            job_id,
+            from_status or "new",
+            to_status,
+            fields["user"],
+            fields["model"],
+            fields["class"],
+            fields["step"],
+            worker or "-",
+            fields["seconds"],
+            extra=fields,
+        )
     except Exception:
         logging.getLogger(__name__).debug("could not report job %s's transition", job_id, exc_info=True)

@@ -1,4 +1,5 @@
 """Recovery: failed attempts, the reaper, and the admin's retry and reprioritise."""
+
 from __future__ import annotations
 
 import logging
@@ -42,8 +43,10 @@ def fail_attempt(job_id: JobId, worker: str | None, error: str) -> Outcome:
         if full:  # retrying cannot help until someone frees space: fail now, with the reason first
             observe.transition(job.pk, job.status, JobStatus.FAILED, worker=worker or "")
             job.status, job.stage, job.finished_at = JobStatus.FAILED, JobStage.FAILED, now
-            job.error = (f"storage full: {full} The job failed at once (not retried); free space and retry it "
-                         f"from the admin.\n\n{job.error}")[:4000]
+            job.error = (
+                f"storage full: {full} The job failed at once (not retried); free space and retry it "
+                f"from the admin.\n\n{job.error}"
+            )[:4000]
             job.save()
             transaction.on_commit(lambda: after_end(job.pk))
             return Outcome.FAILED
@@ -86,8 +89,11 @@ def reap_stale() -> dict[str, int]:
        re-published from the database; a duplicate would be harmless.
     """
     now = timezone.now()
-    stale = list(Job.objects.filter(status__in=ACTIVE, lease_expires_at__lt=now)
-                 .exclude(lease_owner="").values_list("pk", "lease_owner"))
+    stale = list(
+        Job.objects.filter(status__in=ACTIVE, lease_expires_at__lt=now)
+        .exclude(lease_owner="")
+        .values_list("pk", "lease_owner")
+    )
     outcomes: dict[str, int] = {}
     for pk, owner in stale:
         outcome = fail_attempt(pk, None, f"worker {owner} stopped renewing its lease (lost or killed)")
@@ -129,10 +135,14 @@ def retry_failed(job: Job) -> bool:
     if job.status != JobStatus.FAILED:
         return False
     has_checkpoint = bool(job.checkpoint_key) and default_storage().exists(job.checkpoint_key)
-    status = JobStatus.QUEUED if not job.embeddings_key else (
-        JobStatus.DECODING if has_checkpoint and job.checkpoint_step >= job.total_steps else JobStatus.DENOISING)
-    fields = dict(status=status, stage=JobStage.RETRYING, attempts=0, error="", finished_at=None,
-                  published_at=timezone.now())
+    status = (
+        JobStatus.QUEUED
+        if not job.embeddings_key
+        else (JobStatus.DECODING if has_checkpoint and job.checkpoint_step >= job.total_steps else JobStatus.DENOISING)
+    )
+    fields = dict(
+        status=status, stage=JobStage.RETRYING, attempts=0, error="", finished_at=None, published_at=timezone.now()
+    )
     if not has_checkpoint:
         fields.update(checkpoint_step=0, checkpoint_key="", steps_done=0)
         if status == JobStatus.DECODING:

@@ -1,4 +1,5 @@
 """Retention: expire old outputs and previews, drop prompt embeddings no job uses (checkpoints go when a job ends)."""
+
 from __future__ import annotations
 
 import logging
@@ -38,9 +39,13 @@ def expire_outputs(now: datetime | None = None, batch: int = 500) -> int:
     storage = default_storage()
     expired = 0
     has_segments = Exists(JobSegment.objects.filter(job=OuterRef("pk")))  # a long video's published clips
-    candidates = (Job.objects.filter(~Q(outputs=[]) | ~Q(preview_key="") | has_segments, status__in=TERMINAL,
-                                     finished_at__lt=cutoff)
-                  .order_by("finished_at").values_list("pk", "status")[:batch])
+    candidates = (
+        Job.objects.filter(
+            ~Q(outputs=[]) | ~Q(preview_key="") | has_segments, status__in=TERMINAL, finished_at__lt=cutoff
+        )
+        .order_by("finished_at")
+        .values_list("pk", "status")[:batch]
+    )
     for pk, status in candidates:
         storage.delete_prefix(f"outputs/{pk}")
         storage.delete_prefix(f"previews/{pk}")
@@ -65,15 +70,16 @@ def sweep_embeddings(now: datetime | None = None) -> int:
     storage = default_storage()
 
     def in_use() -> set[str]:
-        return set(Job.objects.filter(status__in=ACTIVE).exclude(embeddings_key="")
-                   .values_list("embeddings_key", flat=True))
+        return set(
+            Job.objects.filter(status__in=ACTIVE).exclude(embeddings_key="").values_list("embeddings_key", flat=True)
+        )
 
     entries = list(storage.list(EMBEDDINGS))
     names = {entry.key for entry in entries}
     for entry in entries:  # 1. left by a sweep that died midway
         folder, _, name = entry.key.rpartition("/")
         if name.startswith(ASIDE):
-            original = f"{folder}/{name[len(ASIDE):]}"
+            original = f"{folder}/{name[len(ASIDE) :]}"
             try:
                 if original in names:
                     storage.delete(entry.key)

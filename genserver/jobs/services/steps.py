@@ -1,4 +1,5 @@
 """Changing a job's step count midway: the API's request, and the worker that notices it."""
+
 from __future__ import annotations
 
 import logging
@@ -73,8 +74,11 @@ def change_steps(job: Job, new_steps: int) -> Job:
             rescale_to_total(job, new_steps)
             job.save()
             if job.status == JobStatus.DENOISING and not held and job.priority != before:
-                transaction.on_commit(lambda: publish_or_leave_to_reaper(
-                    broker.send_chunk, job.id, job.checkpoint_step, job.queue, job.priority))
+                transaction.on_commit(
+                    lambda: publish_or_leave_to_reaper(
+                        broker.send_chunk, job.id, job.checkpoint_step, job.queue, job.priority
+                    )
+                )
         total = job.steps
         transaction.on_commit(lambda: _mirror_steps(job.id, total))
         announce_on_commit(job.id, "steps")
@@ -83,23 +87,33 @@ def change_steps(job: Job, new_steps: int) -> Job:
 
 def _check_steps_changeable(job: Job) -> None:
     if job.segment_count > 1:
-        raise StepsChangeRefused("The job is a long video made in segments; its steps cannot change midway.",
-                                 "segmented", job.status)
+        raise StepsChangeRefused(
+            "The job is a long video made in segments; its steps cannot change midway.", "segmented", job.status
+        )
     if job.cancel_requested and not job.is_terminal:
-        raise StepsChangeRefused("The job is being cancelled; its steps can no longer change.", "cancelling",
-                                 job.status)
+        raise StepsChangeRefused(
+            "The job is being cancelled; its steps can no longer change.", "cancelling", job.status
+        )
     if job.status not in STEPS_CHANGEABLE:
         when = "has finished" if job.is_terminal else "is already decoding"
-        raise StepsChangeRefused(f"The job {when} (status {job.status}); its steps can change only while it is "
-                                 f"queued or denoising.", "finished" if job.is_terminal else "too_late", job.status)
+        raise StepsChangeRefused(
+            f"The job {when} (status {job.status}); its steps can change only while it is queued or denoising.",
+            "finished" if job.is_terminal else "too_late",
+            job.status,
+        )
 
 
 def _admit_added_work(job: Job, added_seconds: float) -> None:
     """Admission for the work an extension adds: decided as for a new job of that many seconds in the
     job's class and queue (work ahead of it, over the cards serving it, against the class limit)."""
     priority = priority_for(job.duration_class, added_seconds, False, deployment.thresholds())
-    decision = decide(job.queue or job.duration_class, priority, selectors.backlog_items(), selectors.live_capacity(),
-                      deployment.limits())
+    decision = decide(
+        job.queue or job.duration_class,
+        priority,
+        selectors.backlog_items(),
+        selectors.live_capacity(),
+        deployment.limits(),
+    )
     if not decision.accepted:
         raise AdmissionRefused(decision, job.duration_class)
 
@@ -120,8 +134,7 @@ def release_for_new_total(job_id: JobId, worker: str, step: int, checkpoint_key:
     False when this worker no longer holds the job (nothing is changed).
     """
     with transaction.atomic():
-        job = Job.objects.select_for_update().filter(pk=job_id, lease_owner=worker,
-                                                     status=JobStatus.DENOISING).first()
+        job = Job.objects.select_for_update().filter(pk=job_id, lease_owner=worker, status=JobStatus.DENOISING).first()
         if job is None:
             return False
         if checkpoint_key and step > job.checkpoint_step:
@@ -135,14 +148,17 @@ def release_for_new_total(job_id: JobId, worker: str, step: int, checkpoint_key:
             rescale_to_total(job, job.checkpoint_step)
             job.status, job.stage = JobStatus.DECODING, JobStage.WAITING
             job.save()
-            observe.transition(job.pk, JobStatus.DENOISING, JobStatus.DECODING, worker=worker,
-                               step=job.checkpoint_step)
+            observe.transition(job.pk, JobStatus.DENOISING, JobStatus.DECODING, worker=worker, step=job.checkpoint_step)
             transaction.on_commit(lambda: publish_or_leave_to_reaper(broker.send_decode, job.id, job.priority))
         else:
-            job.priority = priority_for(job.duration_class, job.remaining_seconds, job.checkpoint_step > 0,
-                                        deployment.thresholds())
+            job.priority = priority_for(
+                job.duration_class, job.remaining_seconds, job.checkpoint_step > 0, deployment.thresholds()
+            )
             job.stage = JobStage.WAITING
             job.save()
-            transaction.on_commit(lambda: publish_or_leave_to_reaper(
-                broker.send_chunk, job.id, job.checkpoint_step, job.queue, job.priority))
+            transaction.on_commit(
+                lambda: publish_or_leave_to_reaper(
+                    broker.send_chunk, job.id, job.checkpoint_step, job.queue, job.priority
+                )
+            )
     return True

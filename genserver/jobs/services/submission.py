@@ -1,4 +1,5 @@
 """Submission (API side): admission, the per-user in-flight limit, idempotent retries, and cancel."""
+
 from __future__ import annotations
 
 import hashlib
@@ -38,8 +39,10 @@ class InFlightLimitReached(Exception):
     """The user already has MAX_JOBS_IN_FLIGHT unfinished jobs (→ 429 with Retry-After)."""
 
     def __init__(self, limit: int, in_flight: int, retry_after_seconds: int) -> None:
-        super().__init__(f"You have {in_flight} unfinished jobs; at most {limit} may be queued or running at once. "
-                         "Wait for one to finish or cancel one.")
+        super().__init__(
+            f"You have {in_flight} unfinished jobs; at most {limit} may be queued or running at once. "
+            "Wait for one to finish or cancel one."
+        )
         self.limit = limit
         self.in_flight = in_flight
         self.retry_after_seconds = retry_after_seconds
@@ -66,8 +69,10 @@ def replayed_job(owner: Any, idempotency_key: str, data: dict[str, Any]) -> Job 
     if data.get("seed_drawn"):
         candidate["seed"] = job.seed  # the retry drew its own seed; the first one's counts
     if job.request_fingerprint != fingerprint(candidate):
-        raise IdempotencyConflict(f"Idempotency-Key {idempotency_key!r} was used for a different request "
-                                  f"(job {job.pk}); use a new key for a new request.")
+        raise IdempotencyConflict(
+            f"Idempotency-Key {idempotency_key!r} was used for a different request "
+            f"(job {job.pk}); use a new key for a new request."
+        )
     return job
 
 
@@ -82,8 +87,9 @@ def submit_job(owner: Any, data: dict[str, Any], idempotency_key: str = "") -> J
     est = estimate(data)
     queue = deployment.layout().queue_for(est.duration_class, spec.name, data.get("lane", ""))
     est = chunked_for_queue(est, queue, data["steps"])
-    decision = decide(queue, est.priority, selectors.backlog_items(), selectors.live_capacity(),
-                      deployment.limits())  # the cards alive now, on every node
+    decision = decide(
+        queue, est.priority, selectors.backlog_items(), selectors.live_capacity(), deployment.limits()
+    )  # the cards alive now, on every node
     if not decision.accepted:
         metrics.count_submit(est.duration_class, "wait_limit")
         raise AdmissionRefused(decision, est.duration_class)
@@ -115,20 +121,44 @@ def submit_or_replay(owner: Any, data: dict[str, Any], idempotency_key: str = ""
         return replay, True
 
 
-def _record_job(owner: Any, spec: Any, data: dict[str, Any], est: Estimate, queue: str, idempotency_key: str,
-                request_fingerprint: str) -> Job:
+def _record_job(
+    owner: Any,
+    spec: Any,
+    data: dict[str, Any],
+    est: Estimate,
+    queue: str,
+    idempotency_key: str,
+    request_fingerprint: str,
+) -> Job:
     return Job.objects.create(
-        owner=owner, model=spec.name, family=spec.family, kind=spec.kind, backend=spec.backend,
-        prompt=data["prompt"], negative_prompt=data.get("negative_prompt", ""),
-        width=data["width"], height=data["height"], num_frames=data["num_frames"],
-        steps=data["steps"], guidance_scale=data["guidance_scale"], seed=data["seed"],
-        num_outputs=data["num_outputs"], preview_every=data.get("preview_every", 0),
+        owner=owner,
+        model=spec.name,
+        family=spec.family,
+        kind=spec.kind,
+        backend=spec.backend,
+        prompt=data["prompt"],
+        negative_prompt=data.get("negative_prompt", ""),
+        width=data["width"],
+        height=data["height"],
+        num_frames=data["num_frames"],
+        steps=data["steps"],
+        guidance_scale=data["guidance_scale"],
+        seed=data["seed"],
+        num_outputs=data["num_outputs"],
+        preview_every=data.get("preview_every", 0),
         webhook_url=data.get("webhook_url", ""),
         webhook_events=list(data.get("webhook_events", DEFAULT_WEBHOOK_EVENTS)),
-        estimated_seconds=est.seconds, clock_scale=est.clock_scale,
-        duration_class=est.duration_class, queue=queue, priority=est.priority, chunk_steps=est.chunk_steps,
-        segment_frames=est.segment_frames, segment_count=est.segment_count,
-        published_at=timezone.now(), idempotency_key=idempotency_key, request_fingerprint=request_fingerprint,
+        estimated_seconds=est.seconds,
+        clock_scale=est.clock_scale,
+        duration_class=est.duration_class,
+        queue=queue,
+        priority=est.priority,
+        chunk_steps=est.chunk_steps,
+        segment_frames=est.segment_frames,
+        segment_count=est.segment_count,
+        published_at=timezone.now(),
+        idempotency_key=idempotency_key,
+        request_fingerprint=request_fingerprint,
     )
 
 
@@ -174,7 +204,8 @@ def cancel_job(job: Job) -> Job:
     Job.objects.filter(pk=job.pk, status__in=ACTIVE).update(cancel_requested=True)
     unheld = Q(lease_owner="") | Q(lease_expires_at__lt=now)
     ended = Job.objects.filter(unheld, pk=job.pk, status__in=ACTIVE).update(
-        status=JobStatus.CANCELLED, stage=JobStage.CANCELLED, finished_at=now, lease_owner="", lease_expires_at=None)
+        status=JobStatus.CANCELLED, stage=JobStage.CANCELLED, finished_at=now, lease_owner="", lease_expires_at=None
+    )
     if ended:
         observe.transition(job.pk, job.status, JobStatus.CANCELLED)
         after_end(job.pk)

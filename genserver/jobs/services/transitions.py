@@ -3,6 +3,7 @@
 Each is one compare-and-set on status, lease and checkpoint step, so two
 workers or a redelivered message race and exactly one wins.
 """
+
 from __future__ import annotations
 
 import logging
@@ -28,8 +29,9 @@ def start_encoding(job_id: JobId, worker: str) -> Job | None:
     """Take the job's encode stage. None when it was cancelled, finished or is held elsewhere."""
     now = timezone.now()
     free = Job.objects.filter(lease_free(now), pk=job_id, cancel_requested=False)
-    fields = dict(status=JobStatus.ENCODING, stage=JobStage.ENCODING, lease_owner=worker,
-                  lease_expires_at=lease_until())
+    fields = dict(
+        status=JobStatus.ENCODING, stage=JobStage.ENCODING, lease_owner=worker, lease_expires_at=lease_until()
+    )
     if free.filter(status=JobStatus.QUEUED).update(**fields):  # one UPDATE either way; the first says "from"
         observe.transition(job_id, JobStatus.QUEUED, JobStatus.ENCODING, worker=worker)
     elif not free.filter(status=JobStatus.ENCODING).update(**fields):  # a retried encode
@@ -46,16 +48,18 @@ def claim_encode_batch(job: Job, worker: str, limit: int) -> list[Job]:
     """
     if limit <= 0:
         return []
-    candidates = (Job.objects.filter(model=job.model, status=JobStatus.QUEUED, lease_owner="",
-                                     cancel_requested=False).exclude(pk=job.pk)
-                  .order_by("priority", "created_at").values_list("pk", flat=True)[:limit])
+    candidates = (
+        Job.objects.filter(model=job.model, status=JobStatus.QUEUED, lease_owner="", cancel_requested=False)
+        .exclude(pk=job.pk)
+        .order_by("priority", "created_at")
+        .values_list("pk", flat=True)[:limit]
+    )
     return [taken for pk in list(candidates) if (taken := start_encoding(pk, worker)) is not None]
 
 
 def finish_encoding(job_id: JobId, worker: str, embeddings_key: str) -> bool:
     with transaction.atomic():
-        job = Job.objects.select_for_update().filter(pk=job_id, lease_owner=worker,
-                                                     status=JobStatus.ENCODING).first()
+        job = Job.objects.select_for_update().filter(pk=job_id, lease_owner=worker, status=JobStatus.ENCODING).first()
         if job is None:
             return False
         job.embeddings_key = embeddings_key
@@ -66,17 +70,18 @@ def finish_encoding(job_id: JobId, worker: str, embeddings_key: str) -> bool:
         job.save()
         observe.transition(job.pk, JobStatus.ENCODING, JobStatus.DENOISING, worker=worker)
         announce_on_commit(job_id, "waiting")
-        transaction.on_commit(lambda: broker.send_chunk(job.id, job.checkpoint_step,
-                                                          job.queue, job.priority))
+        transaction.on_commit(lambda: broker.send_chunk(job.id, job.checkpoint_step, job.queue, job.priority))
     return True
 
 
 def claim_chunk(job_id: JobId, worker: str, from_step: int) -> Job | None:
     """Take the chunk that starts at `from_step`. None when it already ran, runs elsewhere, or must not run."""
     now = timezone.now()
-    taken = Job.objects.filter(lease_free(now), pk=job_id, status=JobStatus.DENOISING,
-                               checkpoint_step=from_step, cancel_requested=False).update(
-        stage=JobStage.DENOISING, lease_owner=worker, lease_expires_at=lease_until(), chunks_run=F("chunks_run") + 1)
+    taken = Job.objects.filter(
+        lease_free(now), pk=job_id, status=JobStatus.DENOISING, checkpoint_step=from_step, cancel_requested=False
+    ).update(
+        stage=JobStage.DENOISING, lease_owner=worker, lease_expires_at=lease_until(), chunks_run=F("chunks_run") + 1
+    )
     if not taken:
         return None
     job = Job.objects.get(pk=job_id)
@@ -103,13 +108,26 @@ def claim_merge_partners(job: Job, worker: str, max_rows: int) -> list[Job]:
     if rows <= 0 or job.attempts:
         return []
     now = timezone.now()
-    candidates = (Job.objects.filter(lease_free(now), status=JobStatus.DENOISING, cancel_requested=False,
-                                     attempts=0, queue=job.queue, model=job.model, width=job.width,
-                                     height=job.height, num_frames=job.num_frames, steps=job.steps,
-                                     guidance_scale=job.guidance_scale, checkpoint_step=job.checkpoint_step,
-                                     num_outputs__lte=rows)
-                  .exclude(pk=job.pk).order_by("priority", "created_at")
-                  .values_list("pk", "num_outputs")[:rows])
+    candidates = (
+        Job.objects.filter(
+            lease_free(now),
+            status=JobStatus.DENOISING,
+            cancel_requested=False,
+            attempts=0,
+            queue=job.queue,
+            model=job.model,
+            width=job.width,
+            height=job.height,
+            num_frames=job.num_frames,
+            steps=job.steps,
+            guidance_scale=job.guidance_scale,
+            checkpoint_step=job.checkpoint_step,
+            num_outputs__lte=rows,
+        )
+        .exclude(pk=job.pk)
+        .order_by("priority", "created_at")
+        .values_list("pk", "num_outputs")[:rows]
+    )
     partners = []
     for pk, outputs in list(candidates):
         if outputs > rows:
@@ -150,21 +168,20 @@ def heartbeat(job_id: JobId, worker: str, steps_done: int | None = None) -> bool
 def record_preview(job_id: JobId, worker: str, key: str, step: int) -> None:
     """A preview taken after `step` steps: it is the job's progress too (heartbeats record steps only
     every few seconds, so without this a poll or the preview event would still say step 0)."""
-    if Job.objects.filter(pk=job_id, lease_owner=worker).update(preview_key=key, preview_step=step,
-                                                                steps_done=step):
+    if Job.objects.filter(pk=job_id, lease_owner=worker).update(preview_key=key, preview_step=step, steps_done=step):
         emit_on_commit(job_id, "preview")
 
 
-def finish_chunk(job_id: JobId, worker: str, step: int, checkpoint_key: str, step_seconds: float | None,
-                 keep_lease: bool = False) -> bool:
+def finish_chunk(
+    job_id: JobId, worker: str, step: int, checkpoint_key: str, step_seconds: float | None, keep_lease: bool = False
+) -> bool:
     """Record a saved checkpoint; then either keep the card (`keep_lease`: the worker runs the next
     chunk in-process) or publish what comes next (the next chunk, or decode) and let it go.
 
     False when this worker no longer holds the job or the step was already recorded.
     """
     with transaction.atomic():
-        job = Job.objects.select_for_update().filter(pk=job_id, lease_owner=worker,
-                                                     status=JobStatus.DENOISING).first()
+        job = Job.objects.select_for_update().filter(pk=job_id, lease_owner=worker, status=JobStatus.DENOISING).first()
         if job is None or job.checkpoint_step >= step:
             return False
         job.checkpoint_step = job.steps_done = step
@@ -207,9 +224,9 @@ def finish_chunk(job_id: JobId, worker: str, step: int, checkpoint_key: str, ste
 
 def start_decoding(job_id: JobId, worker: str) -> Job | None:
     now = timezone.now()
-    taken = Job.objects.filter(lease_free(now), pk=job_id, status=JobStatus.DECODING,
-                               cancel_requested=False).update(
-        stage=JobStage.DECODING, lease_owner=worker, lease_expires_at=lease_until())
+    taken = Job.objects.filter(lease_free(now), pk=job_id, status=JobStatus.DECODING, cancel_requested=False).update(
+        stage=JobStage.DECODING, lease_owner=worker, lease_expires_at=lease_until()
+    )
     if not taken:
         return None
     announce_on_commit(job_id, "decoding")
@@ -219,8 +236,13 @@ def start_decoding(job_id: JobId, worker: str) -> Job | None:
 def finish_decoding(job_id: JobId, worker: str, outputs: list[dict[str, str]]) -> bool:
     now = timezone.now()
     done = Job.objects.filter(pk=job_id, lease_owner=worker, status=JobStatus.DECODING).update(
-        status=JobStatus.SUCCEEDED, stage=JobStage.DONE, outputs=outputs, finished_at=now,
-        lease_owner="", lease_expires_at=None)
+        status=JobStatus.SUCCEEDED,
+        stage=JobStage.DONE,
+        outputs=outputs,
+        finished_at=now,
+        lease_owner="",
+        lease_expires_at=None,
+    )
     if done:
         observe.transition(job_id, JobStatus.DECODING, JobStatus.SUCCEEDED, worker=worker)
         after_end(job_id)
@@ -231,8 +253,12 @@ def finish_cancelled(job_id: JobId, worker: str) -> bool:
     """The worker holding a job saw its cancel flag and stopped."""
     before = Job.objects.filter(pk=job_id, lease_owner=worker).values_list("status", flat=True).first()
     done = Job.objects.filter(pk=job_id, lease_owner=worker, status__in=ACTIVE).update(
-        status=JobStatus.CANCELLED, stage=JobStage.CANCELLED, finished_at=timezone.now(),
-        lease_owner="", lease_expires_at=None)
+        status=JobStatus.CANCELLED,
+        stage=JobStage.CANCELLED,
+        finished_at=timezone.now(),
+        lease_owner="",
+        lease_expires_at=None,
+    )
     if done:
         observe.transition(job_id, before or "", JobStatus.CANCELLED, worker=worker)
         after_end(job_id)

@@ -40,6 +40,7 @@ Two metrics per class:
 
 Plain Python, no Django, deterministic for a given workload and config.
 """
+
 from __future__ import annotations
 
 from .engine import ClassResult, Metric, SimResult, simulate, simulate_rate
@@ -77,12 +78,39 @@ from .workload import (
 )
 
 __all__ = [
-    "IMAGE", "VIDEO", "KINDS", "SEED_POLICIES", "Request", "seed_workload", "offered_load", "pct",
-    "seed_waits", "seed_simulate", "mixed_layout", "SimConfig", "service_policy_config", "ClassResult",
-    "SimResult", "simulate", "simulate_rate", "DEFAULT_CHECKPOINT_SECONDS", "DEFAULT_SWITCH_SECONDS",
-    "SEED_VIDEO_SECONDS", "GroupRow", "group_table", "group_layout", "group_layouts", "video_workload",
-    "GroupResult", "simulate_groups",
+    "IMAGE",
+    "VIDEO",
+    "KINDS",
+    "SEED_POLICIES",
+    "Request",
+    "seed_workload",
+    "offered_load",
+    "pct",
+    "seed_waits",
+    "seed_simulate",
+    "mixed_layout",
+    "SimConfig",
+    "service_policy_config",
+    "ClassResult",
+    "SimResult",
+    "simulate",
+    "simulate_rate",
+    "DEFAULT_CHECKPOINT_SECONDS",
+    "DEFAULT_SWITCH_SECONDS",
+    "SEED_VIDEO_SECONDS",
+    "GroupRow",
+    "group_table",
+    "group_layout",
+    "group_layouts",
+    "video_workload",
+    "GroupResult",
+    "simulate_groups",
     # also used by the benchmarks and tests
-    "Metric", "SeedPolicy", "IMAGE_SECONDS", "VIDEO_SECONDS", "DEFAULT_STEPS", "DEFAULT_MODELS",
+    "Metric",
+    "SeedPolicy",
+    "IMAGE_SECONDS",
+    "VIDEO_SECONDS",
+    "DEFAULT_STEPS",
+    "DEFAULT_MODELS",
     "OVERLOAD_ENGAGE_SHARE",
 ]

@@ -5,6 +5,7 @@ the duration class (= queue), `priority_for` for every message's priority,
 `chunking.steps_per_chunk` for the chunk length, the `PoolLayout` for which card
 consumes which queues in which order, and `admission.decide` on every arrival.
 """
+
 from __future__ import annotations
 
 import heapq
@@ -97,8 +98,9 @@ class _Broker:
     def publish(self, job: _Job) -> None:
         self.lists.setdefault((job.queue, job.priority), deque()).append(job)
 
-    def _first(self, queues: Sequence[str], long_blocked: bool,
-               before: tuple[int, int] | None = None) -> tuple[str, int] | None:
+    def _first(
+        self, queues: Sequence[str], long_blocked: bool, before: tuple[int, int] | None = None
+    ) -> tuple[str, int] | None:
         """The (queue, priority) list a worker consuming `queues` pops next: priority-major
         over all its queues, then its queue order. With `before` = (priority, queue index):
         only a list it would pop ahead of a message published there now."""
@@ -132,9 +134,15 @@ class _Simulation:
         denoisers = [w for w in cfg.layout.workers if w.denoises]
         if not denoisers:
             raise ValueError("the layout has no denoise worker")
-        self.cards = [_Card(i, w.name, tuple(q for q in w.consumed_queues() if class_of(q) in CLASSES),
-                            speedup=group_speedup(w.group_size))
-                      for i, w in enumerate(denoisers)]
+        self.cards = [
+            _Card(
+                i,
+                w.name,
+                tuple(q for q in w.consumed_queues() if class_of(q) in CLASSES),
+                speedup=group_speedup(w.group_size),
+            )
+            for i, w in enumerate(denoisers)
+        ]
         self.broker = _Broker()
         self.jobs: dict[int, _Job] = {}  # accepted and unfinished, by id
         self.result = {k: ClassResult() for k in KINDS}
@@ -158,8 +166,7 @@ class _Simulation:
     # -- the long cap --------------------------------------------------------------------
 
     def _running_long(self, exclude: _Card | None = None) -> int:
-        return sum(1 for c in self.cards if c is not exclude and c.job is not None
-                   and c.job.duration_class == LONG)
+        return sum(1 for c in self.cards if c is not exclude and c.job is not None and c.job.duration_class == LONG)
 
     def _cap_engaged(self, now: float) -> bool:
         cfg = self.cfg
@@ -237,8 +244,9 @@ class _Simulation:
                 continue
             in_chunk = max(0.0, card.busy_until - now)
             after = (job.steps - job.steps_done - card.chunk_steps) * job.step_seconds
-            items.append(WorkItem(job.queue, job.priority, after + in_chunk,
-                                  running=True, chunk_remaining_seconds=in_chunk))
+            items.append(
+                WorkItem(job.queue, job.priority, after + in_chunk, running=True, chunk_remaining_seconds=in_chunk)
+            )
         return items
 
     # -- events --------------------------------------------------------------------------
@@ -284,8 +292,16 @@ class _Simulation:
                 return
         self.result[r.kind].accepted += 1
         steps = cfg.steps_for(r.seconds)
-        job = _Job(id=index, request=r, duration_class=cls, queue=queue, model=cfg.models[r.kind], steps=steps,
-                   step_seconds=r.seconds / steps, priority=priority)
+        job = _Job(
+            id=index,
+            request=r,
+            duration_class=cls,
+            queue=queue,
+            model=cfg.models[r.kind],
+            steps=steps,
+            step_seconds=r.seconds / steps,
+            priority=priority,
+        )
         self.jobs[job.id] = job
         self.broker.publish(job)
 
@@ -308,9 +324,12 @@ class _Simulation:
                 self._engaged_hits += self._cap_engaged(now)
         busy = sum(c.busy_seconds for c in self.cards)
         return SimResult(
-            classes=self.result, makespan=now,
+            classes=self.result,
+            makespan=now,
             utilization=busy / (len(self.cards) * now) if now > 0 else 0.0,
-            switches=self.switches, republished=self.republished, in_process=self.in_process,
+            switches=self.switches,
+            republished=self.republished,
+            in_process=self.in_process,
             max_long_cards=self.max_long,
             cap_engaged_share=self._engaged_hits / self._engaged_checks if self._engaged_checks else 0.0,
             lanes=self.lane_result,
@@ -324,7 +343,6 @@ def simulate(requests: Sequence[Request], config: SimConfig | None = None) -> Si
     return _Simulation(requests, config or SimConfig()).run()
 
 
-def simulate_rate(rate: float, config: SimConfig | None = None, arrivals: int = 400,
-                  seed: int = 0) -> SimResult:
+def simulate_rate(rate: float, config: SimConfig | None = None, arrivals: int = 400, seed: int = 0) -> SimResult:
     """`simulate` on the seed's workload at `rate`."""
     return simulate(seed_workload(arrivals, rate, seed), config)

@@ -3,6 +3,7 @@
 As its closed-form table (`group_table`) and as layouts run through `simulate`
 on a video workload (`group_layouts`, `simulate_groups`).
 """
+
 from __future__ import annotations
 
 import random
@@ -51,8 +52,14 @@ def group_layout(groups: Sequence[int], group_lane: str = "") -> PoolLayout:
     workers, first = [], 0
     for i, k in enumerate(groups):
         group_speedup(k)  # refuse an unknown group size here, not mid-simulation
-        workers.append(WorkerSpec(name=f"g{i}x{k}", queues=(SHORT, MEDIUM, LONG),
-                                  devices=tuple(range(first, first + k)), lane=group_lane if k > 1 else ""))
+        workers.append(
+            WorkerSpec(
+                name=f"g{i}x{k}",
+                queues=(SHORT, MEDIUM, LONG),
+                devices=tuple(range(first, first + k)),
+                lane=group_lane if k > 1 else "",
+            )
+        )
         first += k
     workers.append(WorkerSpec(name="encode", queues=(ENCODE, CONTROL)))
     workers.append(WorkerSpec(name="decode", queues=(DECODE,)))
@@ -63,18 +70,27 @@ def group_layouts(cards: int = 8) -> dict[str, PoolLayout]:
     """The layouts compared for `cards` cards: every uniform split, and the seed's pooled one
     (one group of half the cards beside single cards; "two groups of 4 serving interactive
     requests and the rest ... a card at a time" scaled to one machine)."""
-    layouts = {f"{cards // k}×{k}": group_layout([k] * (cards // k))
-               for k in sorted(GROUP_EFFICIENCY) if k <= cards and cards % k == 0}
+    layouts = {
+        f"{cards // k}×{k}": group_layout([k] * (cards // k))
+        for k in sorted(GROUP_EFFICIENCY)
+        if k <= cards and cards % k == 0
+    }
     half = cards // 2
     if half in GROUP_EFFICIENCY and half > 1:
         layouts[f"pooled: 1×{half} + {cards - half}×1"] = group_layout([half] + [1] * (cards - half))
         layouts[f"pooled, routed: 1×{half} {INTERACTIVE} + {cards - half}×1"] = group_layout(
-            [half] + [1] * (cards - half), group_lane=INTERACTIVE)
+            [half] + [1] * (cards - half), group_lane=INTERACTIVE
+        )
     return layouts
 
 
-def video_workload(arrivals: int = 400, rate: float = 0.7 * 8 / SEED_VIDEO_SECONDS, seed: int = 0,
-                   seconds: float = SEED_VIDEO_SECONDS, interactive_share: float = 0.0) -> list[Request]:
+def video_workload(
+    arrivals: int = 400,
+    rate: float = 0.7 * 8 / SEED_VIDEO_SECONDS,
+    seed: int = 0,
+    seconds: float = SEED_VIDEO_SECONDS,
+    interactive_share: float = 0.0,
+) -> list[Request]:
     """Poisson arrivals at `rate` per second of videos of `seconds` single-card seconds each
     (the default rate offers 70 % of 8 single cards). A share `interactive_share` of them is
     submitted on the interactive lane (drawn from a second generator, so the arrivals are the
@@ -104,9 +120,14 @@ class GroupResult:
     other_p99_minutes: float = 0.0
 
 
-def simulate_groups(cards: int = 8, load: float = 0.7, arrivals: int = 400, seed: int = 0,
-                    single_seconds: float = SEED_VIDEO_SECONDS,
-                    interactive_share: float = 0.4) -> list[GroupResult]:
+def simulate_groups(
+    cards: int = 8,
+    load: float = 0.7,
+    arrivals: int = 400,
+    seed: int = 0,
+    single_seconds: float = SEED_VIDEO_SECONDS,
+    interactive_share: float = 0.4,
+) -> list[GroupResult]:
     """Every layout of `group_layouts(cards)` on one video workload offering `load` of `cards`
     single cards: latency P50/P99 (minutes, arrival → completion) and throughput, overall and
     for the `interactive_share` of requests submitted on the interactive lane and the others.
@@ -130,8 +151,18 @@ def simulate_groups(cards: int = 8, load: float = 0.7, arrivals: int = 400, seed
         span = run.makespan - requests[0].arrival  # the last event is the last completion
         lanes = {lane: r.latencies for lane, r in run.lanes.items()}
         fast, rest = lanes.get(INTERACTIVE, []), lanes.get("", [])
-        results.append(GroupResult(name, capacity, rate * 3600 / capacity, pct(res.latencies, 0.5) / 60,
-                                   pct(res.latencies, 0.99) / 60, len(res.latencies) / span * 3600,
-                                   pct(fast, 0.5) / 60, pct(fast, 0.99) / 60, pct(rest, 0.5) / 60,
-                                   pct(rest, 0.99) / 60))
+        results.append(
+            GroupResult(
+                name,
+                capacity,
+                rate * 3600 / capacity,
+                pct(res.latencies, 0.5) / 60,
+                pct(res.latencies, 0.99) / 60,
+                len(res.latencies) / span * 3600,
+                pct(fast, 0.5) / 60,
+                pct(fast, 0.99) / 60,
+                pct(rest, 0.5) / 60,
+                pct(rest, 0.99) / 60,
+            )
+        )
     return results

@@ -4,6 +4,7 @@ Non-preemptive, one request per card, with the chapter's loop, generator and
 percentile, so that its table (images P50/P99 FCFS 17/473 s, SJF 2/90 s, pools
 0/7 s; videos 19/423, 23/614, 152/745 s) comes out exactly.
 """
+
 from __future__ import annotations
 
 import heapq
@@ -15,8 +16,9 @@ SeedPolicy = Literal["fcfs", "sjf", "pools"]
 SEED_POLICIES: tuple[SeedPolicy, ...] = ("fcfs", "sjf", "pools")
 
 
-def seed_waits(policy: SeedPolicy, n_gpus: int = 4, arrivals: int = 400, rate: float = 0.06,
-               seed: int = 0) -> dict[str, list[float]]:
+def seed_waits(
+    policy: SeedPolicy, n_gpus: int = 4, arrivals: int = 400, rate: float = 0.06, seed: int = 0
+) -> dict[str, list[float]]:
     """Every request's queueing wait (seconds) under one of the seed's policies, per kind.
 
     The chapter's `simulate()` loop: requests that have arrived by `now` enter
@@ -55,8 +57,9 @@ def seed_waits(policy: SeedPolicy, n_gpus: int = 4, arrivals: int = 400, rate: f
     return waits
 
 
-def seed_simulate(policy: SeedPolicy, n_gpus: int = 4, arrivals: int = 400, rate: float = 0.06,
-                  seed: int = 0) -> dict[str, tuple[float, float]]:
+def seed_simulate(
+    policy: SeedPolicy, n_gpus: int = 4, arrivals: int = 400, rate: float = 0.06, seed: int = 0
+) -> dict[str, tuple[float, float]]:
     """The chapter's `simulate()`: {kind: (P50 wait, P99 wait)} in seconds."""
     waits = seed_waits(policy, n_gpus, arrivals, rate, seed)
     return {k: (pct(v, 0.5), pct(v, 0.99)) for k, v in waits.items()}

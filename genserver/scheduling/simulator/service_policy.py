@@ -1,4 +1,5 @@
 """What the model of the service is parameterised by (`SimConfig`), and the service's chosen policy."""
+
 from __future__ import annotations
 
 from collections.abc import Mapping
@@ -33,9 +34,10 @@ def mixed_layout(num_gpus: int = 4, image_only: int = 0) -> PoolLayout:
     """
     if not 0 <= image_only <= num_gpus:
         raise ValueError(f"image_only must be within 0..{num_gpus}, got {image_only}")
-    workers = [WorkerSpec(name=f"gpu{i}", devices=(i,),
-                          queues=(SHORT, MEDIUM) if i < image_only else (SHORT, MEDIUM, LONG))
-               for i in range(num_gpus)]
+    workers = [
+        WorkerSpec(name=f"gpu{i}", devices=(i,), queues=(SHORT, MEDIUM) if i < image_only else (SHORT, MEDIUM, LONG))
+        for i in range(num_gpus)
+    ]
     workers.append(WorkerSpec(name="encode", queues=(ENCODE, CONTROL)))
     workers.append(WorkerSpec(name="decode", queues=(DECODE,)))
     return PoolLayout(tuple(workers))

@@ -1,4 +1,5 @@
 """The seed chapter's workload: its requests, its generator draw for draw, its percentile."""
+
 from __future__ import annotations
 
 import random

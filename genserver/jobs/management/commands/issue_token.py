@@ -1,4 +1,5 @@
 """`manage.py issue_token USER`: create the user if needed and print an API token."""
+
 from django.contrib.auth import get_user_model
 from django.core.management.base import BaseCommand
 from rest_framework.authtoken.models import Token

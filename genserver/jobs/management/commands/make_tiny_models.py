@@ -1,4 +1,5 @@
 """`manage.py make_tiny_models`: write tiny random-weight checkpoints of every family into the data directory."""
+
 from django.conf import settings
 from django.core.management.base import BaseCommand
 
