@@ -102,9 +102,7 @@ def _text(value: Any) -> str:
 
 async def job_events(request: HttpRequest, job_id: Any) -> HttpResponse:
     """Server-sent events of one job (owner or staff; 404 otherwise)."""
-    if request.method != "GET":
-        return JsonResponse({"detail": f'Method "{request.method}" not allowed.'}, status=405)
-    # 1. who asks, and may they see the job
+    # 1. who asks (first, as every other endpoint: an anonymous request is a 401 whatever its method)
     try:
         user = await sync_to_async(_authenticate)(request)
     except exceptions.AuthenticationFailed as failed:
@@ -118,6 +116,9 @@ async def job_events(request: HttpRequest, job_id: Any) -> HttpResponse:
             status=401,
             headers={"WWW-Authenticate": "Token"},
         )
+    if request.method != "GET":
+        return JsonResponse({"detail": f'Method "{request.method}" not allowed.'}, status=405)
+    # 2. may they see the job
     current = await sync_to_async(_visible_job)(user, job_id)
     if current is None:
         raise Http404("No such job.")
