@@ -37,7 +37,7 @@ def start_encoding(job_id: JobId, worker: str) -> Job | None:
     elif not free.filter(status=JobStatus.ENCODING).update(**fields):  # a retried encode
         return None
     announce_on_commit(job_id, "encoding")
-    return Job.objects.get(pk=job_id)
+    return Job.objects.filter(pk=job_id).first()  # None if the row was deleted meanwhile (the admin)
 
 
 def claim_encode_batch(job: Job, worker: str, limit: int) -> list[Job]:
