@@ -40,7 +40,7 @@ def test_a_job_that_cannot_start_by_its_deadline_ends_expired_and_never_runs(sta
 
 def test_a_job_moved_to_the_front_of_its_class_starts_first(stack, api, make_user):
     staff = make_user("root", staff=True)
-    shape = {"model": "sdxl-sim", "steps": 4}
+    shape = {"model": "sdxl-sim"}  # short, priority 1
     with card_paused(stack):
         first, second = (submit(api, prompt=p, **shape).json()["id"] for p in ("first in", "moved ahead"))
         wait_for(lambda: waiting([first, second]), 60, what="both jobs encoded and waiting for the card")
