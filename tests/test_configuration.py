@@ -108,7 +108,9 @@ def _free_port() -> int:
 
 def _run(argv: list[str], data_dir: Path, **bad: str) -> subprocess.CompletedProcess:
     """Run an entry point against the real settings module with one bad variable; nothing shared is touched."""
-    env = {k: v for k, v in os.environ.items() if k != "REDIS_URL"}  # unset: the stack would start its own Redis
+    # REDIS_URL unset: the stack would start its own Redis; PROMETHEUS_MULTIPROC_DIR unset: `make up`
+    # empties the folder it names of value files, and this process set it to the session's.
+    env = {k: v for k, v in os.environ.items() if k not in ("REDIS_URL", "PROMETHEUS_MULTIPROC_DIR")}
     env |= {
         "DJANGO_SETTINGS_MODULE": "genserver.settings",
         "GENSERVER_DATA_DIR": str(data_dir),
