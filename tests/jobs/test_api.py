@@ -43,6 +43,54 @@ def test_invalid_request_is_400_with_field_errors_and_no_row(api, fields, bad_fi
     assert Job.objects.count() == 0
 
 
+@pytest.mark.parametrize(
+    "field, value, kind",
+    [
+        ("prompt", 12345, "a number"),
+        ("prompt", True, "a boolean"),
+        ("prompt", ["a", "fox"], "an array"),
+        ("prompt", {"text": "a fox"}, "an object"),
+        ("negative_prompt", 7, "a number"),
+        ("model", 1.5, "a number"),
+        ("lane", 1, "a number"),
+        ("webhook_url", 80, "a number"),
+        ("webhook_events", [1], "a number"),
+    ],
+)
+def test_string_fields_must_be_json_strings(api, field, value, kind):
+    body = {"model": "sdxl-sim", "prompt": "a fox"} | {field: value}
+    if field == "webhook_events":
+        body["webhook_url"] = "https://example.com/hook"
+    response = api.post("/api/v1/jobs/", data=json.dumps(body), content_type="application/json")
+    assert response.status_code == 400, response.content
+    message = json.dumps(response.json()[field])
+    assert "must be a string" in message.lower() and kind in message, message
+    assert Job.objects.count() == 0
+
+
+def test_num_outputs_is_bounded_by_the_models_max_batch(api):
+    """faulty-sim (tests/registry-extra.toml) leaves max_batch at its default, 1; sdxl-sim has 4."""
+    response = submit(api, model="faulty-sim", num_outputs=2)
+    assert response.status_code == 400, response.content
+    assert response.json()["num_outputs"] == ["At most 1 output for faulty-sim (its max_batch); ask for fewer."]
+    assert Job.objects.count() == 0
+    assert submit(api, model="sdxl-sim", num_outputs=4).status_code == 201
+    response = submit(api, model="sdxl-sim", num_outputs=5)
+    assert response.status_code == 400 and "At most 4 outputs for sdxl-sim" in response.json()["num_outputs"][0]
+    models = {m["name"]: m for m in api.get("/api/v1/models/").json()}
+    assert models["faulty-sim"]["limits"]["max_outputs"] == 1 and models["sdxl-sim"]["limits"]["max_outputs"] == 4
+
+
+def test_schema_bounds_num_outputs_by_the_largest_max_batch(api):
+    from genserver import deployment
+
+    components = api.get("/api/schema/", HTTP_ACCEPT="application/json").json()["components"]["schemas"]
+    largest = max(deployment.registry().get(n).max_batch for n in deployment.registry().names())
+    for body, field in (("JobCreate", "num_outputs"), ("ImageGenerationRequest", "n")):
+        bounds = components[body]["properties"][field]
+        assert (bounds["type"], bounds["minimum"], bounds["maximum"]) == ("integer", 1, largest), bounds
+
+
 def test_missing_prompt_and_model_are_named(api):
     response = api.post("/api/v1/jobs/", data="{}", content_type="application/json")
     assert response.status_code == 400

@@ -228,7 +228,8 @@ def test_admin_retry_of_a_failed_video_restarts_at_the_first_unpublished_segment
         ({"num_frames": 961}, None),  # 60 s at 16 fps: 12 segments
         ({"num_frames": 965}, "num_frames"),
         ({"num_frames": 161, "num_outputs": 2}, "num_outputs"),  # a segmented video makes one output
-        ({"num_frames": 81, "num_outputs": 2}, None),
+        ({"num_frames": 81, "num_outputs": 2}, "num_outputs"),  # wan-sim leaves max_batch at 1
+        ({"num_frames": 81, "num_outputs": 1}, None),
     ],
 )
 def test_request_limits_of_long_videos(fields, error):

@@ -15,6 +15,7 @@ from drf_spectacular.utils import OpenApiResponse
 from rest_framework import serializers
 
 from genserver import deployment
+from genserver.jobs.api.fields import StrictCharField, StrictIntegerField
 
 
 class ErrorSerializer(serializers.Serializer):
@@ -58,7 +59,7 @@ def error_responses(*statuses: int, **described: str) -> dict[int, OpenApiRespon
     }
 
 
-class RegistryModelField(serializers.CharField):
+class RegistryModelField(StrictCharField):
     """A model name of the registry; the schema lists the names as an enum (read when the schema is built)."""
 
     def __init__(self, kind: str = "", **kwargs: Any) -> None:
@@ -75,6 +76,30 @@ class RegistryModelFieldExtension(OpenApiSerializerFieldExtension):
 
     def map_serializer_field(self, auto_schema, direction) -> dict[str, Any]:
         return {"type": "string", "enum": self.target.names()}
+
+
+class NumOutputsField(StrictIntegerField):
+    """Outputs of one job: at least 1, at most its model's `max_batch` (checked against the model in
+    the serializer's validate); the schema's maximum is the largest `max_batch` of the registry."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        kwargs.setdefault("min_value", 1)
+        kwargs.setdefault("required", False)
+        kwargs.setdefault("default", 1)
+        kwargs.setdefault("help_text", "outputs to make: at most the model's limits.max_outputs (GET /api/v1/models/)")
+        super().__init__(**kwargs)
+
+    @staticmethod
+    def largest() -> int:
+        reg = deployment.registry()
+        return max(reg.get(n).max_batch for n in reg.names())
+
+
+class NumOutputsFieldExtension(OpenApiSerializerFieldExtension):
+    target_class = NumOutputsField
+
+    def map_serializer_field(self, auto_schema, direction) -> dict[str, Any]:
+        return {"type": "integer", "minimum": 1, "maximum": self.target.largest()}
 
 
 class BearerScheme(OpenApiAuthenticationExtension):
@@ -137,7 +162,7 @@ class QueueInfoSerializer(serializers.Serializer):
     broker_messages = serializers.IntegerField(required=False, allow_null=True)
 
 
-class PromptField(serializers.CharField):
+class PromptField(StrictCharField):
     """A prompt: text with at least one non-blank character (it is trimmed)."""
 
 
