@@ -175,14 +175,32 @@ def test_models_endpoint_lists_the_registry(api):
     assert models["tiny-sd"]["defaults"]["steps"] > 0
 
 
-def test_queues_endpoint_reports_each_class(api):
+def test_queues_endpoint_reports_each_class(api, staff_api):
     video = submit(api, model="wan-sim").json()
     queues = {q["name"]: q for q in api.get("/api/v1/queues/").json()}
     assert set(queues) == {"short", "medium", "long"}
     # The backlog is on the clock of the job's estimate (wall seconds, 665 s of work × the time scale).
     assert queues["long"]["depth"] == 1
     assert queues["long"]["backlog_seconds"] == pytest.approx(video["estimated_seconds"], rel=1e-3)
-    assert queues["short"]["accepting"] is True and queues["short"]["workers"] == ["card0"]
+    assert queues["short"]["accepting"] is True
+    staff = {q["name"]: q for q in staff_api.get("/api/v1/queues/").json()}
+    assert staff["short"]["workers"] == ["card0"] and staff["long"]["depth"] == 1
+
+
+def test_a_user_sees_the_class_summary_and_staff_the_workers(api, staff_api):
+    from genserver.jobs.selectors import QUEUE_SUMMARY_FIELDS
+
+    mine = api.get("/api/v1/queues/").json()
+    staff = staff_api.get("/api/v1/queues/").json()
+    assert [set(q) for q in mine] == [set(QUEUE_SUMMARY_FIELDS)] * 3  # no workers, nodes or broker depths
+    assert all({"workers", "cards_by_node"} <= set(q) for q in staff)
+    for summary, full in zip(mine, staff, strict=True):
+        assert summary == {k: full[k] for k in QUEUE_SUMMARY_FIELDS}
+    refused = api.get("/api/v1/workers/")
+    assert refused.status_code == 403 and "detail" in refused.json()
+    assert APIClient().get("/api/v1/workers/").status_code == 401
+    answer = staff_api.get("/api/v1/workers/")
+    assert answer.status_code == 200 and {"workers", "nodes"} <= set(answer.json())
 
 
 def test_schema_and_docs_answer_without_auth():

@@ -39,6 +39,7 @@ _WHY = {
     400: "field errors: each bad field (or `non_field_errors`) with a list of messages",
     401: "no token, or an unknown one: send `Authorization: Token <key>` (or `Bearer <key>`)",
     404: "no such job of yours (another user's job is a 404 too), or the file is gone",
+    403: "staff only",
     409: "the job is in a state that refuses this; see `reason`",
     413: "the request body is too large; see `limit_bytes`",
     415: "the body is not JSON: send Content-Type: application/json",
@@ -148,18 +149,31 @@ class ModelInfoSerializer(serializers.Serializer):
 
 
 class QueueInfoSerializer(serializers.Serializer):
-    """One duration class of GET /api/v1/queues/."""
+    """One duration class of GET /api/v1/queues/ (the fields marked "staff only" are absent for others)."""
 
     name = serializers.ChoiceField(choices=["short", "medium", "long"])
     depth = serializers.IntegerField(help_text="jobs of the class waiting")
     running = serializers.IntegerField()
     backlog_seconds = serializers.FloatField()
-    workers = serializers.ListField(child=serializers.CharField(), help_text="workers of the layout serving it")
+    capacity_source = serializers.ChoiceField(
+        choices=["live", "layout"], help_text="live: cards counted from heartbeats; layout: from the configured layout"
+    )
+    cards = serializers.IntegerField(help_text="cards serving the class")
     expected_wait_seconds = serializers.FloatField(allow_null=True, help_text="null: no worker serves the class")
     wait_limit_seconds = serializers.FloatField()
     accepting = serializers.BooleanField()
-    live_workers = serializers.ListField(child=serializers.CharField(), required=False)
-    broker_messages = serializers.IntegerField(required=False, allow_null=True)
+    workers = serializers.ListField(
+        child=serializers.CharField(), required=False, help_text="staff only: workers of the layout serving it"
+    )
+    cards_by_node = serializers.DictField(
+        child=serializers.IntegerField(), required=False, help_text="staff only: the cards serving it, per node"
+    )
+    live_workers = serializers.ListField(
+        child=serializers.CharField(), required=False, help_text="staff only: live workers serving it"
+    )
+    broker_messages = serializers.IntegerField(
+        required=False, allow_null=True, help_text="staff only: messages waiting in its broker queues"
+    )
 
 
 class PromptField(StrictCharField):
