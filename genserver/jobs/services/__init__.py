@@ -18,7 +18,7 @@ from __future__ import annotations
 from ._common import Outcome, disk_full, publish_or_leave_to_reaper
 from .estimates import Estimate, estimate
 from .recovery import fail_attempt, reap_stale, reprioritise, retry_failed
-from .retention import expire_outputs, retain, sweep_embeddings
+from .retention import expire_failed_checkpoints, expire_outputs, job_deleted, purge_jobs, retain, sweep_embeddings
 from .steps import STEPS_CHANGEABLE, StepsChangeRefused, change_steps, release_for_new_total
 from .submission import (
     AdmissionRefused,
@@ -61,6 +61,7 @@ __all__ = [
     "claim_merge_partners",
     "disk_full",
     "estimate",
+    "expire_failed_checkpoints",
     "expire_outputs",
     "fail_attempt",
     "fingerprint",
@@ -69,7 +70,9 @@ __all__ = [
     "finish_decoding",
     "finish_encoding",
     "heartbeat",
+    "job_deleted",
     "publish_or_leave_to_reaper",
+    "purge_jobs",
     "reap_stale",
     "record_preview",
     "release_for_new_total",

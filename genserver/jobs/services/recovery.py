@@ -131,7 +131,9 @@ def reprioritise(job: Job, priority: int) -> Job:
 
 
 def retry_failed(job: Job) -> bool:
-    """Admin action: give a failed job a fresh set of attempts, continuing from its checkpoint."""
+    """Admin action: give a failed job a fresh set of attempts, continuing from the checkpoint it kept
+    (a failed job keeps its latest until retention removes it; a long video restarts at its first
+    segment not yet published)."""
     if job.status != JobStatus.FAILED:
         return False
     has_checkpoint = bool(job.checkpoint_key) and default_storage().exists(job.checkpoint_key)
@@ -143,13 +145,16 @@ def retry_failed(job: Job) -> bool:
     fields = dict(
         status=status, stage=JobStage.RETRYING, attempts=0, error="", finished_at=None, published_at=timezone.now()
     )
-    if not has_checkpoint:
+    if has_checkpoint:
+        fields.update(steps_done=job.checkpoint_step)  # the steps after it are done again
+    else:
         fields.update(checkpoint_step=0, checkpoint_key="", steps_done=0)
         if status == JobStatus.DECODING:
             fields["status"] = JobStatus.DENOISING
     if job.segment_count > 1 and job.embeddings_key:
         fields.update(segment_service.retry_fields(job))  # from the first segment not yet published
-    if not Job.objects.filter(pk=job.pk, status=JobStatus.FAILED).update(**fields):
+    # The checkpoint it found must still be the row's: retention may have just forgotten it.
+    if not Job.objects.filter(pk=job.pk, status=JobStatus.FAILED, checkpoint_key=job.checkpoint_key).update(**fields):
         return False
     observe.transition(job.pk, JobStatus.FAILED, str(fields["status"]))
     job.refresh_from_db()
