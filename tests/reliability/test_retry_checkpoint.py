@@ -1,6 +1,6 @@
 """7b. A failed job keeps its latest checkpoint, and the admin's retry resumes there (real stack, tiny-wan).
 
-The fault: the job's last allowed attempt fails mid-denoise, reported through the job service as
+The fault: the job's last allowed attempt fails mid-denoise (inside its first segment), reported through the job service as
 a worker reports an exception (`fail_attempt` with the holder's name, MAX_ATTEMPTS 1 here), so the
 job ends `failed` with chunks done. The admin's "retry from last checkpoint" then re-queues it; the
 chunks up to the kept checkpoint are not run again, and the video is the one an uninterrupted run
@@ -26,7 +26,6 @@ BODY = {
     "seed": 4321,
     "width": 128,
     "height": 128,
-    "num_frames": 9,  # one segment (tiny-wan's segment_frames)
     "steps": 40,
 }
 
@@ -38,20 +37,24 @@ def _fail_for_good(job_id):
         return row
     if row.is_terminal:
         raise AssertionError(f"the job ended {row.status} before the fault: make it longer")
+    if row.checkpoint_step >= row.steps:
+        raise AssertionError(f"the job's first segment ended before the fault ({row.checkpoint_step} steps)")
     if row.lease_owner and row.checkpoint_step:
         services.fail_attempt(job_id, row.lease_owner, "RuntimeError: injected fault mid-denoise")
     return None
 
 
-def test_a_failed_video_resumes_at_its_kept_checkpoint_when_the_admin_retries_it(stack, api, settings):
+@pytest.mark.parametrize("frames", [9, 17], ids=["one-segment", "two-segments"])  # tiny-wan's segment_frames: 9
+def test_a_failed_video_resumes_at_its_kept_checkpoint_when_the_admin_retries_it(stack, api, settings, frames):
     from django.contrib.auth import get_user_model
 
-    job_id = submit(api, **BODY).json()["id"]
+    body = BODY | {"num_frames": frames}
+    job_id = submit(api, **body).json()["id"]
     wait_for(lambda: job_row(job_id).checkpoint_step >= 5, 90, what="five checkpointed steps")
     settings.MAX_ATTEMPTS = 1  # this process reports the failure: it is the last attempt
     failed = wait_for(lambda: _fail_for_good(job_id), 30, what="the job failed mid-denoise")
     kept_step, kept_key = failed.checkpoint_step, failed.checkpoint_key
-    assert 5 <= kept_step < failed.total_steps and failed.error.endswith("injected fault mid-denoise")
+    assert 5 <= kept_step < failed.steps and failed.error.endswith("injected fault mid-denoise")
 
     # Its latest checkpoint stays (the worker's chunk in flight may add a later file it never
     # recorded); the earlier ones are gone.
@@ -59,7 +62,7 @@ def test_a_failed_video_resumes_at_its_kept_checkpoint_when_the_admin_retries_it
     assert kept_key in keys and all(k >= kept_key for k in keys), (kept_key, keys)
 
     # The admin's action, as staff use it.
-    admin = get_user_model().objects.create_superuser("boss", password="pw")
+    admin = get_user_model().objects.create_superuser(f"boss{frames}", password="pw")
     browser = Client()
     browser.force_login(admin)
     response = browser.post("/admin/jobs/job/", {"action": "retry_from_checkpoint", "_selected_action": [job_id]})
@@ -75,7 +78,7 @@ def test_a_failed_video_resumes_at_its_kept_checkpoint_when_the_admin_retries_it
     assert kept_step in chunks and max(chunks) == job.total_steps  # before the fault and after the retry
     assert not any(e for e in default_storage().list(f"checkpoints/{job_id}"))  # gone once it succeeded
 
-    clean = finished(submit(api, **BODY).json()["id"])
+    clean = finished(submit(api, **body).json()["id"])
     assert clean.status == "succeeded" and clean.attempts == 0
     resumed = [download(api, o["url"]) for o in api.get(f"/api/v1/jobs/{job_id}/").json()["outputs"]]
     uninterrupted = [download(api, o["url"]) for o in api.get(f"/api/v1/jobs/{clean.pk}/").json()["outputs"]]

@@ -152,7 +152,7 @@ def retry_failed(job: Job) -> bool:
         if status == JobStatus.DECODING:
             fields["status"] = JobStatus.DENOISING
     if job.segment_count > 1 and job.embeddings_key:
-        fields.update(segment_service.retry_fields(job))  # from the first segment not yet published
+        fields.update(segment_service.retry_fields(job, has_checkpoint))  # from the first segment not published
     # The checkpoint it found must still be the row's: retention may have just forgotten it.
     if not Job.objects.filter(pk=job.pk, status=JobStatus.FAILED, checkpoint_key=job.checkpoint_key).update(**fields):
         return False
