@@ -231,7 +231,8 @@ def retry_fields(job: Job, has_checkpoint: bool = False) -> dict[str, Any]:
         return {"status": JobStatus.DECODING, "checkpoint_step": job.total_steps, "steps_done": job.total_steps}
     start = first * job.steps
     if has_checkpoint and start < job.checkpoint_step < start + job.steps:  # midway through this segment
-        return {"status": JobStatus.DENOISING, "checkpoint_step": job.checkpoint_step, "steps_done": job.checkpoint_step}
+        step = job.checkpoint_step
+        return {"status": JobStatus.DENOISING, "checkpoint_step": step, "steps_done": step}
     return {"status": JobStatus.DENOISING, "checkpoint_step": start, "steps_done": start, "checkpoint_key": ""}
 
 

@@ -1,10 +1,10 @@
 """7b. A failed job keeps its latest checkpoint, and the admin's retry resumes there (real stack, tiny-wan).
 
-The fault: the job's last allowed attempt fails mid-denoise (inside its first segment), reported through the job service as
-a worker reports an exception (`fail_attempt` with the holder's name, MAX_ATTEMPTS 1 here), so the
-job ends `failed` with chunks done. The admin's "retry from last checkpoint" then re-queues it; the
-chunks up to the kept checkpoint are not run again, and the video is the one an uninterrupted run
-of the same request makes.
+The fault: the job's last allowed attempt fails mid-denoise (inside its first segment), reported
+through the job service as a worker reports an exception (`fail_attempt` with the holder's name,
+MAX_ATTEMPTS 1 here), so the job ends `failed` with chunks done. The admin's "retry from last
+checkpoint" then re-queues it; the chunks up to the kept checkpoint are not run again, and the
+video is the one an uninterrupted run of the same request makes.
 """
 
 from __future__ import annotations
