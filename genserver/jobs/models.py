@@ -16,6 +16,7 @@ class JobStatus(models.TextChoices):
     SUCCEEDED = "succeeded"
     FAILED = "failed"
     CANCELLED = "cancelled"
+    EXPIRED = "expired"  # its start deadline (`start_within` at submit) passed before its first step
 
 
 class JobStage(models.TextChoices):
@@ -30,18 +31,19 @@ class JobStage(models.TextChoices):
     DONE = "done"
     FAILED = "failed"
     CANCELLED = "cancelled"
-    EXPIRED = "expired"  # it succeeded and retention deleted its outputs
+    EXPIRED = "expired"  # succeeded: retention deleted its outputs; status expired: its start deadline passed
 
 
-WEBHOOK_EVENTS = ("started", "preview", "segment", "succeeded", "failed", "cancelled")  # segment: a long video's clip
-DEFAULT_WEBHOOK_EVENTS = ("started", "succeeded", "failed", "cancelled")
+# segment: a long video's clip; expired: its start deadline passed before it started
+WEBHOOK_EVENTS = ("started", "preview", "segment", "succeeded", "failed", "cancelled", "expired")
+DEFAULT_WEBHOOK_EVENTS = ("started", "succeeded", "failed", "cancelled", "expired")
 
 
 def default_webhook_events() -> list[str]:
     return list(DEFAULT_WEBHOOK_EVENTS)
 
 
-TERMINAL = (JobStatus.SUCCEEDED, JobStatus.FAILED, JobStatus.CANCELLED)
+TERMINAL = (JobStatus.SUCCEEDED, JobStatus.FAILED, JobStatus.CANCELLED, JobStatus.EXPIRED)
 ACTIVE = (JobStatus.QUEUED, JobStatus.ENCODING, JobStatus.DENOISING, JobStatus.DECODING)
 
 
@@ -80,6 +82,11 @@ class Job(models.Model):
         default=default_webhook_events,
         blank=True,
         help_text="events sent to webhook_url (default: started and terminal)",
+    )
+
+    # `start_within` at submit: a job that has not taken its first step by then ends `expired`.
+    start_deadline = models.DateTimeField(
+        null=True, blank=True, help_text="it must start (its first denoising step) by then, or it ends expired"
     )
 
     # A client's retry of the same submit (Idempotency-Key header) returns this job.

@@ -7,10 +7,12 @@ import json
 import math
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
 from typing import Any
 
 from django.db.models import QuerySet
+from django.utils import timezone
 
 from genserver import deployment
 from genserver.jobs.broker import broker_depth
@@ -71,6 +73,7 @@ def _active_jobs() -> list[Job]:
             "published_at",
             "created_at",
             "segment_count",
+            "started_at",
         )
     )
 
@@ -87,6 +90,7 @@ class QueueSnapshot:
 
     jobs: list[Job]
     layout: PoolLayout
+    taken_at: datetime = field(default_factory=timezone.now)  # the clock of its quotes
 
     @classmethod
     def load(cls) -> QueueSnapshot:
@@ -118,17 +122,34 @@ class QueueSnapshot:
             )
         )
 
-    def eta_seconds(self, job: Job) -> float | None:
-        """Expected wall seconds until the job finishes denoising. None once terminal."""
+    def _wait_and_own(self, job: Job) -> tuple[float, float] | None:
+        """(wall seconds until it takes a card, wall seconds of its own work left); None once terminal."""
         if job.is_terminal:
             return None
         # A job on a queue only card groups read runs group_speedup(k) times faster than one card.
         own = job.remaining_seconds * job.clock_scale / self.layout.job_speedup(job.queue or job.duration_class)
         if _is_running(job) or job.status == JobStatus.DECODING:
-            return round(own, 3)
+            return 0.0, own
         items = [_work_item(o, wall=True) for o in self._ahead(job)]
-        wait = expected_wait(job.queue or job.duration_class, job.priority, items, self.layout)
-        return None if math.isinf(wait) else round(wait + own, 3)
+        return expected_wait(job.queue or job.duration_class, job.priority, items, self.layout), own
+
+    def eta_seconds(self, job: Job) -> float | None:
+        """Expected wall seconds until the job finishes denoising. None once terminal."""
+        parts = self._wait_and_own(job)
+        if parts is None or math.isinf(parts[0]):
+            return None
+        return round(parts[0] + parts[1], 3)
+
+    def quote(self, job: Job) -> tuple[datetime | None, datetime | None]:
+        """(expected_start_at, expected_finish_at): when its first denoising step is expected (the moment it
+        took it, once it did) and when its denoising ends, from the numbers of `eta_seconds` on this
+        snapshot's clock. (None, None) once terminal, or while no live card serves its queue."""
+        parts = self._wait_and_own(job)
+        eta = self.eta_seconds(job)
+        if parts is None or eta is None:
+            return None, None
+        start = job.started_at or self.taken_at + timedelta(seconds=round(parts[0], 3))
+        return start, self.taken_at + timedelta(seconds=eta)
 
 
 def live_workers() -> list[dict[str, Any]]:

@@ -197,7 +197,8 @@ def test_a_user_sees_the_class_summary_and_staff_the_workers(api, staff_api):
     for summary, full in zip(mine, staff, strict=True):
         assert summary == {k: full[k] for k in QUEUE_SUMMARY_FIELDS}
     refused = api.get("/api/v1/workers/")
-    assert refused.status_code == 403 and "detail" in refused.json()
+    assert refused.status_code == 403 and refused.json()["reason"] == "staff_only", refused.json()
+    assert "/api/v1/queues/" in refused.json()["detail"]
     assert APIClient().get("/api/v1/workers/").status_code == 401
     answer = staff_api.get("/api/v1/workers/")
     assert answer.status_code == 200 and {"workers", "nodes"} <= set(answer.json())
