@@ -333,8 +333,14 @@ SUBMIT_RATE_WINDOW = env_float("GENSERVER_SUBMIT_RATE_WINDOW", 60.0, above=0)
 # (the job stays, with stage "expired" and no outputs). 0 keeps them forever.
 OUTPUT_TTL_SECONDS = env_float("GENSERVER_OUTPUT_TTL", 7 * 24 * 3600.0, minimum=0)
 # Prompt embeddings (a cache shared by jobs with the same prompts) that no active
-# job uses are deleted after this long unused. Checkpoints go when a job ends.
+# job uses are deleted after this long unused. Checkpoints go when a job ends (a failed one's
+# latest after FAILED_CHECKPOINT_TTL_SECONDS).
 EMBEDDINGS_TTL_SECONDS = env_float("GENSERVER_EMBEDDINGS_TTL", 3600.0, minimum=0)
+# A failed job keeps its latest checkpoint (the admin's retry resumes there) this long after
+# it failed; then retention deletes it and a retry starts over.
+FAILED_CHECKPOINT_TTL_SECONDS = env_float("GENSERVER_FAILED_CHECKPOINT_TTL", 3 * 24 * 3600.0, minimum=0)
+# Rows of jobs that ended this long ago are deleted, with their files. 0 keeps them forever.
+JOB_TTL_SECONDS = env_float("GENSERVER_JOB_TTL", 0.0, minimum=0)
 # How often beat runs the retention sweep (seconds).
 RETENTION_INTERVAL_SECONDS = env_float("GENSERVER_RETENTION_INTERVAL", 300.0, above=0)
 CELERY_BEAT_SCHEDULE["retention"] = {

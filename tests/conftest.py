@@ -178,6 +178,12 @@ def api(make_user):
     return make_user("alice")
 
 
+@pytest.fixture
+def staff_api(make_user):
+    """A staff user's client: GET /api/v1/workers/ and the workers of /queues/ are theirs only."""
+    return make_user("root", staff=True)
+
+
 # --- events (issue 13): the real ASGI server, for SSE, the CLI and other HTTP clients -----------------
 
 

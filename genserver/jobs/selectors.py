@@ -218,9 +218,33 @@ def _cards(capacity: PoolLayout, duration_class: str) -> tuple[int, dict[str, in
     return sum(by_node.values()), by_node
 
 
-def queue_overview() -> list[dict[str, Any]]:
+# What a user who is not staff sees of a class: its summary, nothing that names a worker or a machine.
+QUEUE_SUMMARY_FIELDS = (
+    "name",
+    "depth",
+    "running",
+    "backlog_seconds",
+    "capacity_source",
+    "cards",
+    "expected_wait_seconds",
+    "wait_limit_seconds",
+    "accepting",
+)
+
+
+def queue_overview(staff: bool = True) -> list[dict[str, Any]]:
     """Per duration class: depth, backlog, the cards serving it (live, per node), and whether a new job
-    would be accepted now (every figure in wall seconds, like the jobs' estimates and ETAs)."""
+    would be accepted now (every figure in wall seconds, like the jobs' estimates and ETAs).
+
+    `staff` False: the class summary only (QUEUE_SUMMARY_FIELDS): no worker names, nodes or
+    broker internals."""
+    full = _queue_overview()
+    if staff:
+        return full
+    return [{k: entry[k] for k in QUEUE_SUMMARY_FIELDS} for entry in full]
+
+
+def _queue_overview() -> list[dict[str, Any]]:
     thresholds, limits = deployment.thresholds(), deployment.limits()
     jobs = _active_jobs()
     items = [_work_item(j, wall=True) for j in jobs]

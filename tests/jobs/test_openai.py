@@ -108,6 +108,12 @@ def post(client, body, **headers):
         ({"model": "tiny-sd", "prompt": "a fox", "guidance_scale": "NaN"}, "guidance_scale"),
         ({"model": "tiny-sd", "prompt": "a fox", "seed": -1}, "seed"),
         ({"model": "tiny-sd", "prompt": "a fox", "colour": "red"}, "colour"),
+        ({"model": "tiny-sd", "prompt": 12345}, "prompt"),
+        ({"model": "tiny-sd", "prompt": "a fox", "size": 512}, "size"),
+        ({"model": "tiny-sd", "prompt": "a fox", "user": 42}, "user"),
+        ({"model": "tiny-sd", "prompt": "a fox", "negative_prompt": ["x"]}, "negative_prompt"),
+        ({"model": "tiny-sd", "prompt": "a fox", "response_format": 1}, "response_format"),
+        ({"model": 3, "prompt": "a fox"}, "model"),
     ],
 )
 @pytest.mark.django_db
@@ -118,6 +124,20 @@ def test_bad_requests_get_openai_error_shape_and_leave_no_job(api, body, param):
     assert set(error) == {"message", "type", "param", "code"}
     assert (error["type"], error["param"]) == ("invalid_request_error", param), error
     assert param in error["message"]
+    assert not Job.objects.exists()
+
+
+@pytest.mark.django_db
+def test_string_fields_say_they_must_be_strings(api):
+    error = post(api, {"model": "tiny-sd", "prompt": 12345}).json()["error"]
+    assert error["param"] == "prompt" and "must be a string" in error["message"].lower(), error
+    assert not Job.objects.exists()
+
+
+@pytest.mark.django_db
+def test_n_is_bounded_by_the_models_max_batch(api):
+    error = post(api, {"model": "faulty-sim", "prompt": "a fox", "n": 2}).json()["error"]
+    assert error["param"] == "n" and "At most 1 output for faulty-sim" in error["message"], error
     assert not Job.objects.exists()
 
 

@@ -8,6 +8,8 @@
 * Per-user limits: unfinished jobs (MAX_JOBS_IN_FLIGHT) and accepted submits per
   window (SUBMIT_RATE_LIMIT), each a 429 with Retry-After and a reason, and no row.
 * Staff actions (retry, re-prioritise, cancel anyone's job) exist only in the admin.
+* What names the machines is staff's: GET /api/v1/workers/ is 403 to others, and
+  /queues/ shows them the class summary without workers or nodes.
 """
 
 from __future__ import annotations
@@ -78,6 +80,16 @@ def test_every_route_but_schema_and_health_needs_a_token():
                 assert response.has_header("WWW-Authenticate"), (method, path)
                 checked += 1
     assert checked >= 7 * 4
+
+
+def test_workers_are_staff_only_and_queues_show_others_a_summary(make_user):
+    alice, staff = make_user("alice"), make_user("root", staff=True)
+    for method in ("get", "post"):
+        assert getattr(alice, method)("/api/v1/workers/").status_code == 403
+    assert staff.get("/api/v1/workers/").status_code == 200
+    named = {"workers", "live_workers", "cards_by_node", "broker_messages"}
+    assert all(not named & set(q) for q in alice.get("/api/v1/queues/").json())
+    assert all({"workers", "cards_by_node"} <= set(q) for q in staff.get("/api/v1/queues/").json())
 
 
 def test_schema_and_health_answer_without_a_token():

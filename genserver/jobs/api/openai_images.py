@@ -35,7 +35,14 @@ from genserver import deployment
 from genserver.jobs import selectors, services
 from genserver.jobs.api import throttling
 from genserver.jobs.api.auth import BearerTokenAuthentication
-from genserver.jobs.api.schema import PromptField, RegistryModelField
+from genserver.jobs.api.fields import (
+    StrictCharField,
+    StrictChoiceField,
+    StrictFloatField,
+    StrictIntegerField,
+    StrictRegexField,
+)
+from genserver.jobs.api.schema import NumOutputsField, PromptField, RegistryModelField
 from genserver.jobs.api.serializers import JobCreateSerializer
 from genserver.jobs.models import Job, JobStatus
 from genserver.storage import StorageError, default_storage
@@ -58,10 +65,8 @@ class ImageGenerationRequestSerializer(serializers.Serializer):
 
     prompt = PromptField(max_length=20000)
     model = RegistryModelField(kind="image", max_length=100, help_text="an image model of GET /v1/models")
-    n = serializers.IntegerField(
-        required=False, default=1, min_value=1, max_value=4, help_text="images to make (the job's num_outputs)"
-    )
-    size = serializers.RegexField(
+    n = NumOutputsField(help_text="images to make (the job's num_outputs): at most the model's max_outputs")
+    size = StrictRegexField(
         r"^(auto|\d{1,5}x\d{1,5})$",
         required=False,
         default="auto",
@@ -69,17 +74,17 @@ class ImageGenerationRequestSerializer(serializers.Serializer):
         error_messages={"invalid": 'Give "WIDTHxHEIGHT" (e.g. "512x512") or "auto".'},
         help_text='"WIDTHxHEIGHT" within the model\'s limits, or "auto" (its default)',
     )
-    response_format = serializers.ChoiceField(choices=["url", "b64_json"], required=False, default="url")
-    output_format = serializers.ChoiceField(choices=["png"], required=False, default="png")
-    user = serializers.CharField(
+    response_format = StrictChoiceField(choices=["url", "b64_json"], required=False, default="url")
+    output_format = StrictChoiceField(choices=["png"], required=False, default="png")
+    user = StrictCharField(
         required=False, max_length=256, allow_blank=True, help_text="your end user's id (accepted, not stored)"
     )
-    quality = serializers.CharField(required=False, max_length=32, help_text="accepted and ignored")
-    style = serializers.CharField(required=False, max_length=32, help_text="accepted and ignored")
-    negative_prompt = serializers.CharField(required=False, max_length=20000, allow_blank=True)
-    seed = serializers.IntegerField(required=False, min_value=0, max_value=2**63 - 1)
-    num_inference_steps = serializers.IntegerField(required=False, min_value=1, max_value=10000)
-    guidance_scale = serializers.FloatField(required=False, min_value=0.0, max_value=1000.0)
+    quality = StrictCharField(required=False, max_length=32, help_text="accepted and ignored")
+    style = StrictCharField(required=False, max_length=32, help_text="accepted and ignored")
+    negative_prompt = StrictCharField(required=False, max_length=20000, allow_blank=True)
+    seed = StrictIntegerField(required=False, min_value=0, max_value=2**63 - 1)
+    num_inference_steps = StrictIntegerField(required=False, min_value=1, max_value=10000)
+    guidance_scale = StrictFloatField(required=False, min_value=0.0, max_value=1000.0)
 
     def to_internal_value(self, data: Any) -> dict[str, Any]:
         if not isinstance(data, dict):
@@ -87,20 +92,12 @@ class ImageGenerationRequestSerializer(serializers.Serializer):
         unknown = sorted(set(data) - set(self.fields))
         if unknown:
             raise serializers.ValidationError({k: ["Unknown field."] for k in unknown})
-        for name in ("n", "seed", "num_inference_steps", "guidance_scale"):
-            if isinstance(data.get(name), bool):
-                raise serializers.ValidationError({name: ["A number is required, not a boolean."]})
         return super().to_internal_value(data)
 
     def validate_model(self, value: str) -> str:
         names = self.fields["model"].names()
         if value not in names:
             raise serializers.ValidationError(f"Unknown image model {value!r}; available: {', '.join(names)}.")
-        return value
-
-    def validate_guidance_scale(self, value: float) -> float:
-        if value != value or value in (float("inf"), float("-inf")):
-            raise serializers.ValidationError("A finite number is required.")
         return value
 
     def native(self) -> dict[str, Any]:

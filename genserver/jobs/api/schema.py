@@ -15,6 +15,7 @@ from drf_spectacular.utils import OpenApiResponse
 from rest_framework import serializers
 
 from genserver import deployment
+from genserver.jobs.api.fields import StrictCharField, StrictIntegerField
 
 
 class ErrorSerializer(serializers.Serializer):
@@ -70,7 +71,7 @@ def error_responses(*statuses: int, **described: str) -> dict[int, OpenApiRespon
     }
 
 
-class RegistryModelField(serializers.CharField):
+class RegistryModelField(StrictCharField):
     """A model name of the registry; the schema lists the names as an enum (read when the schema is built)."""
 
     def __init__(self, kind: str = "", **kwargs: Any) -> None:
@@ -87,6 +88,30 @@ class RegistryModelFieldExtension(OpenApiSerializerFieldExtension):
 
     def map_serializer_field(self, auto_schema, direction) -> dict[str, Any]:
         return {"type": "string", "enum": self.target.names()}
+
+
+class NumOutputsField(StrictIntegerField):
+    """Outputs of one job: at least 1, at most its model's `max_batch` (checked against the model in
+    the serializer's validate); the schema's maximum is the largest `max_batch` of the registry."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        kwargs.setdefault("min_value", 1)
+        kwargs.setdefault("required", False)
+        kwargs.setdefault("default", 1)
+        kwargs.setdefault("help_text", "outputs to make: at most the model's limits.max_outputs (GET /api/v1/models/)")
+        super().__init__(**kwargs)
+
+    @staticmethod
+    def largest() -> int:
+        reg = deployment.registry()
+        return max(reg.get(n).max_batch for n in reg.names())
+
+
+class NumOutputsFieldExtension(OpenApiSerializerFieldExtension):
+    target_class = NumOutputsField
+
+    def map_serializer_field(self, auto_schema, direction) -> dict[str, Any]:
+        return {"type": "integer", "minimum": 1, "maximum": self.target.largest()}
 
 
 class BearerScheme(OpenApiAuthenticationExtension):
@@ -135,21 +160,34 @@ class ModelInfoSerializer(serializers.Serializer):
 
 
 class QueueInfoSerializer(serializers.Serializer):
-    """One duration class of GET /api/v1/queues/."""
+    """One duration class of GET /api/v1/queues/ (the fields marked "staff only" are absent for others)."""
 
     name = serializers.ChoiceField(choices=["short", "medium", "long"])
     depth = serializers.IntegerField(help_text="jobs of the class waiting")
     running = serializers.IntegerField()
     backlog_seconds = serializers.FloatField()
-    workers = serializers.ListField(child=serializers.CharField(), help_text="workers of the layout serving it")
+    capacity_source = serializers.ChoiceField(
+        choices=["live", "layout"], help_text="live: cards counted from heartbeats; layout: from the configured layout"
+    )
+    cards = serializers.IntegerField(help_text="cards serving the class")
     expected_wait_seconds = serializers.FloatField(allow_null=True, help_text="null: no worker serves the class")
     wait_limit_seconds = serializers.FloatField()
     accepting = serializers.BooleanField()
-    live_workers = serializers.ListField(child=serializers.CharField(), required=False)
-    broker_messages = serializers.IntegerField(required=False, allow_null=True)
+    workers = serializers.ListField(
+        child=serializers.CharField(), required=False, help_text="staff only: workers of the layout serving it"
+    )
+    cards_by_node = serializers.DictField(
+        child=serializers.IntegerField(), required=False, help_text="staff only: the cards serving it, per node"
+    )
+    live_workers = serializers.ListField(
+        child=serializers.CharField(), required=False, help_text="staff only: live workers serving it"
+    )
+    broker_messages = serializers.IntegerField(
+        required=False, allow_null=True, help_text="staff only: messages waiting in its broker queues"
+    )
 
 
-class PromptField(serializers.CharField):
+class PromptField(StrictCharField):
     """A prompt: text with at least one non-blank character (it is trimmed)."""
 
 

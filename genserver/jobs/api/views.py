@@ -14,6 +14,7 @@ from rest_framework import serializers, status
 from rest_framework.exceptions import ValidationError
 from rest_framework.generics import GenericAPIView
 from rest_framework.pagination import LimitOffsetPagination
+from rest_framework.permissions import IsAdminUser
 from rest_framework.request import Request
 from rest_framework.response import Response
 from rest_framework.views import APIView
@@ -372,11 +373,28 @@ class ModelListView(APIView):
         return Response([reg.get(name).public() for name in reg.names()])
 
 
+class StaffOnlyWorkers(IsAdminUser):
+    """Worker names and nodes name the service's machines: staff only (anonymous stays a 401)."""
+
+    message = {
+        "detail": "Only staff may list the workers (they name the service's machines); "
+        "GET /api/v1/queues/ gives every user the per-class summary.",
+        "reason": "staff_only",
+    }
+
+
 class WorkerListView(APIView):
-    @extend_schema(responses={200: OpenApiTypes.OBJECT, **error_responses()})
+    permission_classes = [StaffOnlyWorkers]
+
+    @extend_schema(
+        responses={
+            200: OpenApiTypes.OBJECT,
+            **error_responses(403, s403="staff only: the workers name the service's machines"),
+        }
+    )
     def get(self, request: Request) -> Response:
-        """Live workers (`gpu0@NODE`): their node, queues, cards and the models each one holds; per node its
-        workers and denoising cards; the embedding cache; merged denoise batches."""
+        """Staff only. Live workers (`gpu0@NODE`): their node, queues, cards and the models each one holds;
+        per node its workers and denoising cards; the embedding cache; merged denoise batches."""
         from genserver.metrics import embedding_cache_counts, merged_counts
 
         workers = selectors.live_workers()
@@ -393,4 +411,6 @@ class WorkerListView(APIView):
 class QueueListView(APIView):
     @extend_schema(responses={200: QueueInfoSerializer(many=True), **error_responses()})
     def get(self, request: Request) -> Response:
-        return Response(selectors.queue_overview())
+        """Per duration class: depth, backlog, expected wait, whether it accepts work. Staff also see the
+        workers and cards per node serving each class."""
+        return Response(selectors.queue_overview(staff=request.user.is_staff))

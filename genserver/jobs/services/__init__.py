@@ -21,7 +21,7 @@ from .deadlines import StartDeadlineRefused, expire_if_overdue, expire_overdue
 from .estimates import Estimate, estimate
 from .priority import PriorityRefused, priority_bounds, reprioritise
 from .recovery import fail_attempt, reap_stale, retry_failed
-from .retention import expire_outputs, retain, sweep_embeddings
+from .retention import expire_failed_checkpoints, expire_outputs, job_deleted, purge_jobs, retain, sweep_embeddings
 from .steps import STEPS_CHANGEABLE, StepsChangeRefused, change_steps, release_for_new_total
 from .submission import (
     AdmissionRefused,
@@ -66,6 +66,7 @@ __all__ = [
     "claim_merge_partners",
     "disk_full",
     "estimate",
+    "expire_failed_checkpoints",
     "expire_if_overdue",
     "expire_outputs",
     "expire_overdue",
@@ -76,8 +77,10 @@ __all__ = [
     "finish_decoding",
     "finish_encoding",
     "heartbeat",
+    "job_deleted",
     "priority_bounds",
     "publish_or_leave_to_reaper",
+    "purge_jobs",
     "reap_stale",
     "record_preview",
     "release_for_new_total",
