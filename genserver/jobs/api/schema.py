@@ -25,15 +25,9 @@ class ErrorSerializer(serializers.Serializer):
         required=False,
         help_text="a stable code: overloaded, too_many_in_flight, start_deadline, rate_limited, "
         "card_seconds_per_day, model_not_allowed, lane_not_allowed, exceeds_daily_quota, too_large, "
-        "idempotency_conflict, unavailable, staff_only, finished, or why a step change was refused",
-    )
-    limit = serializers.FloatField(required=False, help_text="a quota refusal: the limit reached")
-    used = serializers.FloatField(required=False, help_text="a quota refusal: what is used of it")
-    resets_at = serializers.DateTimeField(
-        required=False, allow_null=True, help_text="a quota refusal: when it resets (null: as your jobs end)"
-    )
-    allowed = serializers.ListField(
-        child=serializers.CharField(), required=False, help_text="a 403 of your quota: the models or lanes allowed"
+        "idempotency_conflict, unavailable, staff_only, finished, or why a step change was refused. A quota "
+        "refusal also names `limit`, `used` and `resets_at` (429), or `allowed` (403: the models or lanes "
+        "allowed); a 400 on a field of the same name is that field's messages instead",
     )
     retry_after = serializers.IntegerField(required=False, help_text="seconds; also in the Retry-After header")
     expected_start_at = serializers.DateTimeField(
