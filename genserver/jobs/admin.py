@@ -4,11 +4,11 @@ from datetime import timedelta
 
 from django.conf import settings
 from django.contrib import admin, messages
-from django.db.models import Count, Q, Sum
+from django.db.models import Case, Count, F, Q, Sum, When
 from django.utils import timezone
 
 from genserver.jobs import selectors, services
-from genserver.jobs.models import ACTIVE, Job, JobSegment, Quota, UserUsage
+from genserver.jobs.models import ACTIVE, TERMINAL, Job, JobSegment, Quota, UserUsage
 
 
 class JobSegmentInline(admin.TabularInline):
@@ -133,7 +133,13 @@ class UserUsageAdmin(admin.ModelAdmin):
             .annotate(
                 in_flight=Count("jobs", filter=Q(jobs__status__in=ACTIVE, jobs__cancel_requested=False)),
                 submits=Count("jobs", filter=Q(jobs__created_at__gte=window_start)),
-                card_today=Sum("jobs__charged_card_seconds", filter=Q(jobs__created_at__gte=day_start)),
+                card_today=Sum(
+                    Case(
+                        When(jobs__status__in=TERMINAL, then=F("jobs__card_seconds")),
+                        default=F("jobs__charged_card_seconds"),
+                    ),
+                    filter=Q(jobs__created_at__gte=day_start),
+                ),
             )
         )
 

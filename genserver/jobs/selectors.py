@@ -394,6 +394,16 @@ class Usage:
         return next_utc_midnight(self.now)
 
 
+def charged_card_seconds() -> Any:
+    """A job's charge against the daily quota, as an expression: its measured card time once it ended
+    (the same moment as its status changes, before `quotas.settle` writes it down), else its estimate."""
+    from django.db.models import Case, F, When
+
+    from genserver.jobs.models import TERMINAL
+
+    return Case(When(status__in=TERMINAL, then=F("card_seconds")), default=F("charged_card_seconds"))
+
+
 def in_flight_jobs(user: Any) -> QuerySet[Job]:
     """The user's jobs that count against their jobs-in-flight limit (a cancel asked no longer counts)."""
     return Job.objects.filter(owner_id=user.pk, status__in=ACTIVE, cancel_requested=False)
@@ -409,7 +419,7 @@ def usage_of(user: Any, now: datetime | None = None) -> Usage:
     recent = Job.objects.filter(owner_id=user.pk, created_at__gte=now - timedelta(seconds=window))
     day_start = next_utc_midnight(now) - timedelta(days=1)
     charged = Job.objects.filter(owner_id=user.pk, created_at__gte=day_start).aggregate(
-        total=Sum("charged_card_seconds")
+        total=Sum(charged_card_seconds())
     )["total"]
     return Usage(
         now=now,
