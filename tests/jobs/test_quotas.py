@@ -368,3 +368,14 @@ def test_quota_limits_are_checked_inside_the_submit_transaction(make_user):
         services.submit_job(alice, data)
     assert refused.value.reason == "rate_limited" and math.isfinite(refused.value.retry_after_seconds)
     assert Job.objects.filter(owner=alice).count() == 1
+
+
+def test_an_idempotent_retry_is_not_refused_by_the_quota(make_user):
+    alice = make_user("alice")
+    Quota.objects.create(user=alice.user, submits_per_minute=1, max_jobs_in_flight=1)
+    body = json.dumps({"model": "sdxl-sim", "prompt": "once"})
+    first = alice.post("/api/v1/jobs/", data=body, content_type="application/json", HTTP_IDEMPOTENCY_KEY="k1")
+    again = alice.post("/api/v1/jobs/", data=body, content_type="application/json", HTTP_IDEMPOTENCY_KEY="k1")
+    assert (first.status_code, again.status_code) == (201, 200), again.content
+    assert again.json()["id"] == first.json()["id"] and again["Idempotent-Replayed"] == "true"
+    assert submit(alice, prompt="a new one").status_code == 429
