@@ -329,6 +329,10 @@ MAX_JOBS_IN_FLIGHT = env_int("GENSERVER_MAX_JOBS_IN_FLIGHT", 20, minimum=0)
 # with 429 and a Retry-After (when the oldest of them leaves the window). 0 = off.
 SUBMIT_RATE_LIMIT = env_int("GENSERVER_SUBMIT_RATE_LIMIT", 60, minimum=0)
 SUBMIT_RATE_WINDOW = env_float("GENSERVER_SUBMIT_RATE_WINDOW", 60.0, above=0)
+# Per user: seconds of card time per UTC day (each job charged its estimate at submit, settled
+# with its measured denoising time when it ends); one more job is a 429 until midnight UTC. 0 = off.
+# These three are the defaults of the per-user and per-group quotas edited in the admin (jobs.Quota).
+QUOTA_CARD_SECONDS_PER_DAY = env_float("GENSERVER_QUOTA_CARD_SECONDS_PER_DAY", 0.0, minimum=0)
 # Outputs and previews of finished jobs are deleted this long after the job ends
 # (the job stays, with stage "expired" and no outputs). 0 keeps them forever.
 OUTPUT_TTL_SECONDS = env_float("GENSERVER_OUTPUT_TTL", 7 * 24 * 3600.0, minimum=0)

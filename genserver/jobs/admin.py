@@ -1,9 +1,14 @@
-"""Django admin for jobs: filters, search, and actions that go through the job service."""
+"""Django admin for jobs (filters, search, actions through the job service), quotas, and everyone's usage."""
 
+from datetime import timedelta
+
+from django.conf import settings
 from django.contrib import admin, messages
+from django.db.models import Case, Count, F, Q, Sum, When
+from django.utils import timezone
 
-from genserver.jobs import services
-from genserver.jobs.models import Job, JobSegment
+from genserver.jobs import selectors, services
+from genserver.jobs.models import ACTIVE, TERMINAL, Job, JobSegment, Quota, UserUsage
 
 
 class JobSegmentInline(admin.TabularInline):
@@ -72,3 +77,105 @@ class JobAdmin(admin.ModelAdmin):
         self.message_user(
             request, f"Re-prioritised {moved} job(s){note}.", messages.SUCCESS if moved else messages.WARNING
         )
+
+
+@admin.register(Quota)
+class QuotaAdmin(admin.ModelAdmin):
+    """Per-user or per-group limits (blank: the settings' default; 0: no limit; empty lists: all)."""
+
+    list_display = (
+        "__str__",
+        "max_jobs_in_flight",
+        "submits_per_minute",
+        "card_seconds_per_day",
+        "allowed_models",
+        "allowed_lanes",
+        "updated_at",
+    )
+    list_select_related = ("user", "group")
+    search_fields = ("user__username", "group__name")
+    autocomplete_fields = ("user", "group")
+    fields = (
+        "user",
+        "group",
+        "max_jobs_in_flight",
+        "submits_per_minute",
+        "card_seconds_per_day",
+        "allowed_models",
+        "allowed_lanes",
+    )
+
+
+@admin.register(UserUsage)
+class UserUsageAdmin(admin.ModelAdmin):
+    """Every user's counts against their quota (read-only), as GET /api/v1/usage/ shows each their own."""
+
+    list_display = (
+        "username",
+        "quota_source",
+        "in_flight_jobs",
+        "submits_in_window",
+        "card_seconds_used_today",
+        "card_seconds_limit",
+    )
+    search_fields = ("username",)
+    ordering = ("username",)
+    fields = ("username", "quota_source", "in_flight_jobs", "submits_in_window", "card_seconds_used_today")
+    readonly_fields = fields
+
+    def get_queryset(self, request):
+        now = timezone.now()
+        day_start = selectors.next_utc_midnight(now) - timedelta(days=1)
+        window_start = now - timedelta(seconds=settings.SUBMIT_RATE_WINDOW)
+        return (
+            super()
+            .get_queryset(request)
+            .annotate(
+                in_flight=Count("jobs", filter=Q(jobs__status__in=ACTIVE, jobs__cancel_requested=False)),
+                submits=Count("jobs", filter=Q(jobs__created_at__gte=window_start)),
+                card_today=Sum(
+                    Case(
+                        When(jobs__status__in=TERMINAL, then=F("jobs__card_seconds")),
+                        default=F("jobs__charged_card_seconds"),
+                    ),
+                    filter=Q(jobs__created_at__gte=day_start),
+                ),
+            )
+        )
+
+    def has_add_permission(self, request) -> bool:
+        return False
+
+    def has_change_permission(self, request, obj=None) -> bool:
+        return False
+
+    def has_delete_permission(self, request, obj=None) -> bool:
+        return False
+
+    def has_view_permission(self, request, obj=None) -> bool:
+        return request.user.is_active and request.user.is_staff
+
+    def has_module_permission(self, request) -> bool:
+        return request.user.is_active and request.user.is_staff
+
+    @admin.display(description="quota")
+    def quota_source(self, user) -> str:
+        return selectors.effective_quota(user).source
+
+    @admin.display(description="jobs in flight", ordering="in_flight")
+    def in_flight_jobs(self, user) -> str:
+        limit = selectors.effective_quota(user).max_jobs_in_flight
+        return f"{user.in_flight} / {limit or '∞'}"
+
+    @admin.display(description="submits this minute", ordering="submits")
+    def submits_in_window(self, user) -> str:
+        limit = selectors.effective_quota(user).submits_per_minute
+        return f"{user.submits} / {limit or '∞'}"
+
+    @admin.display(description="card-seconds today (UTC)", ordering="card_today")
+    def card_seconds_used_today(self, user) -> str:
+        return f"{user.card_today or 0.0:.1f}"
+
+    @admin.display(description="card-seconds per day")
+    def card_seconds_limit(self, user) -> str:
+        return f"{selectors.effective_quota(user).card_seconds_per_day or '∞'}"

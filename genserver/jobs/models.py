@@ -5,6 +5,8 @@ from __future__ import annotations
 import uuid
 
 from django.conf import settings
+from django.contrib.auth.models import Group, User
+from django.core.exceptions import ValidationError
 from django.db import models
 
 
@@ -123,6 +125,15 @@ class Job(models.Model):
     preview_step = models.PositiveIntegerField(default=0)
     outputs = models.JSONField(default=list, blank=True, help_text="[{key, content_type}]")
     measured_step_seconds = models.FloatField(null=True, blank=True)
+    # Quotas (genserver/jobs/services/quotas.py): card time, in wall seconds of one card.
+    card_seconds = models.FloatField(
+        default=0.0, help_text="measured seconds of denoising on cards (the chunks recorded; a group counts its cards)"
+    )
+    charged_card_seconds = models.FloatField(
+        default=0.0,
+        help_text="what its owner's daily card-seconds quota counts: the estimate from submit until it ends, "
+        "then the measured card_seconds",
+    )
 
     created_at = models.DateTimeField(auto_now_add=True, db_index=True)
     started_at = models.DateTimeField(null=True, blank=True, help_text="first denoising step")
@@ -214,3 +225,86 @@ class JobSegment(models.Model):
 
     def __str__(self) -> str:
         return f"segment {self.index} of {self.job_id} [{self.status}]"
+
+
+class Quota(models.Model):
+    """Per-user or per-group limits on submits, edited in the admin (applied by services/quotas.py).
+
+    A user's effective quota is their own row, else their groups' rows combined
+    (the most generous value of each limit), else the global defaults from settings.
+    A blank limit means "the global default"; 0 means "no limit".
+    """
+
+    user = models.OneToOneField(
+        settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.CASCADE, related_name="quota"
+    )
+    group = models.OneToOneField(Group, null=True, blank=True, on_delete=models.CASCADE, related_name="quota")
+    max_jobs_in_flight = models.PositiveIntegerField(
+        null=True, blank=True, help_text="unfinished jobs at once; blank: GENSERVER_MAX_JOBS_IN_FLIGHT; 0: no limit"
+    )
+    submits_per_minute = models.PositiveIntegerField(
+        null=True,
+        blank=True,
+        help_text="accepted submits in any GENSERVER_SUBMIT_RATE_WINDOW seconds (60); "
+        "blank: GENSERVER_SUBMIT_RATE_LIMIT; 0: no limit",
+    )
+    card_seconds_per_day = models.FloatField(
+        null=True,
+        blank=True,
+        help_text="seconds of card time per UTC day (the estimate at submit, the measured time once a job ends); "
+        "blank: GENSERVER_QUOTA_CARD_SECONDS_PER_DAY; 0: no limit",
+    )
+    allowed_models = models.JSONField(
+        default=list, blank=True, help_text='model names, e.g. ["sdxl-sim"]; empty: every model'
+    )
+    allowed_lanes = models.JSONField(
+        default=list,
+        blank=True,
+        help_text='lanes a job may ask for, e.g. ["interactive"]; empty: every lane '
+        "(a job without a lane is always allowed)",
+    )
+    updated_at = models.DateTimeField(auto_now=True)
+
+    class Meta:
+        constraints = [
+            models.CheckConstraint(
+                condition=(models.Q(user__isnull=False) & models.Q(group__isnull=True))
+                | (models.Q(user__isnull=True) & models.Q(group__isnull=False)),
+                name="quota_for_a_user_or_a_group",
+            ),
+            models.CheckConstraint(
+                condition=models.Q(card_seconds_per_day__isnull=True) | models.Q(card_seconds_per_day__gte=0),
+                name="quota_card_seconds_not_negative",
+            ),
+        ]
+
+    def __str__(self) -> str:
+        return f"quota of user {self.user}" if self.user_id else f"quota of group {self.group}"
+
+    def clean(self) -> None:
+        from genserver import deployment
+
+        errors: dict[str, str] = {}
+        if bool(self.user_id) == bool(self.group_id):
+            errors["user"] = "Choose a user or a group (one of them, not both)."
+        known = set(deployment.registry().names())
+        for field, valid, what in (
+            ("allowed_models", known, "a model of the registry"),
+            ("allowed_lanes", None, "a lane name"),
+        ):
+            value = getattr(self, field)
+            if not isinstance(value, list) or not all(isinstance(v, str) and v for v in value):
+                errors[field] = f'A JSON list of names is required, e.g. ["name"] (each {what}); [] allows all.'
+            elif valid is not None and (unknown := sorted(set(value) - valid)):
+                errors[field] = f"Unknown model(s) {', '.join(unknown)}; known: {', '.join(sorted(valid))}."
+        if errors:
+            raise ValidationError(errors)
+
+
+class UserUsage(User):
+    """A user as the admin's read-only usage page shows them (their counts and effective quota)."""
+
+    class Meta:
+        proxy = True
+        verbose_name = "usage of a user"
+        verbose_name_plural = "usage of users"

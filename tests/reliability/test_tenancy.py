@@ -6,7 +6,9 @@
   authenticated API routes keyed by an unguessable UUID; storage has no public URL.
 * Another user's job is a 404 to read, list, cancel, or fetch files from.
 * Per-user limits: unfinished jobs (MAX_JOBS_IN_FLIGHT) and accepted submits per
-  window (SUBMIT_RATE_LIMIT), each a 429 with Retry-After and a reason, and no row.
+  window (SUBMIT_RATE_LIMIT), each a 429 with Retry-After and a reason, and no row
+  (the defaults of the per-user quotas: tests/jobs/test_quotas.py); GET /api/v1/usage/
+  shows each user their own counts only.
 * Staff actions (retry, re-prioritise, cancel anyone's job) exist only in the admin.
 * What names the machines is staff's: GET /api/v1/workers/ is 403 to others, and
   /queues/ shows them the class summary without workers or nodes.
@@ -53,6 +55,7 @@ def routes(resolver=None, prefix: str = "") -> list[str]:
 def test_every_route_but_schema_and_health_needs_a_token():
     anonymous, bad_token = APIClient(), APIClient(HTTP_AUTHORIZATION="Token not-a-token")
     checked = 0
+    refused_paths = set()
     for path in routes():
         if path in PUBLIC:
             accept = "application/json" if path == "api/schema/" else "text/html"
@@ -79,7 +82,9 @@ def test_every_route_but_schema_and_health_needs_a_token():
                 assert ("error" if path.startswith("v1/") else "detail") in response.json(), (method, path)
                 assert response.has_header("WWW-Authenticate"), (method, path)
                 checked += 1
-    assert checked >= 7 * 4
+                refused_paths.add(path)
+    assert "api/v1/usage/" in refused_paths  # a user's quota and counts are theirs alone
+    assert checked >= 8 * 4
 
 
 def test_workers_are_staff_only_and_queues_show_others_a_summary(make_user):
@@ -150,6 +155,10 @@ def test_another_users_job_is_404_to_read_list_cancel_and_fetch(make_user):
     assert bob.get("/api/v1/jobs/").json()["count"] == 0
     assert bob.get("/api/v1/jobs/?status=queued").json()["count"] == 0
     assert Job.objects.get(pk=queued).status == "queued" and not Job.objects.get(pk=queued).cancel_requested
+    # Usage is each user's own: bob's shows none of alice's jobs.
+    usage = bob.get("/api/v1/usage/").json()
+    assert usage["user"] == "bob" and usage["jobs_in_flight"]["used"] == 0
+    assert usage["submits_per_minute"]["used"] == 0 and usage["card_seconds_per_day"]["used"] == 0
 
 
 def test_jobs_in_flight_per_user_are_limited_with_429_and_retry_after(make_user, settings):

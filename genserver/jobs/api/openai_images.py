@@ -7,8 +7,9 @@ OpenAI's response shape, or OpenAI's error shape
 `{"error": {"message", "type", "param", "code"}}`:
 
 * 400 bad fields (`param` names the OpenAI field), 401 no or unknown token,
-  413 body too large, 415 not JSON, 429 with Retry-After when admission, the
-  in-flight limit or the submit rate refuses;
+  403 a model the user's quota does not allow, 413 body too large, 415 not JSON,
+  429 with Retry-After when admission or a limit of the user's quota refuses
+  (`code`: overloaded, too_many_in_flight, rate_limited, card_seconds_per_day);
 * a job that ends failed answers 500, one cancelled 409 (both name the job);
   neither is retried by the OpenAI client (`x-should-retry: false`): a retry
   would be a new job;
@@ -166,7 +167,10 @@ def _error_responses(*statuses: int) -> dict[int, OpenApiResponse]:
         413: "the request body is too large",
         422: "the Idempotency-Key was used for a different request",
         415: "the body is not JSON",
-        429: "refused: overloaded, too many jobs in flight or too fast (Retry-After)",
+        403: "your quota does not allow this model (`code` model_not_allowed), or the job alone costs more "
+        "card-seconds than your daily quota (exceeds_daily_quota)",
+        429: "refused: overloaded, or a limit of your quota: too many jobs in flight, too fast, card-seconds "
+        "per day (`code` names it; Retry-After)",
         500: "the job failed (`job_id` names it)",
         503: "the database or the broker is unavailable",
     }
@@ -246,7 +250,6 @@ def _detail(data: Any) -> str:
 # --- Views ---------------------------------------------------------------------------------------
 class ImageGenerationView(OpenAIView):
     parser_classes = [throttling.SubmitJSONParser]
-    throttle_classes = [throttling.SubmitRateThrottle]
 
     @extend_schema(
         operation_id="openai_images_generate",
@@ -267,7 +270,7 @@ class ImageGenerationView(OpenAIView):
                 description="the wait ended first: `data` is "
                 "empty and `error.job_id` names the job, which keeps running",
             ),
-            **_error_responses(400, 401, 409, 413, 415, 422, 429, 500, 503),
+            **_error_responses(400, 401, 403, 409, 413, 415, 422, 429, 500, 503),
         },
     )
     def post(self, request: Request) -> Response:
@@ -292,14 +295,22 @@ class ImageGenerationView(OpenAIView):
             job, _ = services.submit_or_replay(request.user, native.validated_data, key)
         except services.IdempotencyConflict as conflict:
             return openai_error(422, str(conflict), "invalid_request_error", "Idempotency-Key", "idempotency_conflict")
-        except services.InFlightLimitReached as full:
+        except services.QuotaExceeded as full:
             return openai_error(
                 429,
                 str(full),
                 "rate_limit_error",
                 None,
-                "too_many_in_flight",
+                full.reason,  # too_many_in_flight, rate_limited or card_seconds_per_day
                 headers={"Retry-After": str(full.retry_after_seconds)},
+            )
+        except services.NotAllowed as refused:
+            return openai_error(
+                403,
+                str(refused),
+                "permission_error",
+                _PARAM_OF.get(refused.field, refused.field),
+                refused.reason,  # model_not_allowed or exceeds_daily_quota (the endpoint has no lane)
             )
         except services.AdmissionRefused as refused:
             d = refused.decision

@@ -24,8 +24,11 @@ class ErrorSerializer(serializers.Serializer):
     detail = serializers.CharField(required=False, help_text="what went wrong and what to change")
     reason = serializers.CharField(
         required=False,
-        help_text="a stable code: overloaded, too_many_in_flight, start_deadline, rate_limited, too_large, "
-        "idempotency_conflict, unavailable, staff_only, finished, or why a step change was refused",
+        help_text="a stable code: overloaded, too_many_in_flight, start_deadline, rate_limited, "
+        "card_seconds_per_day, model_not_allowed, lane_not_allowed, exceeds_daily_quota, too_large, "
+        "idempotency_conflict, unavailable, staff_only, finished, or why a step change was refused. A quota "
+        "refusal also names `limit`, `used` and `resets_at` (429), or `allowed` (403: the models or lanes "
+        "allowed); a 400 on a field of the same name is that field's messages instead",
     )
     retry_after = serializers.IntegerField(required=False, help_text="seconds; also in the Retry-After header")
     expected_start_at = serializers.DateTimeField(
@@ -184,6 +187,36 @@ class QueueInfoSerializer(serializers.Serializer):
     )
     broker_messages = serializers.IntegerField(
         required=False, allow_null=True, help_text="staff only: messages waiting in its broker queues"
+    )
+
+
+class QuotaLimitSerializer(serializers.Serializer):
+    limit = serializers.FloatField(allow_null=True, help_text="null: no limit")
+    used = serializers.FloatField()
+    remaining = serializers.FloatField(allow_null=True, help_text="null: no limit")
+    resets_at = serializers.DateTimeField(allow_null=True, help_text="when a place frees up / the count resets")
+
+
+class SubmitRateLimitSerializer(QuotaLimitSerializer):
+    window_seconds = serializers.FloatField(help_text="the rate window (GENSERVER_SUBMIT_RATE_WINDOW, 60 s)")
+
+
+class UsageSerializer(serializers.Serializer):
+    """GET /api/v1/usage/: the caller's own counts against their quota."""
+
+    user = serializers.CharField()
+    quota = serializers.CharField(help_text='where the limits come from: "user", "groups: ...", or "default"')
+    jobs_in_flight = QuotaLimitSerializer(help_text="unfinished jobs (resets_at null: places free up as jobs end)")
+    submits_per_minute = SubmitRateLimitSerializer(help_text="accepted submits in the rate window")
+    card_seconds_per_day = QuotaLimitSerializer(
+        help_text="card time today (UTC): running jobs at their estimate, ended ones at their measured time; "
+        "resets at 00:00 UTC"
+    )
+    allowed_models = serializers.ListField(child=serializers.CharField())
+    allowed_lanes = serializers.ListField(
+        child=serializers.CharField(),
+        allow_null=True,
+        help_text="null: every lane (a job without a lane is always allowed)",
     )
 
 

@@ -23,4 +23,5 @@ urlpatterns = [
     path("models/", views.ModelListView.as_view(), name="model-list"),
     path("queues/", views.QueueListView.as_view(), name="queue-list"),
     path("workers/", views.WorkerListView.as_view(), name="worker-list"),
+    path("usage/", views.UsageView.as_view(), name="usage"),
 ]

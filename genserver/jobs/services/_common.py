@@ -1,7 +1,7 @@
 """What every part of the job service shares: leases, the end of a job, events, publishing and disk errors.
 
-A leaf: it imports no other part of the service but the leaf `observe`, so segment_service.py and
-each module of this package import it directly.
+A leaf: it imports no other part of the service but the leaves `observe` and `quotas`, so
+segment_service.py and each module of this package import it directly.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from genserver.jobs.models import TERMINAL, Job, JobStage, JobStatus
 from genserver.redis_client import CANCEL_KEY, client as redis_client
 from genserver.storage import default_storage
 
-from . import observe
+from . import observe, quotas
 
 log = logging.getLogger(__name__)
 
@@ -101,9 +101,11 @@ def delete_job_files(job_id: JobId) -> None:
 
 
 def after_end(job_id: JobId) -> None:
-    """Once a job is terminal (called after the transition committed): drop its checkpoints (a failed
-    job keeps its latest, so the admin's retry resumes there, until retention removes it after
-    FAILED_CHECKPOINT_TTL_SECONDS) and cancel flag, and publish its webhook event."""
+    """Once a job is terminal (called after the transition committed): settle its quota charge (the
+    measured card time replaces the estimate), drop its checkpoints (a failed job keeps its latest, so
+    the admin's retry resumes there, until retention removes it after FAILED_CHECKPOINT_TTL_SECONDS) and
+    cancel flag, and publish its webhook event (succeeded, failed, cancelled or expired)."""
+    quotas.settle(job_id)
     status, kept = Job.objects.filter(pk=job_id).values_list("status", "checkpoint_key").first() or ("", "")
     drop_checkpoints(job_id, keep=kept if status == JobStatus.FAILED else "")
     try:
