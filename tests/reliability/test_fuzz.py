@@ -74,10 +74,10 @@ def wsgi_request_cycle(settings):
 
 @pytest.fixture
 def token(django_user_model):
-    from rest_framework.authtoken.models import Token
+    from genserver.jobs.services import tokens
 
     user = django_user_model.objects.create_user(username="fuzzer")
-    return Token.objects.create(user=user).key
+    return tokens.issue(user)[1]
 
 
 def _load_schema():
