@@ -169,8 +169,8 @@ CLOSED_REQUEST_BODIES = (
     "JobCreate",
     "StepsChange",
     "ImageGenerationRequest",
-    "TokenCreateRequest",
-    "TokenCreate",
+    "ApiTokenCreateRequest",
+    "ApiTokenCreate",
 )
 
 

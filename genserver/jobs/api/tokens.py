@@ -33,7 +33,7 @@ class StrictCharField(serializers.CharField):
         return super().to_internal_value(data)
 
 
-class TokenSerializer(serializers.ModelSerializer):
+class ApiTokenSerializer(serializers.ModelSerializer):
     """One token as its owner sees it: never its key (only the POST that made it shows that)."""
 
     state = serializers.SerializerMethodField(help_text="active or expired (revoked tokens are not listed)")
@@ -47,15 +47,15 @@ class TokenSerializer(serializers.ModelSerializer):
         return token.state()
 
 
-class TokenCreatedSerializer(TokenSerializer):
+class ApiTokenCreatedSerializer(ApiTokenSerializer):
     key = serializers.CharField(help_text="the key: shown this once, stored only as a hash; keep it now")
 
-    class Meta(TokenSerializer.Meta):
-        fields = (*TokenSerializer.Meta.fields, "key")
+    class Meta(ApiTokenSerializer.Meta):
+        fields = (*ApiTokenSerializer.Meta.fields, "key")
         read_only_fields = fields
 
 
-class TokenCreateSerializer(serializers.Serializer):
+class ApiTokenCreateSerializer(serializers.Serializer):
     """POST /api/v1/tokens/."""
 
     name = StrictCharField(max_length=100, required=False, allow_blank=True, default="", help_text="what it is for")
@@ -103,15 +103,15 @@ def _expiry(request: Request, days: int | None) -> Any:
 class TokenListCreateView(APIView):
     parser_classes = [throttling.SubmitJSONParser]  # JSON only
 
-    @extend_schema(responses={200: TokenSerializer(many=True), **error_responses()})
+    @extend_schema(responses={200: ApiTokenSerializer(many=True), **error_responses()})
     def get(self, request: Request) -> Response:
         """Your tokens that are not revoked, newest first (expired ones show `state: expired`)."""
-        return Response(TokenSerializer(selectors.api_tokens_of(request.user), many=True).data)
+        return Response(ApiTokenSerializer(selectors.api_tokens_of(request.user), many=True).data)
 
     @extend_schema(
-        request=TokenCreateSerializer,
+        request=ApiTokenCreateSerializer,
         responses={
-            201: OpenApiResponse(TokenCreatedSerializer, description="made: `key` is shown this once"),
+            201: OpenApiResponse(ApiTokenCreatedSerializer, description="made: `key` is shown this once"),
             **error_responses(
                 400,
                 413,
@@ -123,14 +123,14 @@ class TokenListCreateView(APIView):
     )
     def post(self, request: Request) -> Response:
         """Make a token for yourself; its key is in this answer only."""
-        incoming = TokenCreateSerializer(data=request.data)
+        incoming = ApiTokenCreateSerializer(data=request.data)
         incoming.is_valid(raise_exception=True)
         expires_at = _expiry(request, incoming.validated_data.get("expires_in_days"))
         try:
             token, key = tokens.issue(request.user, incoming.validated_data["name"], expires_at)
         except tokens.TooManyTokens as refused:
             return Response({"non_field_errors": [str(refused)]}, status=status.HTTP_400_BAD_REQUEST)
-        body = TokenSerializer(token).data | {"key": key}
+        body = ApiTokenSerializer(token).data | {"key": key}
         return Response(body, status=status.HTTP_201_CREATED)
 
 

@@ -30,6 +30,7 @@ from datetime import datetime, timedelta
 from typing import Any
 
 from django.conf import settings
+from django.contrib.auth import get_user_model
 from django.db import transaction
 from django.utils import timezone
 
@@ -80,7 +81,7 @@ def issue(
     now = timezone.now()
     with transaction.atomic():
         # The user's row, locked: two concurrent creates count each other's tokens.
-        type(user).objects.select_for_update().filter(pk=user.pk).first()
+        get_user_model().objects.select_for_update().filter(pk=user.pk).first()
         live = selectors.live_api_tokens(user, now).count()
         if live >= MAX_LIVE_TOKENS_PER_USER:
             raise TooManyTokens(
