@@ -1,7 +1,7 @@
 """API tokens: make one (the raw key returned once), check a presented key, revoke.
 
-A key is `gs_` + 8 random characters (the public prefix that finds the row)
-+ 32 random bytes (256 bits, URL-safe base64). The database keeps the prefix
+A key is `gs_` + 8 random letters or digits (the public prefix that finds
+the row) + 43 more (256 random bits). The database keeps the prefix
 and the SHA-256 of the whole key, never the key: a copy of the table lets
 nobody in, and a stored digest presented as a key is refused (it hashes to
 another digest).
@@ -11,8 +11,8 @@ slow down guessing a low-entropy secret, but nobody can guess a uniformly
 random 256-bit key at any hash speed (2^255 tries on average), and a
 slow hash would cost every API request its work. Keys converted from DRF's
 authtoken (40 hex characters, 160 random bits) are checked the same way:
-their first characters are their prefix, the SHA-256 of the whole key their
-digest.
+their first 11 characters are their prefix, the SHA-256 of the whole key
+their digest (the 116 bits not shown are still far past guessing).
 
 Checking a key: the rows with its prefix, then a constant-time comparison
 of digests (`hmac.compare_digest`), so the time taken does not tell how
@@ -26,6 +26,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import secrets
+import string
 from datetime import datetime, timedelta
 from typing import Any
 
@@ -39,7 +40,8 @@ from genserver.jobs.models import ApiToken
 
 KEY_START = "gs_"
 PREFIX_LENGTH = len(KEY_START) + 8  # the part stored in clear: `gs_` and 8 random characters
-SECRET_BYTES = 32  # 256 random bits after the prefix
+KEY_ALPHABET = string.ascii_letters + string.digits
+SECRET_CHARS = 43  # 43 × log2(62) = 256.03 random bits after the prefix
 LAST_USED_RESOLUTION = timedelta(minutes=1)
 MAX_LIVE_TOKENS_PER_USER = 100  # tokens neither expired nor revoked; one more is refused (revoke some first)
 
@@ -62,8 +64,13 @@ def prefix_of(key: str) -> str:
 
 
 def new_key() -> str:
-    """A fresh random key: `gs_`, 8 characters of prefix, 43 of secret."""
-    return KEY_START + secrets.token_urlsafe(6) + secrets.token_urlsafe(SECRET_BYTES)
+    """A fresh random key: `gs_`, 8 letters or digits of prefix, 43 of secret (62^43 > 2^256).
+
+    Letters and digits only: a double click selects the whole key, and no shell or URL needs it quoted.
+    """
+    return KEY_START + "".join(
+        secrets.choice(KEY_ALPHABET) for _ in range(PREFIX_LENGTH - len(KEY_START) + SECRET_CHARS)
+    )
 
 
 def default_expiry(now: datetime | None = None) -> datetime:
