@@ -286,6 +286,7 @@ def test_admin_tokens_are_staff_only():
 # --- the data migration --------------------------------------------------------------------------------------
 
 
+@pytest.mark.django_db(transaction=True)  # SQLite's schema editor cannot run inside the test's transaction
 def test_drf_authtoken_keys_are_converted_to_hashed_tokens_and_the_plain_table_dropped(settings):
     """Migration 0010 on a database that still has DRF's authtoken table: the same keys keep working."""
     import importlib
@@ -308,11 +309,20 @@ def test_drf_authtoken_keys_are_converted_to_hashed_tokens_and_the_plain_table_d
             [legacy, timezone.now() - timedelta(days=400), alice.pk],
         )
     apps = MigrationExecutor(connection).loader.project_state(("jobs", "0010_api_tokens")).apps
-    with connection.schema_editor() as editor:
-        migration.convert_authtoken_keys(apps, editor)
+    try:
+        with connection.schema_editor() as editor:
+            migration.convert_authtoken_keys(apps, editor)
+    finally:
+        with connection.cursor() as cursor:
+            cursor.execute("DROP TABLE IF EXISTS authtoken_token")  # a failed run leaves nothing behind
     assert "authtoken_token" not in connection.introspection.table_names()
     converted = ApiToken.objects.get(user=alice)
     assert converted.digest == tokens.digest_of(legacy) and legacy not in (converted.prefix + converted.name)
     assert timedelta(days=settings.API_TOKEN_DAYS - 1) < converted.expires_at - timezone.now()
     assert as_token(legacy).get(JOBS).status_code == 200  # the deployed client's header, unchanged
     assert as_token(legacy, "Bearer").get(JOBS).status_code == 200
+
+
+def test_a_token_id_past_the_columns_range_is_a_404():
+    _, key = tokens.issue(user())
+    assert as_token(key).delete(f"/api/v1/tokens/{10**30}/").status_code == 404

@@ -14,6 +14,19 @@ from django.db import migrations, models
 AUTHTOKEN_TABLE = "authtoken_token"
 
 
+def _aware(created):
+    """A row's `created` as a raw cursor gives it (SQLite: naive UTC, or text) → an aware datetime."""
+    from datetime import UTC, datetime
+
+    from django.utils.dateparse import parse_datetime
+
+    if isinstance(created, str):
+        created = parse_datetime(created)
+    if not isinstance(created, datetime):
+        return datetime.now(UTC)
+    return created if created.tzinfo is not None else created.replace(tzinfo=UTC)
+
+
 def convert_authtoken_keys(apps, schema_editor) -> None:
     from datetime import timedelta
 
@@ -36,7 +49,7 @@ def convert_authtoken_keys(apps, schema_editor) -> None:
             name="converted from DRF authtoken",
             prefix=prefix_of(key),
             digest=digest_of(key),
-            created_at=created,
+            created_at=_aware(created),
             expires_at=expires_at,
         )
         for key, user_id, created in rows
