@@ -326,3 +326,15 @@ def test_drf_authtoken_keys_are_converted_to_hashed_tokens_and_the_plain_table_d
 def test_a_token_id_past_the_columns_range_is_a_404():
     _, key = tokens.issue(user())
     assert as_token(key).delete(f"/api/v1/tokens/{10**30}/").status_code == 404
+
+
+def test_the_schema_documents_the_token_endpoints_and_both_header_forms():
+    schema = Client().get("/api/schema/", HTTP_ACCEPT="application/json").json()
+    assert {"tokenAuth", "bearerAuth"} <= set(schema["components"]["securitySchemes"])
+    listing, one = schema["paths"]["/api/v1/tokens/"], schema["paths"]["/api/v1/tokens/{token_id}/"]
+    assert set(listing) == {"get", "post"} and set(one) == {"delete"}
+    assert {"201", "400", "401"} <= set(listing["post"]["responses"])
+    assert {"204", "401", "404"} <= set(one["delete"]["responses"])
+    made = schema["components"]["schemas"]["ApiTokenCreated"]["properties"]
+    assert "key" in made and "key" not in schema["components"]["schemas"]["ApiToken"]["properties"]
+    assert schema["components"]["schemas"]["ApiTokenCreate"]["additionalProperties"] is False
