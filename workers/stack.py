@@ -192,10 +192,11 @@ def api_argv(port: int, workers: int, data_dir: Path) -> list[str]:
 
 def flower_access(address: str, port: int, logins: str) -> str:
     """How to reach Flower: its URL and what it asks for."""
-    if config.is_loopback(address):
-        return f"http://127.0.0.1:{port}/   (this machine only; FLOWER_ADDRESS with FLOWER_BASIC_AUTH to open it)"
-    users = ", ".join(pair.split(":", 1)[0] for pair in logins.split(",") if pair)
     host = socket.gethostname() if address in ("0.0.0.0", "::") else address
+    host = f"[{host}]" if ":" in host else host  # an IPv6 address in a URL
+    if config.is_loopback(address):
+        return f"http://{host}:{port}/   (this machine only; FLOWER_ADDRESS with FLOWER_BASIC_AUTH to open it)"
+    users = ", ".join(pair.split(":", 1)[0] for pair in logins.split(",") if pair)
     return f"http://{host}:{port}/   (basic auth: user {users}, password from FLOWER_BASIC_AUTH)"
 
 
