@@ -58,7 +58,6 @@ INSTALLED_APPS = [
     "django.contrib.messages",
     "django.contrib.staticfiles",
     "rest_framework",
-    "rest_framework.authtoken",
     "drf_spectacular",
     "drf_spectacular_sidecar",
     "genserver.jobs",
@@ -180,13 +179,17 @@ LOGGING = {
         "celery": {"handlers": ["celery"], "propagate": False},
     },
 }
-# GET /metrics answers a staff session, or `Authorization: Bearer <this token>` (Prometheus); empty: staff only.
-METRICS_TOKEN = env_str("GENSERVER_METRICS_TOKEN", "")
+# GET /metrics answers a staff session or a staff user's API token, or `Authorization: Bearer <this token>`
+# (Prometheus); empty: staff only.
+METRICS_TOKEN = config.metrics_token()
 
 # --- API -----------------------------------------------------------------------
+# API tokens (genserver/jobs/services/tokens.py): stored hashed, each with an expiry. Days a new token
+# lives when its creator does not say (POST /api/v1/tokens/, the admin, `manage.py issue_token`).
+API_TOKEN_DAYS = env_int("GENSERVER_API_TOKEN_DAYS", 90, minimum=1, maximum=3650)
 REST_FRAMEWORK = {
     "DEFAULT_AUTHENTICATION_CLASSES": [
-        "rest_framework.authentication.TokenAuthentication",
+        "genserver.jobs.api.auth.ApiTokenAuthentication",  # `Authorization: Token <key>`
         "genserver.jobs.api.auth.BearerTokenAuthentication",  # the same tokens as `Authorization: Bearer …`
         "rest_framework.authentication.SessionAuthentication",
     ],
@@ -386,6 +389,8 @@ WEBHOOK_PREVIEW_SECONDS = env_float("GENSERVER_WEBHOOK_PREVIEW_SECONDS", 0.5, mi
 # `manage.py check`, `make up` and `make workers` before anything starts.
 API_PORT = config.api_port()
 FLOWER_PORT = config.flower_port()
+FLOWER_ADDRESS = config.flower_address()
+FLOWER_BASIC_AUTH_IS_SET = bool(config.flower_basic_auth())  # refuses a non-loopback address without it
 API_WORKERS = config.api_workers()
 WORKER_POOL = config.worker_pool()
 WORKER_LOGLEVEL = config.worker_loglevel()

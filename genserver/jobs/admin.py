@@ -2,13 +2,16 @@
 
 from datetime import timedelta
 
+from django import forms
 from django.conf import settings
 from django.contrib import admin, messages
 from django.db.models import Case, Count, F, Q, Sum, When
+from django.template.response import TemplateResponse
 from django.utils import timezone
 
 from genserver.jobs import selectors, services
-from genserver.jobs.models import ACTIVE, TERMINAL, Job, JobSegment, Quota, UserUsage
+from genserver.jobs.models import ACTIVE, TERMINAL, ApiToken, Job, JobSegment, Quota, UserUsage
+from genserver.jobs.services import tokens
 
 
 class JobSegmentInline(admin.TabularInline):
@@ -179,3 +182,77 @@ class UserUsageAdmin(admin.ModelAdmin):
     @admin.display(description="card-seconds per day")
     def card_seconds_limit(self, user) -> str:
         return f"{selectors.effective_quota(user).card_seconds_per_day or '∞'}"
+
+
+class ApiTokenCreateForm(forms.ModelForm):
+    """The admin's "add API token": whose, what for, how long. The key is made by the token service."""
+
+    expires_in_days = forms.IntegerField(
+        min_value=0,
+        max_value=3650,
+        initial=settings.API_TOKEN_DAYS,
+        help_text="0: never expires",
+    )
+
+    class Meta:
+        model = ApiToken
+        fields = ("user", "name")
+
+
+@admin.register(ApiToken)
+class ApiTokenAdmin(admin.ModelAdmin):
+    """Tokens of every user: prefix, name, dates, state; add one (its key shown once), revoke."""
+
+    list_display = ("prefix", "user", "name", "created_at", "expires_at", "last_used_at", "revoked_at", "state")
+    list_filter = ("revoked_at", "expires_at")
+    search_fields = ("prefix", "name", "user__username")
+    list_select_related = ("user",)
+    actions = ("revoke_tokens",)
+    readonly_fields = ("user", "name", "prefix", "created_at", "expires_at", "last_used_at", "revoked_at")
+    exclude = ("digest",)  # a hash, useless to a reader, never shown
+
+    @admin.display(description="state")
+    def state(self, token: ApiToken) -> str:
+        return token.state()
+
+    def get_form(self, request, obj=None, change=False, **kwargs):
+        if obj is None:
+            kwargs["form"] = ApiTokenCreateForm
+        return super().get_form(request, obj, change, **kwargs)
+
+    def get_readonly_fields(self, request, obj=None):
+        return self.readonly_fields if obj is not None else ()
+
+    def get_fields(self, request, obj=None):
+        return ("user", "name", "expires_in_days") if obj is None else self.readonly_fields
+
+    def has_change_permission(self, request, obj=None) -> bool:
+        return obj is None and super().has_change_permission(request, obj)  # a token is never edited: revoke it
+
+    def save_model(self, request, obj, form, change) -> None:
+        """Through the token service; the raw key is kept on the request for response_add only."""
+        days = form.cleaned_data["expires_in_days"]
+        expires_at = timezone.now() + timedelta(days=days) if days else None
+        token, key = tokens.issue(obj.user, obj.name, expires_at, never_expires=days == 0)
+        obj.pk = token.pk
+        obj.__dict__.update({f.attname: getattr(token, f.attname) for f in ApiToken._meta.concrete_fields})
+        request._new_api_key = key  # type: ignore[attr-defined]
+
+    def response_add(self, request, obj, post_url_continue=None):
+        """A page showing the key this once (not a message: messages travel in a cookie or the session)."""
+        return TemplateResponse(
+            request,
+            "admin/jobs/apitoken/key_once.html",
+            {
+                **self.admin_site.each_context(request),
+                "opts": self.model._meta,
+                "token": obj,
+                "key": request._new_api_key,
+                "title": "API token created",
+            },
+        )
+
+    @admin.action(description="Revoke selected tokens (refused from now on)")
+    def revoke_tokens(self, request, queryset):
+        revoked = sum(1 for token in queryset if tokens.revoke(token))
+        self.message_user(request, f"Revoked {revoked} token(s).", messages.SUCCESS if revoked else messages.WARNING)

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import uuid
+from datetime import datetime
 
 from django.conf import settings
 from django.contrib.auth.models import Group, User
 from django.core.exceptions import ValidationError
 from django.db import models
+from django.utils import timezone
 
 
 class JobStatus(models.TextChoices):
@@ -308,3 +310,36 @@ class UserUsage(User):
         proxy = True
         verbose_name = "usage of a user"
         verbose_name_plural = "usage of users"
+
+
+class ApiToken(models.Model):
+    """An API token (`Authorization: Token <key>` or `Bearer <key>`): its owner, name, expiry and last use.
+
+    The key itself is never stored: only its first characters (`prefix`, public, to find the row and to
+    tell tokens apart in lists) and the SHA-256 of the whole key (`digest`). Written only by
+    genserver/jobs/services/tokens.py, which makes, checks and revokes keys.
+    """
+
+    user = models.ForeignKey(settings.AUTH_USER_MODEL, on_delete=models.CASCADE, related_name="api_tokens")
+    name = models.CharField(max_length=100, blank=True, default="", help_text="what the token is for")
+    prefix = models.CharField(max_length=16, db_index=True, help_text="the key's first characters (not secret)")
+    digest = models.CharField(max_length=64, unique=True, help_text="SHA-256 of the key, hex")
+    created_at = models.DateTimeField(default=timezone.now)
+    expires_at = models.DateTimeField(null=True, blank=True, help_text="empty: never expires")
+    last_used_at = models.DateTimeField(null=True, blank=True)
+    revoked_at = models.DateTimeField(null=True, blank=True, help_text="set: refused from that moment on")
+
+    class Meta:
+        ordering = ["-created_at"]
+        verbose_name = "API token"
+
+    def __str__(self) -> str:
+        return f"{self.prefix}… ({self.name or 'unnamed'}) of {self.user_id}"
+
+    def state(self, now: datetime | None = None) -> str:
+        """`active`, `expired` or `revoked`."""
+        if self.revoked_at is not None:
+            return "revoked"
+        if self.expires_at is not None and self.expires_at <= (now or timezone.now()):
+            return "expired"
+        return "active"

@@ -16,7 +16,7 @@ from django.utils import timezone
 
 from genserver import deployment
 from genserver.jobs.broker import broker_depth
-from genserver.jobs.models import ACTIVE, Job, JobStatus
+from genserver.jobs.models import ACTIVE, ApiToken, Job, JobStatus
 from genserver.redis_client import WORKER_KEY, client as redis_client
 from genserver.scheduling.admission import WorkItem, expected_wait
 from genserver.scheduling.classes import CLASSES, priority_for
@@ -483,3 +483,16 @@ def usage_report(user: Any, now: datetime | None = None) -> dict[str, Any]:
         "allowed_models": [n for n in names if quota.allows_model(n)],
         "allowed_lanes": list(quota.lanes) if quota.lanes else None,
     }
+
+
+# --- API tokens (genserver/jobs/services/tokens.py writes them) ---------------------------------------------
+def api_tokens_of(user: Any) -> QuerySet[ApiToken]:
+    """The user's tokens not revoked (expired ones included, newest first): GET /api/v1/tokens/."""
+    return ApiToken.objects.filter(user=user, revoked_at__isnull=True).order_by("-created_at", "-pk")
+
+
+def live_api_tokens(user: Any, now: datetime | None = None) -> QuerySet[ApiToken]:
+    """The user's tokens that authenticate now (neither expired nor revoked)."""
+    from django.db.models import Q
+
+    return api_tokens_of(user).filter(Q(expires_at__isnull=True) | Q(expires_at__gt=now or timezone.now()))

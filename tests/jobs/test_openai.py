@@ -18,10 +18,11 @@ from tests.support.api import submit
 @pytest.fixture
 def token(transactional_db) -> str:  # transactional: the live server's thread reads the rows
     from django.contrib.auth import get_user_model
-    from rest_framework.authtoken.models import Token
+
+    from genserver.jobs.services import tokens
 
     user = get_user_model().objects.create_user(username="openai-user")
-    return Token.objects.create(user=user).key
+    return tokens.issue(user)[1]
 
 
 def client_for(live_server, token: str) -> openai.OpenAI:
@@ -144,12 +145,13 @@ def test_n_is_bounded_by_the_models_max_batch(api):
 @pytest.mark.django_db
 def test_not_json_missing_token_and_unknown_paths_answer_in_openai_shape(client):
     from django.contrib.auth import get_user_model
-    from rest_framework.authtoken.models import Token
+
+    from genserver.jobs.services import tokens
 
     assert client.post("/v1/images/generations", data="{}", content_type="application/json").status_code == 401
     missing = client.post("/v1/images/generations", data="{}", content_type="application/json").json()
     assert missing["error"]["code"] == "invalid_api_key"
-    key = Token.objects.create(user=get_user_model().objects.create_user(username="bob")).key
+    key = tokens.issue(get_user_model().objects.create_user(username="bob"))[1]
     auth = {"HTTP_AUTHORIZATION": f"Bearer {key}"}
     not_json = client.post("/v1/images/generations", data="prompt=a", content_type="text/plain", **auth)
     assert not_json.status_code == 415 and "error" in not_json.json()

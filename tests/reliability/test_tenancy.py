@@ -1,7 +1,8 @@
 """6. Tenancy and access: tokens everywhere but the schema and health, owners only, per-user limits.
 
 * Every route except the schema/docs and the health probes refuses a request
-  without a valid token (401); the admin sends non-staff to its login page.
+  without a valid token (401), a revoked or expired one included; the admin sends
+  non-staff to its login page.
 * Outputs and previews are served only to the owner and staff, through
   authenticated API routes keyed by an unguessable UUID; storage has no public URL.
 * Another user's job is a 404 to read, list, cancel, or fetch files from.
@@ -48,7 +49,8 @@ def routes(resolver=None, prefix: str = "") -> list[str]:
                 continue
             found += routes(entry, pattern)
         elif isinstance(entry, URLPattern):
-            found.append(pattern.replace("<uuid:job_id>", str(uuid.uuid4())).replace("<int:index>", "0"))
+            path = pattern.replace("<uuid:job_id>", str(uuid.uuid4())).replace("<int:index>", "0")
+            found.append(path.replace("<int:token_id>", "1"))
     return found
 
 
@@ -288,6 +290,30 @@ def test_staff_actions_live_in_the_admin_only(make_user):
     response = browser.post("/admin/jobs/job/", {"action": "retry_from_checkpoint", "_selected_action": [job_id]})
     assert response.status_code == 302 and "/admin/login/" in response["Location"]
     assert Job.objects.get(pk=job_id).status == "queued"
+
+
+def test_every_token_route_refuses_revoked_and_expired_tokens():
+    """The routes a token opens shut the moment it is revoked or expires (tests/jobs/test_tokens.py: the rest)."""
+    from django.contrib.auth import get_user_model
+
+    from genserver.jobs.models import ApiToken
+    from genserver.jobs.services import tokens
+
+    user = get_user_model().objects.create_user("carol")
+    revoked, revoked_key = tokens.issue(user)
+    expired, expired_key = tokens.issue(user)
+    tokens.revoke(revoked)
+    ApiToken.objects.filter(pk=expired.pk).update(expires_at=timezone.now() - timedelta(seconds=1))
+    checked = 0
+    for path in routes():
+        if not (path.startswith("api/v1/") or path.startswith("v1/")):
+            continue
+        for key in (revoked_key, expired_key):
+            for keyword in ("Token", "Bearer"):
+                response = APIClient(HTTP_AUTHORIZATION=f"{keyword} {key}").get("/" + path)
+                assert response.status_code == 401, (path, keyword, response.status_code)
+                checked += 1
+    assert checked >= 14 * 4
 
 
 def test_token_header_variants_do_not_authenticate():

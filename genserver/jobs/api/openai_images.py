@@ -26,7 +26,6 @@ from typing import Any
 from django.conf import settings
 from drf_spectacular.utils import OpenApiParameter, OpenApiResponse, extend_schema
 from rest_framework import exceptions, serializers, status
-from rest_framework.authentication import TokenAuthentication
 from rest_framework.request import Request
 from rest_framework.response import Response
 from rest_framework.reverse import reverse
@@ -35,7 +34,7 @@ from rest_framework.views import APIView
 from genserver import deployment
 from genserver.jobs import selectors, services
 from genserver.jobs.api import throttling
-from genserver.jobs.api.auth import BearerTokenAuthentication
+from genserver.jobs.api.auth import ApiTokenAuthentication, BearerTokenAuthentication
 from genserver.jobs.api.fields import (
     StrictCharField,
     StrictChoiceField,
@@ -211,7 +210,7 @@ def _first_field_error(detail: Any, prefix: str = "") -> tuple[str | None, str]:
 class OpenAIView(APIView):
     """Bearer first (its 401 carries `WWW-Authenticate: Bearer`), and every error in OpenAI's shape."""
 
-    authentication_classes = [BearerTokenAuthentication, TokenAuthentication]
+    authentication_classes = [BearerTokenAuthentication, ApiTokenAuthentication]
 
     def handle_exception(self, exc: Exception) -> Response:
         response = super().handle_exception(exc)
@@ -223,10 +222,15 @@ class OpenAIView(APIView):
             param, message = _first_field_error(data)
             body = openai_error(code, message, "invalid_request_error", param, "invalid_value").data
         elif code in (status.HTTP_401_UNAUTHORIZED, status.HTTP_403_FORBIDDEN):
+            message = (
+                "Incorrect or missing API key: send `Authorization: Bearer <token>` with a "
+                "token from `manage.py issue_token USER` or POST /api/v1/tokens/."
+            )
+            if isinstance(exc, exceptions.AuthenticationFailed) and str(exc.detail) != "Invalid token.":
+                message = str(exc.detail)  # an expired or revoked token says so, and what to do
             body = openai_error(
                 code,
-                "Incorrect or missing API key: send `Authorization: Bearer <token>` with a "
-                "token from `manage.py issue_token USER`.",
+                message,
                 "invalid_request_error",
                 None,
                 "invalid_api_key",

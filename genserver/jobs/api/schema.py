@@ -50,7 +50,7 @@ class ErrorSerializer(serializers.Serializer):
 _WHY = {
     400: "field errors: each bad field (or `non_field_errors`) with a list of messages",
     403: "staff only: a signed-in user who is not staff",
-    401: "no token, or an unknown one: send `Authorization: Token <key>` (or `Bearer <key>`)",
+    401: "no token, or an unknown, expired or revoked one: send `Authorization: Token <key>` (or `Bearer <key>`)",
     404: "no such job of yours (another user's job is a 404 too), or the file is gone",
     409: "the job is in a state that refuses this; see `reason`",
     413: "the request body is too large; see `limit_bytes`",
@@ -240,6 +240,8 @@ CLOSED_REQUEST_BODIES = (
     "JobCreate",
     "StepsChange",
     "ImageGenerationRequest",
+    "ApiTokenCreateRequest",
+    "ApiTokenCreate",
 )
 
 
