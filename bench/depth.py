@@ -1,0 +1,179 @@
+"""What a request costs as the queue grows: submit, GET of a queued job and one page of the job list.
+
+    python -m bench.depth [--sizes 0,250,1000,2500,5000,10000] [--samples 15]
+
+Through the API (Django's test client, in process: what is measured is the view, its queries and its
+serialisation, not the network), on the configured database (DATABASE_URL: PostgreSQL for the
+figures). The per-user limits and the admission limits are lifted; the queue is filled with queued
+jobs and no worker runs, so nothing leaves it. The fill records jobs the way the job service does:
+each size's new jobs are copies of jobs the service admitted through the API (one per simulated
+model, so the classes, queues and priorities mix as in a real burst), each with its own id and
+submit time; that keeps a 10,000-job fill at seconds, where submitting them one by one would take
+as long as the cost being measured grows. At each size it prints the P50 of each request and its
+ratio to the empty queue's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from datetime import timedelta
+from typing import Any
+
+SIZES = (0, 250, 1000, 2500, 5000, 10000)
+MODELS = ("sdxl-sim", "flux-sim", "sdxl-turbo-sim", "wan-sim")  # images and a video: several classes
+LIFTED = {
+    "GENSERVER_MAX_JOBS_IN_FLIGHT": "0",
+    "GENSERVER_SUBMIT_RATE_LIMIT": "0",
+    "GENSERVER_ADMIT_SHORT_SECONDS": "1e12",
+    "GENSERVER_ADMIT_MEDIUM_SECONDS": "1e12",
+    "GENSERVER_ADMIT_LONG_SECONDS": "1e12",
+    "GENSERVER_LOG_LEVEL": "WARNING",
+}
+
+
+def _setup() -> None:
+    for name, value in LIFTED.items():
+        os.environ[name] = value  # before Django reads its settings
+    os.environ.setdefault("DJANGO_SETTINGS_MODULE", "genserver.settings")
+    import django
+
+    django.setup()
+    from django.core.management import call_command
+
+    call_command("migrate", "--noinput", verbosity=0)
+
+
+def _p50_ms(call: Callable[[], Any], samples: int) -> float:
+    times = []
+    for _ in range(samples):
+        start = time.perf_counter()
+        call()
+        times.append((time.perf_counter() - start) * 1000)
+    return statistics.median(times)
+
+
+class Bench:
+    """One user, an empty queue at start, and the templates the fill copies."""
+
+    def __init__(self) -> None:
+        from django.contrib.auth import get_user_model
+        from rest_framework.test import APIClient
+
+        from genserver.jobs.models import Job
+
+        Job.objects.all().delete()  # the bench's own database: start from an empty queue
+        user_model = get_user_model()
+        self.user, _ = user_model.objects.get_or_create(username="bench-depth")
+        self.client = APIClient()
+        self.client.force_authenticate(self.user)
+        self.templates = [self._submit(model) for model in MODELS]
+        self.filled = 0
+        self._cancel_all()  # the templates are not the queue
+
+    def _submit(self, model: str, prompt: str = "depth probe") -> Any:
+        from genserver.jobs.models import Job
+
+        response = self.client.post(
+            "/api/v1/jobs/", {"model": model, "prompt": prompt, "steps": 4}, format="json"
+        )
+        if response.status_code != 201:
+            raise RuntimeError(f"submit of {model} answered {response.status_code}: {response.content[:300]!r}")
+        return Job.objects.get(pk=response.json()["id"])
+
+    def _cancel_all(self) -> None:
+        from genserver.jobs import services
+        from genserver.jobs.models import ACTIVE, Job
+
+        for job in Job.objects.filter(status__in=ACTIVE):
+            services.cancel_job(job)
+
+    def fill_to(self, queued: int) -> None:
+        """Add queued jobs until `queued` were filled in (the probes' own submits come on top)."""
+        from django.db.models import F
+        from django.utils import timezone
+
+        from genserver.jobs.models import Job, JobStage, JobStatus
+
+        now = timezone.now()
+        rows = []
+        for i in range(self.filled, queued):
+            template = self.templates[i % len(self.templates)]
+            copy = Job(**{f.attname: getattr(template, f.attname) for f in Job._meta.concrete_fields})
+            copy.id = uuid.uuid4()
+            copy.status, copy.stage = JobStatus.QUEUED, JobStage.QUEUED
+            copy.lease_owner, copy.lease_expires_at, copy.finished_at = "", None, None
+            copy.published_at = now + timedelta(microseconds=i - queued)
+            rows.append(copy)
+        Job.objects.bulk_create(rows, batch_size=1000)
+        # auto_now_add stamped them all now: give the copies distinct, ordered submit times.
+        Job.objects.filter(status=JobStatus.QUEUED).update(created_at=F("published_at"))
+        self.filled = max(self.filled, queued)
+
+    def measure(self, samples: int) -> dict[str, float]:
+        probe = self._submit(MODELS[0], "depth probe, the newest queued job")
+        submit = _p50_ms(lambda: self._submit(MODELS[0]), samples)
+
+        def get() -> None:
+            assert self.client.get(f"/api/v1/jobs/{probe.pk}/").status_code == 200
+
+        def page() -> None:
+            assert self.client.get("/api/v1/jobs/?limit=20").status_code == 200
+
+        return {"submit": submit, "get": _p50_ms(get, samples), "list": _p50_ms(page, samples)}
+
+
+def run(sizes: Sequence[int], samples: int, out: Any = sys.stdout) -> list[tuple[int, dict[str, float]]]:
+    """Measure at each size (ascending) and print the table; returns the rows."""
+    _setup()
+    from django.db import connection
+
+    bench = Bench()
+    rows: list[tuple[int, dict[str, float]]] = []
+    print(f"# bench.depth on {connection.vendor}, {samples} samples per figure (P50, ms)", file=out)
+    print(f"{'queued':>7} | {'submit':>8} {'×0':>5} | {'GET':>8} {'×0':>5} | {'list':>8} {'×0':>5}", file=out)
+    for size in sorted(sizes):
+        bench.fill_to(size)
+        figures = measure_settled(bench, samples)
+        rows.append((size, figures))
+        base = rows[0][1]
+        print(
+            f"{size:>7} | "
+            + " | ".join(f"{figures[k]:>8.1f} {figures[k] / base[k]:>5.2f}" for k in ("submit", "get", "list")),
+            file=out,
+            flush=True,
+        )
+    return rows
+
+
+def measure_settled(bench: Bench, samples: int) -> dict[str, float]:
+    """The figures after the fill's rows are analysed (as autovacuum would soon after a burst)."""
+    from django.db import connection
+
+    from genserver.jobs.models import Job
+
+    if connection.vendor == "postgresql":
+        with connection.cursor() as cursor:
+            cursor.execute(f"VACUUM ANALYZE {Job._meta.db_table}")
+    return bench.measure(samples)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sizes", default=",".join(map(str, SIZES)), help="queued jobs, comma-separated")
+    parser.add_argument("--samples", type=int, default=15, help="requests per figure (the P50 is printed)")
+    args = parser.parse_args(argv)
+    sizes = [int(s) for s in args.sizes.split(",") if s.strip()]
+    if not sizes or 0 not in sizes:
+        parser.error("--sizes must include 0 (the ratios are against the empty queue)")
+    run(sizes, args.samples)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
