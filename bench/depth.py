@@ -67,14 +67,20 @@ class Bench:
 
         from genserver.jobs.models import Job
 
-        Job.objects.all().delete()  # the bench's own database: start from an empty queue
         user_model = get_user_model()
         self.user, _ = user_model.objects.get_or_create(username="bench-depth")
+        self.clear()  # a previous run's jobs, had it been interrupted
         self.client = APIClient()
         self.client.force_authenticate(self.user)
         self.templates = [self._submit(model) for model in MODELS]
         self.filled = 0
         self._cancel_all()  # the templates are not the queue
+
+    def clear(self) -> None:
+        """Delete the bench's own jobs (the bench user's): the queue it filled."""
+        from genserver.jobs.models import Job
+
+        Job.objects.filter(owner=self.user).delete()
 
     def _submit(self, model: str, prompt: str = "depth probe") -> Any:
         from genserver.jobs.models import Job
@@ -90,7 +96,7 @@ class Bench:
         from genserver.jobs import services
         from genserver.jobs.models import ACTIVE, Job
 
-        for job in Job.objects.filter(status__in=ACTIVE):
+        for job in Job.objects.filter(owner=self.user, status__in=ACTIVE):
             services.cancel_job(job)
 
     def fill_to(self, queued: int) -> None:
@@ -112,7 +118,7 @@ class Bench:
             rows.append(copy)
         Job.objects.bulk_create(rows, batch_size=1000)
         # auto_now_add stamped them all now: give the copies distinct, ordered submit times.
-        Job.objects.filter(status=JobStatus.QUEUED).update(created_at=F("published_at"))
+        Job.objects.filter(owner=self.user, status=JobStatus.QUEUED).update(created_at=F("published_at"))
         self.filled = max(self.filled, queued)
 
     def measure(self, samples: int) -> dict[str, float]:
@@ -137,17 +143,20 @@ def run(sizes: Sequence[int], samples: int, out: Any = sys.stdout) -> list[tuple
     rows: list[tuple[int, dict[str, float]]] = []
     print(f"# bench.depth on {connection.vendor}, {samples} samples per figure (P50, ms)", file=out)
     print(f"{'queued':>7} | {'submit':>8} {'×0':>5} | {'GET':>8} {'×0':>5} | {'list':>8} {'×0':>5}", file=out)
-    for size in sorted(sizes):
-        bench.fill_to(size)
-        figures = measure_settled(bench, samples)
-        rows.append((size, figures))
-        base = rows[0][1]
-        print(
-            f"{size:>7} | "
-            + " | ".join(f"{figures[k]:>8.1f} {figures[k] / base[k]:>5.2f}" for k in ("submit", "get", "list")),
-            file=out,
-            flush=True,
-        )
+    try:
+        for size in sorted(sizes):
+            bench.fill_to(size)
+            figures = measure_settled(bench, samples)
+            rows.append((size, figures))
+            base = rows[0][1]
+            print(
+                f"{size:>7} | "
+                + " | ".join(f"{figures[k]:>8.1f} {figures[k] / base[k]:>5.2f}" for k in ("submit", "get", "list")),
+                file=out,
+                flush=True,
+            )
+    finally:
+        bench.clear()
     return rows
 
 

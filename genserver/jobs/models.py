@@ -6,6 +6,7 @@ import uuid
 
 from django.conf import settings
 from django.db import models
+from django.db.models.functions import Coalesce
 
 
 class JobStatus(models.TextChoices):
@@ -144,6 +145,14 @@ class Job(models.Model):
         indexes = [
             models.Index(fields=["owner", "-created_at"]),
             models.Index(fields=["status", "priority", "created_at"]),
+            # The waiting jobs (active, no card holds them) in the order they wait at each priority: what
+            # queue positions and ETAs count and sum (selectors.QueueSnapshot), at any queue depth.
+            models.Index(
+                "priority",
+                Coalesce("published_at", "created_at"),
+                name="job_waiting_order",
+                condition=models.Q(status__in=ACTIVE) & ~(models.Q(status=JobStatus.DENOISING) & ~models.Q(lease_owner="")),
+            ),
         ]
 
     def __str__(self) -> str:

@@ -10,7 +10,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from django.db.models import QuerySet
+from django.db.models import Count, ExpressionWrapper, F, FloatField, Q, QuerySet, Sum, Value
+from django.db.models.functions import Coalesce, Greatest
 
 from genserver import deployment
 from genserver.jobs.broker import broker_depth
@@ -53,52 +54,124 @@ def _work_item(job: Job, wall: bool) -> WorkItem:
     )
 
 
-def _active_jobs() -> list[Job]:
-    return list(
-        Job.objects.filter(status__in=ACTIVE).only(
-            "id",
-            "status",
-            "duration_class",
-            "queue",
-            "priority",
-            "estimated_seconds",
-            "clock_scale",
-            "steps",
-            "steps_done",
-            "checkpoint_step",
-            "chunk_steps",
-            "lease_owner",
-            "published_at",
-            "created_at",
-            "segment_count",
+# --- The queue picture at any depth --------------------------------------------------
+# A running job holds a card (lease_owner set while denoising): there are at most as many as the cards
+# (and their merged batches), so they are loaded one by one. Every other active job waits, and waiting
+# jobs are only ever counted and summed, in the database: per (queue, class, priority) for admission
+# and the overview, and per job for the part of its own priority that is ahead of it. A request costs a
+# fixed number of queries, each reading the partial index of waiting jobs (migration 0009), not the rows
+# of the whole queue in Python.
+_RUNNING = Q(status=JobStatus.DENOISING) & ~Q(lease_owner="")
+_WAITING = Q(status__in=ACTIVE) & ~_RUNNING
+# Wall seconds of work left (Job.remaining_seconds × clock_scale), as the database computes it.
+_WALL_REMAINING = ExpressionWrapper(
+    F("estimated_seconds")
+    * Greatest(Value(0), F("steps") * F("segment_count") - F("steps_done"))
+    / (F("steps") * F("segment_count"))
+    * F("clock_scale"),
+    output_field=FloatField(),
+)
+# The order a job waits in at its priority: when its next task was published (else submitted).
+_WAIT_KEY = Coalesce(F("published_at"), F("created_at"))
+
+_RUNNING_FIELDS = (
+    "id",
+    "status",
+    "duration_class",
+    "queue",
+    "priority",
+    "estimated_seconds",
+    "clock_scale",
+    "steps",
+    "steps_done",
+    "checkpoint_step",
+    "chunk_steps",
+    "lease_owner",
+    "segment_count",
+)
+
+
+@dataclass(frozen=True)
+class WaitingGroup:
+    """The waiting jobs of one queue, class and priority: how many, and their wall seconds of work."""
+
+    queue: str  # the broker queue (the class for a row recorded without one)
+    duration_class: str
+    priority: int
+    count: int
+    seconds: float
+
+    def item(self) -> WorkItem:
+        return WorkItem(queue=self.queue, priority=self.priority, remaining_seconds=self.seconds)
+
+
+def _groups(rows: Iterable[dict[str, Any]]) -> list[WaitingGroup]:
+    return [
+        WaitingGroup(
+            r["queue"] or r["duration_class"], r["duration_class"], r["priority"], r["n"], float(r["seconds"] or 0.0)
         )
+        for r in rows
+    ]
+
+
+def waiting_groups() -> list[WaitingGroup]:
+    """Every waiting job, counted and summed per (queue, class, priority): one aggregate query."""
+    rows = (
+        Job.objects.filter(_WAITING)
+        .order_by()
+        .values("queue", "duration_class", "priority")
+        .annotate(n=Count("id"), seconds=Sum(_WALL_REMAINING))
     )
+    return _groups(rows)
+
+
+def running_jobs() -> list[Job]:
+    """The jobs a card holds now (at most the cards, and the jobs merged into their batches)."""
+    return list(Job.objects.filter(_RUNNING).only(*_RUNNING_FIELDS))
 
 
 def backlog_items() -> list[WorkItem]:
-    """Every active job as admission sees it, in wall seconds (its work × its clock_scale): the clock
-    of the estimates and ETAs the API shows and of the admission limits."""
-    return [_work_item(j, wall=True) for j in _active_jobs()]
+    """The active jobs as admission sees them, in wall seconds (work × clock_scale): the clock of the
+    estimates and ETAs the API shows and of the admission limits. Each running job is an item; the
+    waiting ones are one item per (queue, priority), their work summed (admission adds work linearly,
+    so the answer is the same as with one item per job)."""
+    return [*(g.item() for g in waiting_groups()), *(_work_item(j, wall=True) for j in running_jobs())]
 
 
 @dataclass
 class QueueSnapshot:
-    """The active jobs loaded once, answering position and ETA for many jobs in one request."""
+    """The queue's picture loaded once per request (the waiting jobs' sums per priority, the running
+    jobs, the live cards), answering position and ETA for the jobs a response shows: each waiting job
+    adds one query, for the part of its own priority that waits ahead of it."""
 
-    jobs: list[Job]
+    groups: list[WaitingGroup]
+    running: list[Job]
     layout: PoolLayout
 
     @classmethod
     def load(cls) -> QueueSnapshot:
-        return cls(_active_jobs(), live_capacity())
+        return cls(waiting_groups(), running_jobs(), live_capacity())
 
-    def _ahead(self, job: Job) -> Iterable[Job]:
-        key = (job.priority, job.published_at or job.created_at)
-        for other in self.jobs:
-            if other.pk == job.pk:
-                continue
-            if _is_running(other) or (other.priority, other.published_at or other.created_at) <= key:
-                yield other
+    def __post_init__(self) -> None:
+        self._peers: dict[Any, list[WaitingGroup]] = {}
+
+    def _same_priority_ahead(self, job: Job) -> list[WaitingGroup]:
+        """The waiting jobs at the job's priority that wait at least as long as it (itself excluded)."""
+        if job.pk not in self._peers:
+            rows = (
+                Job.objects.filter(_WAITING, priority=job.priority)
+                .annotate(wait_key=_WAIT_KEY)
+                .filter(wait_key__lte=job.published_at or job.created_at)
+                .exclude(pk=job.pk)
+                .order_by()
+                .values("queue", "duration_class", "priority")
+                .annotate(n=Count("id"), seconds=Sum(_WALL_REMAINING))
+            )
+            self._peers[job.pk] = _groups(rows)
+        return self._peers[job.pk]
+
+    def _waiting_ahead(self, job: Job) -> list[WaitingGroup]:
+        return [g for g in self.groups if g.priority < job.priority] + self._same_priority_ahead(job)
 
     def queue_position(self, job: Job) -> int | None:
         """Jobs that will take a card before this one (0: it runs, or runs next). None once terminal."""
@@ -107,16 +180,8 @@ class QueueSnapshot:
         if _is_running(job) or job.status == JobStatus.DECODING:
             return 0
         mine = {w.name for w in self.layout.workers if (job.queue or job.duration_class) in w.consumed_queues()}
-        return sum(
-            1
-            for other in self._ahead(job)
-            if not _is_running(other)
-            and any(
-                (other.queue or other.duration_class) in w.consumed_queues()
-                for w in self.layout.workers
-                if w.name in mine
-            )
-        )
+        shared = {q for w in self.layout.workers if w.name in mine for q in w.consumed_queues()}
+        return sum(g.count for g in self._waiting_ahead(job) if g.queue in shared)
 
     def eta_seconds(self, job: Job) -> float | None:
         """Expected wall seconds until the job finishes denoising. None once terminal."""
@@ -126,7 +191,8 @@ class QueueSnapshot:
         own = job.remaining_seconds * job.clock_scale / self.layout.job_speedup(job.queue or job.duration_class)
         if _is_running(job) or job.status == JobStatus.DECODING:
             return round(own, 3)
-        items = [_work_item(o, wall=True) for o in self._ahead(job)]
+        items = [g.item() for g in self._waiting_ahead(job)]
+        items += [_work_item(o, wall=True) for o in self.running if o.pk != job.pk]
         wait = expected_wait(job.queue or job.duration_class, job.priority, items, self.layout)
         return None if math.isinf(wait) else round(wait + own, 3)
 
@@ -201,8 +267,8 @@ def queue_overview() -> list[dict[str, Any]]:
     """Per duration class: depth, backlog, the cards serving it (live, per node), and whether a new job
     would be accepted now (every figure in wall seconds, like the jobs' estimates and ETAs)."""
     thresholds, limits = deployment.thresholds(), deployment.limits()
-    jobs = _active_jobs()
-    items = [_work_item(j, wall=True) for j in jobs]
+    groups, running = waiting_groups(), running_jobs()
+    items = [*(g.item() for g in groups), *(_work_item(j, wall=True) for j in running)]
     try:
         workers = live_workers()
     except Exception:  # noqa: BLE001 - the overview must answer even when Redis is down
@@ -210,7 +276,8 @@ def queue_overview() -> list[dict[str, Any]]:
     layout = live_capacity(workers or [])
     result = []
     for cls in CLASSES:
-        mine = [j for j in jobs if j.duration_class == cls]
+        waiting = [g for g in groups if g.duration_class == cls]
+        mine = [j for j in running if j.duration_class == cls]
         # A typical new job of the class: its worst (latest-served) new-job priority.
         typical = {
             "short": thresholds.short * 0.99,
@@ -221,9 +288,11 @@ def queue_overview() -> list[dict[str, Any]]:
         limit = limits.for_class(cls)
         entry: dict[str, Any] = {
             "name": cls,
-            "depth": sum(1 for j in mine if not _is_running(j)),
-            "running": sum(1 for j in mine if _is_running(j)),
-            "backlog_seconds": round(sum(j.remaining_seconds * j.clock_scale for j in mine), 3),
+            "depth": sum(g.count for g in waiting),
+            "running": len(mine),
+            "backlog_seconds": round(
+                sum(g.seconds for g in waiting) + sum(j.remaining_seconds * j.clock_scale for j in mine), 3
+            ),
             "workers": [w.name for w in layout.workers if cls in w.queues],  # dedicated ones included
             # live: counted from heartbeats; layout: nothing reports yet, the configured layout estimates
             "capacity_source": "live" if workers else "layout",
