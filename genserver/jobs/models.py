@@ -216,3 +216,30 @@ class JobSegment(models.Model):
 
     def __str__(self) -> str:
         return f"segment {self.index} of {self.job_id} [{self.status}]"
+
+
+
+
+class QueueTally(models.Model):
+    """The waiting jobs of one (queue, class, priority): how many, and their wall seconds of work left.
+
+    Kept by database triggers on the job table (migration 0010): every write of the job service
+    that moves a job into, out of or within the waiting jobs (submit, a claim, a chunk's end, a
+    failed attempt, a cancel, a step change, a deletion) updates its row in the same transaction,
+    so admission and the queue picture read a few rows instead of every queued job, and no write
+    path can forget it. Never written by Python code.
+    """
+
+    queue = models.CharField(max_length=120)
+    duration_class = models.CharField(max_length=10)
+    priority = models.PositiveSmallIntegerField()
+    count = models.BigIntegerField(default=0)
+    seconds = models.FloatField(default=0.0, help_text="Σ remaining_seconds × clock_scale of its jobs")
+
+    class Meta:
+        constraints = [
+            models.UniqueConstraint(fields=["queue", "duration_class", "priority"], name="unique_queue_tally"),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.queue or self.duration_class} p{self.priority}: {self.count} jobs, {self.seconds:.1f} s"

@@ -7,7 +7,7 @@ import json
 import math
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from django.db.models import Count, ExpressionWrapper, F, FloatField, Q, QuerySet, Sum, Value
@@ -15,7 +15,7 @@ from django.db.models.functions import Coalesce, Greatest
 
 from genserver import deployment
 from genserver.jobs.broker import broker_depth
-from genserver.jobs.models import ACTIVE, Job, JobStatus
+from genserver.jobs.models import ACTIVE, Job, JobStatus, QueueTally
 from genserver.redis_client import WORKER_KEY, client as redis_client
 from genserver.scheduling.admission import WorkItem, expected_wait
 from genserver.scheduling.classes import CLASSES, priority_for
@@ -57,10 +57,10 @@ def _work_item(job: Job, wall: bool) -> WorkItem:
 # --- The queue picture at any depth --------------------------------------------------
 # A running job holds a card (lease_owner set while denoising): there are at most as many as the cards
 # (and their merged batches), so they are loaded one by one. Every other active job waits, and waiting
-# jobs are only ever counted and summed, in the database: per (queue, class, priority) for admission
-# and the overview, and per job for the part of its own priority that is ahead of it. A request costs a
-# fixed number of queries, each reading the partial index of waiting jobs (migration 0009), not the rows
-# of the whole queue in Python.
+# jobs are only ever counted and summed: per (queue, class, priority) in QueueTally, which triggers on
+# the job table keep in the same transaction as every write (migration 0010), and per job, for the part
+# of its own priority that waits around it, in the database over the partial index of waiting jobs
+# (migration 0009). A request reads a few tally rows, not the rows of the whole queue.
 _RUNNING = Q(status=JobStatus.DENOISING) & ~Q(lease_owner="")
 _WAITING = Q(status__in=ACTIVE) & ~_RUNNING
 # Wall seconds of work left (Job.remaining_seconds × clock_scale), as the database computes it.
@@ -73,6 +73,9 @@ _WALL_REMAINING = ExpressionWrapper(
 )
 # The order a job waits in at its priority: when its next task was published (else submitted).
 _WAIT_KEY = Coalesce(F("published_at"), F("created_at"))
+# A job's place among its priority's waiting jobs is counted from the nearer end: those behind it when
+# fewer than this many are (a recent job), else those ahead of it.
+NEAR_END = 500
 
 _RUNNING_FIELDS = (
     "id",
@@ -115,9 +118,16 @@ def _groups(rows: Iterable[dict[str, Any]]) -> list[WaitingGroup]:
 
 
 def waiting_groups() -> list[WaitingGroup]:
-    """Every waiting job, counted and summed per (queue, class, priority): one aggregate query."""
+    """Every waiting job, counted and summed per (queue, class, priority): the tally's few rows."""
+    rows = QueueTally.objects.filter(count__gt=0).values("queue", "duration_class", "priority", "count", "seconds")
+    return _groups({**r, "n": r["count"]} for r in rows)
+
+
+def _waiting_sums(priority: int, wait_key: Q) -> list[WaitingGroup]:
     rows = (
-        Job.objects.filter(_WAITING)
+        Job.objects.filter(_WAITING, priority=priority)
+        .annotate(wait_key=_WAIT_KEY)
+        .filter(wait_key)
         .order_by()
         .values("queue", "duration_class", "priority")
         .annotate(n=Count("id"), seconds=Sum(_WALL_REMAINING))
@@ -158,17 +168,30 @@ class QueueSnapshot:
     def _same_priority_ahead(self, job: Job) -> list[WaitingGroup]:
         """The waiting jobs at the job's priority that wait at least as long as it (itself excluded)."""
         if job.pk not in self._peers:
-            rows = (
-                Job.objects.filter(_WAITING, priority=job.priority)
-                .annotate(wait_key=_WAIT_KEY)
-                .filter(wait_key__lte=job.published_at or job.created_at)
-                .exclude(pk=job.pk)
-                .order_by()
-                .values("queue", "duration_class", "priority")
-                .annotate(n=Count("id"), seconds=Sum(_WALL_REMAINING))
-            )
-            self._peers[job.pk] = _groups(rows)
+            key = job.published_at or job.created_at
+            behind = Job.objects.filter(_WAITING, priority=job.priority).annotate(wait_key=_WAIT_KEY)
+            if behind.filter(wait_key__gt=key).values("pk")[:NEAR_END].count() < NEAR_END:
+                self._peers[job.pk] = self._all_but(job, _waiting_sums(job.priority, Q(wait_key__gt=key)))
+            else:
+                ahead = _waiting_sums(job.priority, Q(wait_key__lte=key) & ~Q(pk=job.pk))
+                self._peers[job.pk] = ahead
         return self._peers[job.pk]
+
+    def _all_but(self, job: Job, behind: list[WaitingGroup]) -> list[WaitingGroup]:
+        """The job's priority's groups less the jobs behind it and the job itself: those ahead of it."""
+        less = {(g.queue, g.duration_class): g for g in behind}
+        mine = (job.queue or job.duration_class, job.duration_class)
+        own = job.remaining_seconds * job.clock_scale
+        ahead = []
+        for g in self.groups:
+            if g.priority != job.priority:
+                continue
+            b = less.get((g.queue, g.duration_class))
+            count = g.count - (b.count if b else 0) - (1 if (g.queue, g.duration_class) == mine else 0)
+            seconds = g.seconds - (b.seconds if b else 0.0) - (own if (g.queue, g.duration_class) == mine else 0.0)
+            if count > 0:
+                ahead.append(replace(g, count=count, seconds=max(0.0, seconds)))
+        return ahead
 
     def _waiting_ahead(self, job: Job) -> list[WaitingGroup]:
         return [g for g in self.groups if g.priority < job.priority] + self._same_priority_ahead(job)

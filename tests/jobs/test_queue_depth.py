@@ -157,11 +157,16 @@ def _assert_same_answers(layout: PoolLayout) -> None:
 
 
 @hsettings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(seed=st.integers(min_value=0, max_value=2**32), submits=st.integers(min_value=4, max_value=24))
+@given(
+    seed=st.integers(min_value=0, max_value=2**32),
+    submits=st.integers(min_value=4, max_value=16),
+    near_end=st.sampled_from([1, 3, selectors.NEAR_END]),  # count from the front, from the back, or either
+)
 def test_positions_etas_and_backlog_equal_the_full_scan_under_random_transitions(
-    django_user_model, settings, seed, submits
+    django_user_model, settings, monkeypatch, seed, submits, near_end
 ):
     rng = random.Random(seed)  # every later choice from the seed: a failure replays
+    monkeypatch.setattr(selectors, "NEAR_END", near_end)
     settings.MAX_JOBS_IN_FLIGHT = 0
     with transaction.atomic():  # each example starts from an empty queue and leaves nothing behind
         Job.objects.all().delete()
