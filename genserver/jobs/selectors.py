@@ -94,6 +94,11 @@ _RUNNING_FIELDS = (
 )
 
 
+def _key(job: Job) -> Any:
+    """Where a waiting job stands at its priority: when its next task was published (else submitted)."""
+    return job.published_at or job.created_at
+
+
 @dataclass(frozen=True)
 class WaitingGroup:
     """The waiting jobs of one queue, class and priority: how many, and their wall seconds of work."""
@@ -150,9 +155,10 @@ def backlog_items() -> list[WorkItem]:
 
 @dataclass
 class QueueSnapshot:
-    """The queue's picture loaded once per request (the waiting jobs' sums per priority, the running
-    jobs, the live cards), answering position and ETA for the jobs a response shows: each waiting job
-    adds one query, for the part of its own priority that waits ahead of it."""
+    """The queue's picture loaded once per request (the waiting jobs' sums per priority from the tally,
+    the running jobs, the live cards), answering position and ETA for the jobs a response shows. What a
+    waiting job adds is the part of its own priority around it: for a page, one query for all its jobs
+    (`prepare`); for one job, one query, or two when NEAR_END or more wait behind it."""
 
     groups: list[WaitingGroup]
     running: list[Job]
@@ -165,16 +171,43 @@ class QueueSnapshot:
     def __post_init__(self) -> None:
         self._peers: dict[Any, list[WaitingGroup]] = {}
 
+    def prepare(self, jobs: Iterable[Job]) -> None:
+        """Load, in one query, what the positions and ETAs of these jobs (a page) need: the waiting jobs
+        behind the oldest of them at their priorities, when fewer than NEAR_END are (a page of recent
+        jobs); else each job counts its own, from the nearer end."""
+        waiting = [j for j in jobs if self._waits(j) and j.pk not in self._peers]
+        if not waiting:
+            return
+        oldest = min(_key(j) for j in waiting)
+        rows = list(
+            Job.objects.filter(_WAITING, priority__in={j.priority for j in waiting})
+            .annotate(wait_key=_WAIT_KEY, wall=_WALL_REMAINING)
+            .filter(wait_key__gt=oldest)
+            .order_by()
+            .values_list("priority", "queue", "duration_class", "wait_key", "wall")[:NEAR_END]
+        )
+        if len(rows) >= NEAR_END:
+            return  # many behind: _same_priority_ahead counts each job's own
+        for job in waiting:
+            key, behind = _key(job), {}
+            for priority, queue, duration_class, wait_key, wall in rows:
+                if priority == job.priority and wait_key > key:
+                    count, seconds = behind.get((queue, duration_class), (0, 0.0))
+                    behind[(queue, duration_class)] = (count + 1, seconds + wall)
+            groups = _groups(
+                {"queue": q, "duration_class": c, "priority": job.priority, "n": n, "seconds": sec}
+                for (q, c), (n, sec) in behind.items()
+            )
+            self._peers[job.pk] = self._all_but(job, groups)
+
+    def _waits(self, job: Job) -> bool:
+        return not job.is_terminal and not _is_running(job) and job.status != JobStatus.DECODING
+
     def _same_priority_ahead(self, job: Job) -> list[WaitingGroup]:
         """The waiting jobs at the job's priority that wait at least as long as it (itself excluded)."""
-        if job.pk not in self._peers:
-            key = job.published_at or job.created_at
-            behind = Job.objects.filter(_WAITING, priority=job.priority).annotate(wait_key=_WAIT_KEY)
-            if behind.filter(wait_key__gt=key).values("pk")[:NEAR_END].count() < NEAR_END:
-                self._peers[job.pk] = self._all_but(job, _waiting_sums(job.priority, Q(wait_key__gt=key)))
-            else:
-                ahead = _waiting_sums(job.priority, Q(wait_key__lte=key) & ~Q(pk=job.pk))
-                self._peers[job.pk] = ahead
+        self.prepare([job])
+        if job.pk not in self._peers:  # NEAR_END or more wait behind it: count those ahead
+            self._peers[job.pk] = _waiting_sums(job.priority, Q(wait_key__lte=_key(job)) & ~Q(pk=job.pk))
         return self._peers[job.pk]
 
     def _all_but(self, job: Job, behind: list[WaitingGroup]) -> list[WaitingGroup]:

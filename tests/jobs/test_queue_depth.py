@@ -132,13 +132,16 @@ def _move(job: Job, rng: random.Random) -> None:
 def _assert_same_answers(layout: PoolLayout) -> None:
     jobs = list(Job.objects.all())
     active = [j for j in jobs if j.status in ACTIVE]
-    snapshot = selectors.QueueSnapshot(selectors.waiting_groups(), selectors.running_jobs(), layout)
-    for job in jobs:
-        assert snapshot.queue_position(job) == scan_position(active, job, layout), job
-        fast, scan = snapshot.eta_seconds(job), scan_eta(active, job, layout)
-        assert (fast is None) == (scan is None), job
-        if scan is not None:
-            assert fast == pytest.approx(scan, rel=1e-9, abs=2e-3), job  # both rounded to the millisecond
+    one_by_one = selectors.QueueSnapshot(selectors.waiting_groups(), selectors.running_jobs(), layout)
+    page = selectors.QueueSnapshot(selectors.waiting_groups(), selectors.running_jobs(), layout)
+    page.prepare(jobs)  # as the list view does: every job's neighbours in one query
+    for snapshot in (one_by_one, page):
+        for job in jobs:
+            assert snapshot.queue_position(job) == scan_position(active, job, layout), job
+            fast, scan = snapshot.eta_seconds(job), scan_eta(active, job, layout)
+            assert (fast is None) == (scan is None), job
+            if scan is not None:
+                assert fast == pytest.approx(scan, rel=1e-9, abs=2e-3), job  # both rounded to the millisecond
     backlog, items = selectors.backlog_items(), [_item(j) for j in active]
     assert sum(1 for i in backlog if i.running) == sum(1 for i in items if i.running)
     for queue in layout.all_queues():
