@@ -26,6 +26,7 @@ from datetime import timedelta
 from typing import Any
 
 SIZES = (0, 250, 1000, 2500, 5000, 10000)
+PAGE = 20  # jobs per list page (GET /api/v1/jobs/?limit=20)
 MODELS = ("sdxl-sim", "flux-sim", "sdxl-turbo-sim", "wan-sim")  # images and a video: several classes
 LIFTED = {
     "GENSERVER_MAX_JOBS_IN_FLIGHT": "0",
@@ -58,6 +59,15 @@ def _p50_ms(call: Callable[[], Any], samples: int) -> float:
     return statistics.median(times)
 
 
+def _queries(call: Callable[[], Any]) -> float:
+    from django.db import connection
+    from django.test.utils import CaptureQueriesContext
+
+    with CaptureQueriesContext(connection) as captured:
+        call()
+    return float(len(captured.captured_queries))
+
+
 class Bench:
     """One user, an empty queue at start, and the templates the fill copies."""
 
@@ -65,16 +75,16 @@ class Bench:
         from django.contrib.auth import get_user_model
         from rest_framework.test import APIClient
 
-        from genserver.jobs.models import Job
-
         user_model = get_user_model()
         self.user, _ = user_model.objects.get_or_create(username="bench-depth")
         self.clear()  # a previous run's jobs, had it been interrupted
         self.client = APIClient()
         self.client.force_authenticate(self.user)
         self.templates = [self._submit(model) for model in MODELS]
+        for i in range(PAGE):  # a full page of history at every depth, so each page serialises PAGE jobs
+            self._submit(MODELS[i % len(MODELS)], "depth history")
         self.filled = 0
-        self._cancel_all()  # the templates are not the queue
+        self._cancel_all()  # the templates and the history are not the queue
 
     def clear(self) -> None:
         """Delete the bench's own jobs (the bench user's): the queue it filled."""
@@ -85,9 +95,7 @@ class Bench:
     def _submit(self, model: str, prompt: str = "depth probe") -> Any:
         from genserver.jobs.models import Job
 
-        response = self.client.post(
-            "/api/v1/jobs/", {"model": model, "prompt": prompt, "steps": 4}, format="json"
-        )
+        response = self.client.post("/api/v1/jobs/", {"model": model, "prompt": prompt, "steps": 4}, format="json")
         if response.status_code != 201:
             raise RuntimeError(f"submit of {model} answered {response.status_code}: {response.content[:300]!r}")
         return Job.objects.get(pk=response.json()["id"])
@@ -122,27 +130,42 @@ class Bench:
         self.filled = max(self.filled, queued)
 
     def measure(self, samples: int) -> dict[str, float]:
+        """P50 ms of each request, and the database queries it made (the same at every depth, or not)."""
         probe = self._submit(MODELS[0], "depth probe, the newest queued job")
-        submit = _p50_ms(lambda: self._submit(MODELS[0]), samples)
+        calls: dict[str, Callable[[], Any]] = {
+            "submit": lambda: self._submit(MODELS[0]),
+            "get": lambda: self._expect_ok(self.client.get(f"/api/v1/jobs/{probe.pk}/")),
+            "list": lambda: self._expect_ok(self.client.get(f"/api/v1/jobs/?limit={PAGE}")),
+        }
+        figures = {}
+        for name, call in calls.items():
+            figures[name] = _p50_ms(call, samples)
+            figures[f"{name}_queries"] = _queries(call)
+        return figures
 
-        def get() -> None:
-            assert self.client.get(f"/api/v1/jobs/{probe.pk}/").status_code == 200
-
-        def page() -> None:
-            assert self.client.get("/api/v1/jobs/?limit=20").status_code == 200
-
-        return {"submit": submit, "get": _p50_ms(get, samples), "list": _p50_ms(page, samples)}
+    @staticmethod
+    def _expect_ok(response: Any) -> None:
+        if response.status_code != 200:
+            raise RuntimeError(f"GET answered {response.status_code}: {response.content[:300]!r}")
 
 
 def run(sizes: Sequence[int], samples: int, out: Any = sys.stdout) -> list[tuple[int, dict[str, float]]]:
-    """Measure at each size (ascending) and print the table; returns the rows."""
-    _setup()
+    """Measure at each size (ascending) and print the table; returns the rows. Django must be set up,
+    with the limits lifted (main() does both)."""
     from django.db import connection
 
     bench = Bench()
     rows: list[tuple[int, dict[str, float]]] = []
-    print(f"# bench.depth on {connection.vendor}, {samples} samples per figure (P50, ms)", file=out)
-    print(f"{'queued':>7} | {'submit':>8} {'×0':>5} | {'GET':>8} {'×0':>5} | {'list':>8} {'×0':>5}", file=out)
+    print(
+        f"# bench.depth on {connection.vendor}: P50 ms of {samples} requests, ×0: against the empty queue, "
+        "q: database queries of one request",
+        file=out,
+    )
+    print(
+        f"{'queued':>7} | {'submit':>8} {'×0':>5} {'q':>3} | {'GET':>8} {'×0':>5} {'q':>3} | "
+        f"{'list':>8} {'×0':>5} {'q':>3}",
+        file=out,
+    )
     try:
         for size in sorted(sizes):
             bench.fill_to(size)
@@ -151,7 +174,10 @@ def run(sizes: Sequence[int], samples: int, out: Any = sys.stdout) -> list[tuple
             base = rows[0][1]
             print(
                 f"{size:>7} | "
-                + " | ".join(f"{figures[k]:>8.1f} {figures[k] / base[k]:>5.2f}" for k in ("submit", "get", "list")),
+                + " | ".join(
+                    f"{figures[k]:>8.1f} {figures[k] / base[k]:>5.2f} {figures[k + '_queries']:>3.0f}"
+                    for k in ("submit", "get", "list")
+                ),
                 file=out,
                 flush=True,
             )
@@ -166,7 +192,7 @@ def measure_settled(bench: Bench, samples: int) -> dict[str, float]:
 
     from genserver.jobs.models import Job
 
-    if connection.vendor == "postgresql":
+    if connection.vendor == "postgresql" and not connection.in_atomic_block:  # VACUUM runs outside one
         with connection.cursor() as cursor:
             cursor.execute(f"VACUUM ANALYZE {Job._meta.db_table}")
     return bench.measure(samples)
@@ -175,11 +201,12 @@ def measure_settled(bench: Bench, samples: int) -> dict[str, float]:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", default=",".join(map(str, SIZES)), help="queued jobs, comma-separated")
-    parser.add_argument("--samples", type=int, default=15, help="requests per figure (the P50 is printed)")
+    parser.add_argument("--samples", type=int, default=25, help="requests per figure (the P50 is printed)")
     args = parser.parse_args(argv)
     sizes = [int(s) for s in args.sizes.split(",") if s.strip()]
     if not sizes or 0 not in sizes:
         parser.error("--sizes must include 0 (the ratios are against the empty queue)")
+    _setup()
     run(sizes, args.samples)
     return 0
 

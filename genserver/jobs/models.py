@@ -151,7 +151,8 @@ class Job(models.Model):
                 "priority",
                 Coalesce("published_at", "created_at"),
                 name="job_waiting_order",
-                condition=models.Q(status__in=ACTIVE) & ~(models.Q(status=JobStatus.DENOISING) & ~models.Q(lease_owner="")),
+                condition=models.Q(status__in=ACTIVE)
+                & ~(models.Q(status=JobStatus.DENOISING) & ~models.Q(lease_owner="")),
             ),
         ]
 
@@ -216,8 +217,6 @@ class JobSegment(models.Model):
 
     def __str__(self) -> str:
         return f"segment {self.index} of {self.job_id} [{self.status}]"
-
-
 
 
 class QueueTally(models.Model):

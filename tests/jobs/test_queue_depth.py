@@ -51,11 +51,7 @@ def _item(job: Job) -> WorkItem:
 
 def _ahead(jobs: Iterable[Job], job: Job) -> list[Job]:
     key = (job.priority, job.published_at or job.created_at)
-    return [
-        o
-        for o in jobs
-        if o.pk != job.pk and (_running(o) or (o.priority, o.published_at or o.created_at) <= key)
-    ]
+    return [o for o in jobs if o.pk != job.pk and (_running(o) or (o.priority, o.published_at or o.created_at) <= key)]
 
 
 def scan_position(jobs: list[Job], job: Job, layout: PoolLayout) -> int | None:
@@ -188,6 +184,7 @@ def test_positions_etas_and_backlog_equal_the_full_scan_under_random_transitions
                 _move(job, rng)
             _assert_same_answers(layout)
         transaction.set_rollback(True)
+
 
 def test_a_job_waits_behind_its_priority_and_ahead_of_later_ties(api):
     """A hand-made case the random one may miss: equal publish times count as ahead (`<=`), both ways."""

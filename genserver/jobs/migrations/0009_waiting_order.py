@@ -6,15 +6,22 @@ from django.db import migrations, models
 
 
 class Migration(migrations.Migration):
-
     dependencies = [
-        ('jobs', '0008_job_webhook_events'),
+        ("jobs", "0008_job_webhook_events"),
         migrations.swappable_dependency(settings.AUTH_USER_MODEL),
     ]
 
     operations = [
         migrations.AddIndex(
-            model_name='job',
-            index=models.Index(models.F('priority'), django.db.models.functions.comparison.Coalesce('published_at', 'created_at'), condition=models.Q(('status__in', ('queued', 'encoding', 'denoising', 'decoding')), models.Q(('status', 'denoising'), models.Q(('lease_owner', ''), _negated=True), _negated=True)), name='job_waiting_order'),
+            model_name="job",
+            index=models.Index(
+                models.F("priority"),
+                django.db.models.functions.comparison.Coalesce("published_at", "created_at"),
+                condition=models.Q(
+                    ("status__in", ("queued", "encoding", "denoising", "decoding")),
+                    models.Q(("status", "denoising"), models.Q(("lease_owner", ""), _negated=True), _negated=True),
+                ),
+                name="job_waiting_order",
+            ),
         ),
     ]

@@ -23,7 +23,10 @@ ADD = (
 )
 FILL = (
     "INSERT INTO jobs_queuetally (queue, duration_class, priority, count, seconds) "
-    "SELECT queue, duration_class, priority, COUNT(*), SUM(" + SECONDS + ") FROM jobs_job AS j WHERE " + WAITING
+    "SELECT queue, duration_class, priority, COUNT(*), SUM("
+    + SECONDS
+    + ") FROM jobs_job AS j WHERE "
+    + WAITING
     + " GROUP BY queue, duration_class, priority"
 )
 
@@ -83,24 +86,25 @@ def uninstall(apps, schema_editor):
 
 
 class Migration(migrations.Migration):
-
     dependencies = [
-        ('jobs', '0009_waiting_order'),
+        ("jobs", "0009_waiting_order"),
     ]
 
     operations = [
         migrations.CreateModel(
-            name='QueueTally',
+            name="QueueTally",
             fields=[
-                ('id', models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name='ID')),
-                ('queue', models.CharField(max_length=120)),
-                ('duration_class', models.CharField(max_length=10)),
-                ('priority', models.PositiveSmallIntegerField()),
-                ('count', models.BigIntegerField(default=0)),
-                ('seconds', models.FloatField(default=0.0, help_text='Σ remaining_seconds × clock_scale of its jobs')),
+                ("id", models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name="ID")),
+                ("queue", models.CharField(max_length=120)),
+                ("duration_class", models.CharField(max_length=10)),
+                ("priority", models.PositiveSmallIntegerField()),
+                ("count", models.BigIntegerField(default=0)),
+                ("seconds", models.FloatField(default=0.0, help_text="Σ remaining_seconds × clock_scale of its jobs")),
             ],
             options={
-                'constraints': [models.UniqueConstraint(fields=('queue', 'duration_class', 'priority'), name='unique_queue_tally')],
+                "constraints": [
+                    models.UniqueConstraint(fields=("queue", "duration_class", "priority"), name="unique_queue_tally")
+                ],
             },
         ),
         migrations.RunPython(install, uninstall),
