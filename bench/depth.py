@@ -1,6 +1,6 @@
 """What a request costs as the queue grows: submit, GET of a queued job and one page of the job list.
 
-    python -m bench.depth [--sizes 0,250,1000,2500,5000,10000] [--samples 15]
+    python -m bench.depth [--sizes 0,250,1000,2500,5000,10000] [--samples 25] [--rounds 3]
 
 Through the API (Django's test client, in process: what is measured is the view, its queries and its
 serialisation, not the network), on the configured database (DATABASE_URL: PostgreSQL for the
@@ -9,8 +9,10 @@ jobs and no worker runs, so nothing leaves it. The fill records jobs the way the
 each size's new jobs are copies of jobs the service admitted through the API (one per simulated
 model, so the classes, queues and priorities mix as in a real burst), each with its own id and
 submit time; that keeps a 10,000-job fill at seconds, where submitting them one by one would take
-as long as the cost being measured grows. At each size it prints the P50 of each request and its
-ratio to the empty queue's.
+as long as the cost being measured grows. At each size it prints the P50 of each request, its ratio
+to the empty queue's and the database queries it made; the sweep runs --rounds times (the machine is
+shared: a burst of other work lands on one round) and each figure is the median over the rounds. It
+deletes what it recorded (the jobs of its user, `bench-depth`) at the start and at the end.
 """
 
 from __future__ import annotations
@@ -149,16 +151,29 @@ class Bench:
             raise RuntimeError(f"GET answered {response.status_code}: {response.content[:300]!r}")
 
 
-def run(sizes: Sequence[int], samples: int, out: Any = sys.stdout) -> list[tuple[int, dict[str, float]]]:
-    """Measure at each size (ascending) and print the table; returns the rows. Django must be set up,
-    with the limits lifted (main() does both)."""
+def run(
+    sizes: Sequence[int], samples: int, out: Any = sys.stdout, rounds: int = 1
+) -> list[tuple[int, dict[str, float]]]:
+    """Measure at each size (ascending), `rounds` times over (each from an empty queue), and print the
+    table of each figure's median over the rounds; returns its rows. Django must be set up, with the
+    limits lifted (main() does both)."""
     from django.db import connection
 
-    bench = Bench()
-    rows: list[tuple[int, dict[str, float]]] = []
+    measured: dict[int, list[dict[str, float]]] = {size: [] for size in sorted(sizes)}
+    for _ in range(rounds):
+        bench = Bench()
+        try:
+            for size in measured:
+                bench.fill_to(size)
+                measured[size].append(measure_settled(bench, samples))
+        finally:
+            bench.clear()
+    rows = [
+        (size, {k: statistics.median(f[k] for f in figures) for k in figures[0]}) for size, figures in measured.items()
+    ]
     print(
-        f"# bench.depth on {connection.vendor}: P50 ms of {samples} requests, ×0: against the empty queue, "
-        "q: database queries of one request",
+        f"# bench.depth on {connection.vendor}: P50 ms of {samples} requests (median of {rounds} rounds), "
+        "×0: against the empty queue, q: database queries of one request",
         file=out,
     )
     print(
@@ -166,23 +181,16 @@ def run(sizes: Sequence[int], samples: int, out: Any = sys.stdout) -> list[tuple
         f"{'list':>8} {'×0':>5} {'q':>3}",
         file=out,
     )
-    try:
-        for size in sorted(sizes):
-            bench.fill_to(size)
-            figures = measure_settled(bench, samples)
-            rows.append((size, figures))
-            base = rows[0][1]
-            print(
-                f"{size:>7} | "
-                + " | ".join(
-                    f"{figures[k]:>8.1f} {figures[k] / base[k]:>5.2f} {figures[k + '_queries']:>3.0f}"
-                    for k in ("submit", "get", "list")
-                ),
-                file=out,
-                flush=True,
-            )
-    finally:
-        bench.clear()
+    base = rows[0][1]
+    for size, figures in rows:
+        print(
+            f"{size:>7} | "
+            + " | ".join(
+                f"{figures[k]:>8.1f} {figures[k] / base[k]:>5.2f} {figures[k + '_queries']:>3.0f}"
+                for k in ("submit", "get", "list")
+            ),
+            file=out,
+        )
     return rows
 
 
@@ -202,12 +210,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", default=",".join(map(str, SIZES)), help="queued jobs, comma-separated")
     parser.add_argument("--samples", type=int, default=25, help="requests per figure (the P50 is printed)")
+    parser.add_argument(
+        "--rounds", type=int, default=3, help="sweeps, each from an empty queue (each figure: their median)"
+    )
     args = parser.parse_args(argv)
     sizes = [int(s) for s in args.sizes.split(",") if s.strip()]
     if not sizes or 0 not in sizes:
         parser.error("--sizes must include 0 (the ratios are against the empty queue)")
     _setup()
-    run(sizes, args.samples)
+    run(sizes, args.samples, rounds=args.rounds)
     return 0
 
 
