@@ -8,11 +8,13 @@ figures). The per-user limits and the admission limits are lifted; the queue is 
 jobs and no worker runs, so nothing leaves it. The fill records jobs the way the job service does:
 each size's new jobs are copies of jobs the service admitted through the API (one per simulated
 model, so the classes, queues and priorities mix as in a real burst), each with its own id and
-submit time; that keeps a 10,000-job fill at seconds, where submitting them one by one would take
-as long as the cost being measured grows. At each size it prints the P50 of each request, its ratio
+submit time, owned by another user (the queue is everyone's; the measured user lists their own
+jobs). That keeps a 10,000-job fill at seconds, where submitting them one by one would take as
+long as the cost being measured grows. At each size it prints the P50 of each request, its ratio
 to the empty queue's and the database queries it made; the sweep runs --rounds times (the machine is
 shared: a burst of other work lands on one round) and each figure is the median over the rounds. It
-deletes what it recorded (the jobs of its user, `bench-depth`) at the start and at the end.
+deletes what it recorded (the jobs of its users, `bench-depth` and `bench-depth-others`) at the start
+and at the end.
 """
 
 from __future__ import annotations
@@ -79,6 +81,9 @@ class Bench:
 
         user_model = get_user_model()
         self.user, _ = user_model.objects.get_or_create(username="bench-depth")
+        # The queue is everyone's: the fill is another user's jobs, so the measured user's list page
+        # is a page of their own jobs (its pagination count is theirs, not the queue's).
+        self.others, _ = user_model.objects.get_or_create(username="bench-depth-others")
         self.clear()  # a previous run's jobs, had it been interrupted
         self.client = APIClient()
         self.client.force_authenticate(self.user)
@@ -89,10 +94,10 @@ class Bench:
         self._cancel_all()  # the templates and the history are not the queue
 
     def clear(self) -> None:
-        """Delete the bench's own jobs (the bench user's): the queue it filled."""
+        """Delete the bench's own jobs (its two users'): the queue it filled and the probes."""
         from genserver.jobs.models import Job
 
-        Job.objects.filter(owner=self.user).delete()
+        Job.objects.filter(owner__in=(self.user, self.others)).delete()
 
     def _submit(self, model: str, prompt: str = "depth probe") -> Any:
         from genserver.jobs.models import Job
@@ -121,14 +126,14 @@ class Bench:
         for i in range(self.filled, queued):
             template = self.templates[i % len(self.templates)]
             copy = Job(**{f.attname: getattr(template, f.attname) for f in Job._meta.concrete_fields})
-            copy.id = uuid.uuid4()
+            copy.id, copy.owner_id = uuid.uuid4(), self.others.pk
             copy.status, copy.stage = JobStatus.QUEUED, JobStage.QUEUED
             copy.lease_owner, copy.lease_expires_at, copy.finished_at = "", None, None
             copy.published_at = now + timedelta(microseconds=i - queued)
             rows.append(copy)
         Job.objects.bulk_create(rows, batch_size=1000)
         # auto_now_add stamped them all now: give the copies distinct, ordered submit times.
-        Job.objects.filter(owner=self.user, status=JobStatus.QUEUED).update(created_at=F("published_at"))
+        Job.objects.filter(owner=self.others, status=JobStatus.QUEUED).update(created_at=F("published_at"))
         self.filled = max(self.filled, queued)
 
     def measure(self, samples: int) -> dict[str, float]:

@@ -183,7 +183,8 @@ class QueueSnapshot:
             Job.objects.filter(_WAITING, priority__in={j.priority for j in waiting})
             .annotate(wait_key=_WAIT_KEY, wall=_WALL_REMAINING)
             .filter(wait_key__gt=oldest)
-            .order_by()
+            .order_by("priority", "wait_key")  # the index's order: read from it (a planner guessing many rows
+            # behind would scan the table to stop at NEAR_END)
             .values_list("priority", "queue", "duration_class", "wait_key", "wall")[:NEAR_END]
         )
         if len(rows) >= NEAR_END:

@@ -39,7 +39,7 @@ def test_each_size_is_a_row_of_three_requests_with_their_queries_and_the_queue_i
     # Ratios are against the empty queue: its row says 1.00 three times.
     assert lines[2].count("1.00") == 3
     # The bench deletes what it filled: no job of its user remains, active or not.
-    assert not Job.objects.filter(owner__username="bench-depth").exists()
+    assert not Job.objects.filter(owner__username__in=("bench-depth", "bench-depth-others")).exists()
     assert not Job.objects.filter(status__in=ACTIVE).exists()
 
 
@@ -55,5 +55,6 @@ def test_the_fill_queues_exactly_the_asked_number_of_jobs_with_distinct_submit_t
     assert len(queued) == 7 and len(set(queued)) == 7
     bench.fill_to(7)  # already filled: nothing added
     assert Job.objects.filter(status__in=ACTIVE).count() == 7
+    assert set(Job.objects.filter(status__in=ACTIVE).values_list("owner", flat=True)) == {bench.others.pk}
     bench.clear()
-    assert not Job.objects.filter(owner=bench.user).exists()
+    assert not Job.objects.filter(owner__in=(bench.user, bench.others)).exists()
