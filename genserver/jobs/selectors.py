@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import time
+from bisect import bisect_right
 from collections.abc import Iterable
 from dataclasses import dataclass, replace
 from typing import Any
@@ -73,8 +74,8 @@ _WALL_REMAINING = ExpressionWrapper(
 )
 # The order a job waits in at its priority: when its next task was published (else submitted).
 _WAIT_KEY = Coalesce(F("published_at"), F("created_at"))
-# A job's place among its priority's waiting jobs is counted from the nearer end: those behind it when
-# fewer than this many are (a recent job), else those ahead of it.
+# A job's place among its priority's waiting jobs is counted from the nearer end when fewer than this
+# many wait on that side (QueueSnapshot.prepare), else summed in the database.
 NEAR_END = 500
 
 _RUNNING_FIELDS = (
@@ -154,11 +155,70 @@ def backlog_items() -> list[WorkItem]:
 
 
 @dataclass
+class _Neighbours:
+    """Up to NEAR_END waiting jobs of one priority read from one end of its order (the front: oldest
+    first; the back: newest first), to answer many jobs of a page at once."""
+
+    priority: int
+    keys: list[Any]  # the rows' wait keys, ascending
+    pks: list[Any]
+    groups: list[tuple[str, str]]  # each row's (queue, class)
+    walls: list[float]
+    complete: bool  # fewer than NEAR_END: every row on that side was read
+
+    @classmethod
+    def read(cls, priority: int, side: Q, ascending: bool) -> _Neighbours:
+        # In the index's order (job_waiting_order): a planner guessing many rows on that side would
+        # otherwise scan the table to stop at NEAR_END.
+        order = ("priority", "wait_key") if ascending else ("-priority", "-wait_key")
+        rows = list(
+            Job.objects.filter(_WAITING, priority=priority)
+            .annotate(wait_key=_WAIT_KEY, wall=_WALL_REMAINING)
+            .filter(side)
+            .order_by(*order)
+            .values_list("wait_key", "pk", "queue", "duration_class", "wall")[:NEAR_END]
+        )
+        if not ascending:
+            rows.reverse()
+        return cls(
+            priority,
+            [r[0] for r in rows],
+            [r[1] for r in rows],
+            [(r[2] or r[3], r[3]) for r in rows],
+            [float(r[4] or 0.0) for r in rows],
+            len(rows) < NEAR_END,
+        )
+
+    def _sums(self, lo: int, hi: int, skip: Any = None) -> list[WaitingGroup]:
+        sums: dict[tuple[str, str], tuple[int, float]] = {}
+        for i in range(lo, hi):
+            if self.pks[i] != skip:
+                count, seconds = sums.get(self.groups[i], (0, 0.0))
+                sums[self.groups[i]] = (count + 1, seconds + self.walls[i])
+        return [WaitingGroup(q, c, self.priority, n, sec) for (q, c), (n, sec) in sums.items()]
+
+    def ahead_of(self, job: Job) -> list[WaitingGroup] | None:
+        """The rows at or before the job's key, itself excluded; None when the front read stops before
+        them all (its last row does not come after the job)."""
+        key = _key(job)
+        if not self.complete and not (self.keys and self.keys[-1] > key):
+            return None
+        return self._sums(0, bisect_right(self.keys, key), skip=job.pk)
+
+    def behind(self, job: Job) -> list[WaitingGroup] | None:
+        """The rows after the job's key; None when the back read stops before them all."""
+        key = _key(job)
+        if not self.complete and not (self.keys and self.keys[0] <= key):
+            return None
+        return self._sums(bisect_right(self.keys, key), len(self.keys))
+
+
+@dataclass
 class QueueSnapshot:
     """The queue's picture loaded once per request (the waiting jobs' sums per priority from the tally,
     the running jobs, the live cards), answering position and ETA for the jobs a response shows. What a
-    waiting job adds is the part of its own priority around it: for a page, one query for all its jobs
-    (`prepare`); for one job, one query, or two when NEAR_END or more wait behind it."""
+    waiting job adds is the part of its own priority ahead of it, read from the nearer end for all the
+    jobs of a page at once (`prepare`: at most two indexed reads of NEAR_END rows per priority)."""
 
     groups: list[WaitingGroup]
     running: list[Job]
@@ -172,34 +232,29 @@ class QueueSnapshot:
         self._peers: dict[Any, list[WaitingGroup]] = {}
 
     def prepare(self, jobs: Iterable[Job]) -> None:
-        """Load, in one query, what the positions and ETAs of these jobs (a page) need: the waiting jobs
-        behind the oldest of them at their priorities, when fewer than NEAR_END are (a page of recent
-        jobs); else each job counts its own, from the nearer end."""
+        """Load what the positions and ETAs of these jobs (a page, or one job) need: per priority among
+        them, the NEAR_END waiting jobs at the front of it and the NEAR_END at its back, two indexed
+        reads. A job with fewer than NEAR_END ahead counts them from the front ones; else one with fewer
+        than NEAR_END behind is its priority's tally less those behind it; a job with more on both sides
+        (the middle of a very deep queue) is summed on its own (`_same_priority_ahead`)."""
         waiting = [j for j in jobs if self._waits(j) and j.pk not in self._peers]
-        if not waiting:
-            return
-        oldest = min(_key(j) for j in waiting)
-        rows = list(
-            Job.objects.filter(_WAITING, priority__in={j.priority for j in waiting})
-            .annotate(wait_key=_WAIT_KEY, wall=_WALL_REMAINING)
-            .filter(wait_key__gt=oldest)
-            .order_by("priority", "wait_key")  # the index's order: read from it (a planner guessing many rows
-            # behind would scan the table to stop at NEAR_END)
-            .values_list("priority", "queue", "duration_class", "wait_key", "wall")[:NEAR_END]
-        )
-        if len(rows) >= NEAR_END:
-            return  # many behind: _same_priority_ahead counts each job's own
-        for job in waiting:
-            key, behind = _key(job), {}
-            for priority, queue, duration_class, wait_key, wall in rows:
-                if priority == job.priority and wait_key > key:
-                    count, seconds = behind.get((queue, duration_class), (0, 0.0))
-                    behind[(queue, duration_class)] = (count + 1, seconds + wall)
-            groups = _groups(
-                {"queue": q, "duration_class": c, "priority": job.priority, "n": n, "seconds": sec}
-                for (q, c), (n, sec) in behind.items()
-            )
-            self._peers[job.pk] = self._all_but(job, groups)
+        for priority in sorted({j.priority for j in waiting}):
+            mine = sorted((j for j in waiting if j.priority == priority), key=_key)
+            front = _Neighbours.read(priority, Q(wait_key__lte=_key(mine[-1])), ascending=True)
+            rest = []
+            for job in mine:
+                ahead = front.ahead_of(job)
+                if ahead is None:
+                    rest.append(job)
+                else:
+                    self._peers[job.pk] = ahead
+            if not rest:
+                continue
+            back = _Neighbours.read(priority, Q(wait_key__gt=_key(rest[0])), ascending=False)
+            for job in rest:
+                behind = back.behind(job)
+                if behind is not None:
+                    self._peers[job.pk] = self._all_but(job, behind)
 
     def _waits(self, job: Job) -> bool:
         return not job.is_terminal and not _is_running(job) and job.status != JobStatus.DECODING
@@ -207,7 +262,7 @@ class QueueSnapshot:
     def _same_priority_ahead(self, job: Job) -> list[WaitingGroup]:
         """The waiting jobs at the job's priority that wait at least as long as it (itself excluded)."""
         self.prepare([job])
-        if job.pk not in self._peers:  # NEAR_END or more wait behind it: count those ahead
+        if job.pk not in self._peers:  # NEAR_END or more on both sides: sum those ahead
             self._peers[job.pk] = _waiting_sums(job.priority, Q(wait_key__lte=_key(job)) & ~Q(pk=job.pk))
         return self._peers[job.pk]
 
