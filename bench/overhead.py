@@ -51,7 +51,7 @@ def wait_terminal(stack: LiveStack, job_id: str, timeout: float = 120) -> dict:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         _, job, _ = stack.request("GET", f"/api/v1/jobs/{job_id}/")
-        if job["status"] in ("succeeded", "failed", "cancelled"):
+        if job["status"] in ("succeeded", "failed", "cancelled", "expired"):
             return job
         time.sleep(0.05)
     raise RuntimeError(f"job {job_id} did not finish")

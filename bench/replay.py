@@ -83,7 +83,7 @@ def replay(requests: Sequence[Request], scale: float) -> dict:
         deadline = time.time() + 3600 * scale + 300
         while time.time() < deadline:
             jobs = {j["id"]: j for j in stack.all_jobs() if j["id"] in ids}
-            if all(j["status"] in ("succeeded", "failed", "cancelled") for j in jobs.values()):
+            if all(j["status"] in ("succeeded", "failed", "cancelled", "expired") for j in jobs.values()):
                 break
             time.sleep(1)
     return {"sent": sent, "jobs": jobs}

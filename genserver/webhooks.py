@@ -40,7 +40,8 @@ from genserver.jobs import broker
 
 log = logging.getLogger(__name__)
 
-EVENTS = ("started", "preview", "segment", "succeeded", "failed", "cancelled")  # segment: a long video's clip
+# segment: a long video's clip; expired: its start deadline passed before it started
+EVENTS = ("started", "preview", "segment", "succeeded", "failed", "cancelled", "expired")
 SIGNATURE_HEADER = "X-Genserver-Signature"
 TIMESTAMP_HEADER = "X-Genserver-Timestamp"
 REPLAY_TOLERANCE_SECONDS = 300  # what `verify` accepts by default, like Standard Webhooks' 5 minutes

@@ -22,7 +22,7 @@ def describe(job: dict[str, Any]) -> str:
     status, progress = job.get("status", "?"), job.get("progress") or {}
     step, total = progress.get("step", 0), progress.get("total_steps") or 0
     eta = f" · ETA {fmt_seconds(job.get('eta_seconds'))}" if job.get("eta_seconds") is not None else ""
-    if job.get("cancel_requested") and status not in ("cancelled", "succeeded", "failed"):
+    if job.get("cancel_requested") and status not in ("cancelled", "succeeded", "failed", "expired"):
         return f"cancelling · step {step}/{total}"
     if status == "queued" or (
         status in ("denoising", "encoding") and job.get("stage") in ("queued", "waiting") and not step
@@ -34,6 +34,8 @@ def describe(job: dict[str, Any]) -> str:
         return f"{status} [{'#' * filled}{'-' * (BAR - filled)}] {step}/{total} steps{eta}"
     if status == "decoding":
         return f"decoding · {total}/{total} steps done"
+    if status == "expired" and job.get("error"):
+        return f"expired · {job['error']}"  # its start deadline passed before it started
     return status
 
 

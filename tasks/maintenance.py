@@ -9,8 +9,13 @@ from genserver.jobs import broker, services
 
 @shared_task(name=broker.REAP_TASK.name)
 def reap() -> dict[str, int]:
-    """Re-publish every job whose worker stopped renewing its lease, from its last checkpoint."""
-    return services.reap_stale()
+    """End the queued jobs whose start deadline passed (`expired`), then re-publish every job whose worker
+    stopped renewing its lease, from its last checkpoint."""
+    expired = services.expire_overdue()
+    outcomes = services.reap_stale()
+    if expired:
+        outcomes["expired"] = expired
+    return outcomes
 
 
 @shared_task(name=broker.RETAIN_TASK.name)

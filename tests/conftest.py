@@ -23,10 +23,13 @@ def django_db_setup(django_db_blocker):
     """Use the configured database itself (not a test_ copy): worker processes must see the same rows.
 
     CI points DATABASE_URL at its dedicated `test` database; locally it is a
-    SQLite file in the session's private data directory.
+    SQLite file in the session's private data directory. Either is emptied first.
     """
     with django_db_blocker.unblock():
         call_command("migrate", "--noinput", verbosity=0)
+        # A run starts from empty tables, as with a fresh test database: an earlier run on the same
+        # database (interrupted, or one before it on this machine) may have left rows behind.
+        call_command("flush", "--noinput", verbosity=0)
         call_command("make_tiny_models", verbosity=0)
 
 
@@ -119,13 +122,23 @@ def _storage_env_set(request) -> None:
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Stack tests on s3 run after every other test: the session's stack reboots onto s3 once, not per test."""
+    """Every test without the stack runs before the first stack test, and stack tests on s3 run last.
+
+    The session's workers start with the first stack test and outlive it: a test
+    that publishes to the real broker without them (e.g. a submit it expects to
+    stay `queued`) would otherwise have its job taken by a live worker, depending
+    on where it falls in the order. On s3 the stack reboots once, not per test.
+    pytest-django's own ordering (tryfirst) stays within each group: the sort is stable.
+    """
+
+    def uses_stack(item: pytest.Item) -> bool:
+        return "stack" in getattr(item, "fixturenames", ())
 
     def on_s3_stack(item: pytest.Item) -> bool:
         params = getattr(getattr(item, "callspec", None), "params", {})
-        return params.get("storage_backend") == "s3" and "stack" in getattr(item, "fixturenames", ())
+        return params.get("storage_backend") == "s3" and uses_stack(item)
 
-    items.sort(key=on_s3_stack)  # stable: the order within each group stays
+    items.sort(key=lambda item: (uses_stack(item), on_s3_stack(item)))
 
 
 @pytest.fixture(autouse=True)

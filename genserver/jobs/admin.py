@@ -60,6 +60,15 @@ class JobAdmin(admin.ModelAdmin):
 
     @admin.action(description="Re-prioritise: move to the front of their class")
     def move_to_front(self, request, queryset):
+        """Each job's class band's first priority (as POST /jobs/{id}/priority/ would); an ended one is skipped."""
+        moved = skipped = 0
         for job in queryset:
-            services.reprioritise(job, {"short": 0, "medium": 4, "long": 6}.get(job.duration_class, 0))
-        self.message_user(request, f"Re-prioritised {queryset.count()} job(s).")
+            try:
+                services.reprioritise(job, services.priority_bounds(job)[0])
+                moved += 1
+            except services.PriorityRefused:
+                skipped += 1
+        note = f"; {skipped} had ended and stay as they are" if skipped else ""
+        self.message_user(
+            request, f"Re-prioritised {moved} job(s){note}.", messages.SUCCESS if moved else messages.WARNING
+        )

@@ -83,16 +83,23 @@ def withdraw_chunks(queue: str, job_ids: Iterable[UUID]) -> int:
     batch). A message some worker takes meanwhile is simply not found.
     Returns how many were removed.
     """
+    return withdraw(CHUNK_TASK, queue, job_ids)
+
+
+def withdraw(task: TaskRoute, queue: str, job_ids: Iterable[UUID]) -> int:
+    """Take the waiting `task` messages of these jobs off `queue` (every priority list; "": the task's own
+    queue): a job re-prioritised is re-published at its new priority, one that expired needs none.
+    A message some worker takes meanwhile is simply not found. Returns how many were removed."""
     wanted = [str(job_id).encode() for job_id in job_ids]
     if not wanted:
         return 0
     r = redis_client()
-    keys = queue_keys(queue)
+    keys = queue_keys(queue or task.queue)
     with r.pipeline() as pipe:
         for key in keys:
             pipe.lrange(key, 0, -1)
         listed = pipe.execute()
-    task_name = CHUNK_TASK.name.encode()
+    task_name = task.name.encode()
     removed = 0
     for key, messages in zip(keys, listed):
         for raw in messages:

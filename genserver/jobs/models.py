@@ -17,6 +17,7 @@ class JobStatus(models.TextChoices):
     SUCCEEDED = "succeeded"
     FAILED = "failed"
     CANCELLED = "cancelled"
+    EXPIRED = "expired"  # its start deadline (`start_within` at submit) passed before its first step
 
 
 class JobStage(models.TextChoices):
@@ -31,18 +32,19 @@ class JobStage(models.TextChoices):
     DONE = "done"
     FAILED = "failed"
     CANCELLED = "cancelled"
-    EXPIRED = "expired"  # it succeeded and retention deleted its outputs
+    EXPIRED = "expired"  # succeeded: retention deleted its outputs; status expired: its start deadline passed
 
 
-WEBHOOK_EVENTS = ("started", "preview", "segment", "succeeded", "failed", "cancelled")  # segment: a long video's clip
-DEFAULT_WEBHOOK_EVENTS = ("started", "succeeded", "failed", "cancelled")
+# segment: a long video's clip; expired: its start deadline passed before it started
+WEBHOOK_EVENTS = ("started", "preview", "segment", "succeeded", "failed", "cancelled", "expired")
+DEFAULT_WEBHOOK_EVENTS = ("started", "succeeded", "failed", "cancelled", "expired")
 
 
 def default_webhook_events() -> list[str]:
     return list(DEFAULT_WEBHOOK_EVENTS)
 
 
-TERMINAL = (JobStatus.SUCCEEDED, JobStatus.FAILED, JobStatus.CANCELLED)
+TERMINAL = (JobStatus.SUCCEEDED, JobStatus.FAILED, JobStatus.CANCELLED, JobStatus.EXPIRED)
 ACTIVE = (JobStatus.QUEUED, JobStatus.ENCODING, JobStatus.DENOISING, JobStatus.DECODING)
 
 
@@ -81,6 +83,11 @@ class Job(models.Model):
         default=default_webhook_events,
         blank=True,
         help_text="events sent to webhook_url (default: started and terminal)",
+    )
+
+    # `start_within` at submit: a job that has not taken its first step by then ends `expired`.
+    start_deadline = models.DateTimeField(
+        null=True, blank=True, help_text="it must start (its first denoising step) by then, or it ends expired"
     )
 
     # A client's retry of the same submit (Idempotency-Key header) returns this job.
@@ -222,7 +229,7 @@ class JobSegment(models.Model):
 class QueueTally(models.Model):
     """The waiting jobs of one (queue, class, priority): how many, and their wall seconds of work left.
 
-    Kept by database triggers on the job table (migration 0010): every write of the job service
+    Kept by database triggers on the job table (migration 0011): every write of the job service
     that moves a job into, out of or within the waiting jobs (submit, a claim, a chunk's end, a
     failed attempt, a cancel, a step change, a deletion) updates its row in the same transaction,
     so admission and the queue picture read a few rows instead of every queued job, and no write

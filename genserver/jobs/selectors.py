@@ -8,11 +8,13 @@ import math
 import time
 from bisect import bisect_right
 from collections.abc import Iterable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
+from datetime import datetime, timedelta
 from typing import Any
 
 from django.db.models import Count, ExpressionWrapper, F, FloatField, Q, QuerySet, Sum, Value
 from django.db.models.functions import Coalesce, Greatest
+from django.utils import timezone
 
 from genserver import deployment
 from genserver.jobs.broker import broker_depth
@@ -59,9 +61,9 @@ def _work_item(job: Job, wall: bool) -> WorkItem:
 # A running job holds a card (lease_owner set while denoising): there are at most as many as the cards
 # (and their merged batches), so they are loaded one by one. Every other active job waits, and waiting
 # jobs are only ever counted and summed: per (queue, class, priority) in QueueTally, which triggers on
-# the job table keep in the same transaction as every write (migration 0010), and per job, for the part
+# the job table keep in the same transaction as every write (migration 0011), and per job, for the part
 # of its own priority that waits around it, in the database over the partial index of waiting jobs
-# (migration 0009). A request reads a few tally rows, not the rows of the whole queue.
+# (migration 0010). A request reads a few tally rows, not the rows of the whole queue.
 _RUNNING = Q(status=JobStatus.DENOISING) & ~Q(lease_owner="")
 _WAITING = Q(status__in=ACTIVE) & ~_RUNNING
 # Wall seconds of work left (Job.remaining_seconds × clock_scale), as the database computes it.
@@ -223,6 +225,8 @@ class QueueSnapshot:
     groups: list[WaitingGroup]
     running: list[Job]
     layout: PoolLayout
+    taken_at: datetime = field(default_factory=timezone.now)  # the clock of its quotes
+    taken_at: datetime = field(default_factory=timezone.now)  # the clock of its quotes
 
     @classmethod
     def load(cls) -> QueueSnapshot:
@@ -295,18 +299,35 @@ class QueueSnapshot:
         shared = {q for w in self.layout.workers if w.name in mine for q in w.consumed_queues()}
         return sum(g.count for g in self._waiting_ahead(job) if g.queue in shared)
 
-    def eta_seconds(self, job: Job) -> float | None:
-        """Expected wall seconds until the job finishes denoising. None once terminal."""
+    def _wait_and_own(self, job: Job) -> tuple[float, float] | None:
+        """(wall seconds until it takes a card, wall seconds of its own work left); None once terminal."""
         if job.is_terminal:
             return None
         # A job on a queue only card groups read runs group_speedup(k) times faster than one card.
         own = job.remaining_seconds * job.clock_scale / self.layout.job_speedup(job.queue or job.duration_class)
         if _is_running(job) or job.status == JobStatus.DECODING:
-            return round(own, 3)
+            return 0.0, own
         items = [g.item() for g in self._waiting_ahead(job)]
         items += [_work_item(o, wall=True) for o in self.running if o.pk != job.pk]
-        wait = expected_wait(job.queue or job.duration_class, job.priority, items, self.layout)
-        return None if math.isinf(wait) else round(wait + own, 3)
+        return expected_wait(job.queue or job.duration_class, job.priority, items, self.layout), own
+
+    def eta_seconds(self, job: Job) -> float | None:
+        """Expected wall seconds until the job finishes denoising. None once terminal."""
+        parts = self._wait_and_own(job)
+        if parts is None or math.isinf(parts[0]):
+            return None
+        return round(parts[0] + parts[1], 3)
+
+    def quote(self, job: Job) -> tuple[datetime | None, datetime | None]:
+        """(expected_start_at, expected_finish_at): when its first denoising step is expected (the moment it
+        took it, once it did) and when its denoising ends, from the numbers of `eta_seconds` on this
+        snapshot's clock. (None, None) once terminal, or while no live card serves its queue."""
+        parts = self._wait_and_own(job)
+        eta = self.eta_seconds(job)
+        if parts is None or eta is None:
+            return None, None
+        start = job.started_at or self.taken_at + timedelta(seconds=round(parts[0], 3))
+        return start, self.taken_at + timedelta(seconds=eta)
 
 
 def live_workers() -> list[dict[str, Any]]:

@@ -79,6 +79,18 @@ def priority_for(duration_class: str, remaining_seconds: float, started: bool, t
     raise ValueError(f"unknown duration class {duration_class!r}; known: {CLASSES}")
 
 
+BANDS: dict[str, tuple[int, int]] = {SHORT: (0, 3), MEDIUM: (4, 5), LONG: (6, 8)}
+
+
+def band_bounds(duration_class: str) -> tuple[int, int]:
+    """The priorities (first, last) a job of the class may take: staff re-prioritise within them, never into
+    another class's band (9 is kept for unprioritised maintenance)."""
+    try:
+        return BANDS[duration_class]
+    except KeyError:
+        raise ValueError(f"unknown duration class {duration_class!r}; known: {CLASSES}") from None
+
+
 def band_of(priority: int) -> str:
     """The class a priority number belongs to (for reporting)."""
     if priority <= 3:

@@ -22,6 +22,7 @@ from hypothesis import HealthCheck, given, settings as hsettings, strategies as 
 from genserver import deployment
 from genserver.jobs import selectors, services
 from genserver.jobs.models import ACTIVE, Job, JobStatus
+from genserver.jobs.services.priority import priority_bounds
 from genserver.scheduling.admission import WorkItem, expected_wait
 from genserver.scheduling.pools import PoolLayout
 from tests.conftest import submit
@@ -104,7 +105,7 @@ def _move(job: Job, rng: random.Random) -> None:
     if rng.random() < 0.05:
         services.cancel_job(job)
     elif rng.random() < 0.05:
-        services.reprioritise(job, rng.randrange(10))
+        services.reprioritise(job, rng.randint(*priority_bounds(job)))  # staff move it within its class
     elif rng.random() < 0.05 and job.lease_owner:
         services.fail_attempt(job.pk, job.lease_owner, "RuntimeError: a drawn failure")
     elif job.status == JobStatus.QUEUED:

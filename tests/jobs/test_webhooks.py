@@ -295,7 +295,7 @@ def test_each_segment_event_says_which_segment_it_is_for(stack, api, receiver):
 @pytest.mark.django_db
 def test_webhook_events_default_to_started_and_the_end(api):
     body = submit(api, webhook_url="http://127.0.0.1:9/hook").json()
-    assert body["webhook_events"] == ["started", "succeeded", "failed", "cancelled"]
+    assert body["webhook_events"] == ["started", "succeeded", "failed", "cancelled", "expired"]
     chosen = submit(api, webhook_url="http://127.0.0.1:9/hook", webhook_events=["succeeded", "preview", "preview"])
     assert chosen.status_code == 201, chosen.content
     assert chosen.json()["webhook_events"] == ["preview", "succeeded"]  # once each, in the order they happen

@@ -35,7 +35,10 @@ def test_chaos_drill_loses_and_duplicates_nothing(stack, make_user):
     )
     revive(stack)
     print("\n".join(report.lines()))
-    assert report.accepted >= 12, report.lines()
+    # Enough accepted work to kill cards mid-job. Not more: a killed card stops counting for admission
+    # once its heartbeat lapses (3 s under the tests' 3 s lease), and until it is back admission refuses
+    # the classes it served, as it should with no card to run them (seen: 10 of 24 accepted).
+    assert report.accepted >= 6, report.lines()
     assert report.lost == 0 and report.stuck == 0, report.problems
     assert report.failed == 0, report.problems
     assert report.finished == report.accepted

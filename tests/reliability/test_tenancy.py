@@ -246,14 +246,18 @@ def _record_sql(execute, sql, params, many, context):
 
 
 def test_staff_actions_live_in_the_admin_only(make_user):
-    """The API offers no retry, re-prioritise or other staff action; the admin's need a staff login."""
+    """The API's one staff action is re-prioritising (a 403 for everyone else, the job's owner included); no
+    retry or other staff action; the admin's need a staff login."""
     api_routes = [p for p in routes() if p.startswith("api/v1/")]
     names = {p.split("/")[-2] for p in api_routes}
-    assert not names & {"retry", "reprioritise", "priority", "admin", "requeue"}, api_routes
+    assert not names & {"retry", "reprioritise", "admin", "requeue"}, api_routes
     staff = make_user("root", staff=True)
-    job_id = submit(make_user("alice")).json()["id"]
-    for verb in ("retry", "reprioritise", "priority"):
+    alice = make_user("alice")
+    job_id = submit(alice).json()["id"]
+    for verb in ("retry", "reprioritise"):
         assert staff.post(f"/api/v1/jobs/{job_id}/{verb}/").status_code == 404
+    refused = alice.post(f"/api/v1/jobs/{job_id}/priority/", {"priority": 0}, format="json")
+    assert refused.status_code == 403 and Job.objects.get(pk=job_id).priority != 0
     # The admin's actions need a staff session: a plain user is sent to the login page.
     from django.contrib.auth import get_user_model
 

@@ -23,10 +23,19 @@ class ErrorSerializer(serializers.Serializer):
     detail = serializers.CharField(required=False, help_text="what went wrong and what to change")
     reason = serializers.CharField(
         required=False,
-        help_text="a stable code: overloaded, too_many_in_flight, rate_limited, too_large, "
-        "idempotency_conflict, unavailable, or why a step change was refused",
+        help_text="a stable code: overloaded, too_many_in_flight, start_deadline, rate_limited, too_large, "
+        "idempotency_conflict, unavailable, staff_only, finished, or why a step change was refused",
     )
     retry_after = serializers.IntegerField(required=False, help_text="seconds; also in the Retry-After header")
+    expected_start_at = serializers.DateTimeField(
+        required=False,
+        allow_null=True,
+        help_text="reason start_deadline: the quote, when the job would be expected to start "
+        "(null: no live card serves its queue)",
+    )
+    expected_finish_at = serializers.DateTimeField(
+        required=False, allow_null=True, help_text="reason start_deadline: when its denoising would be expected to end"
+    )
     non_field_errors = serializers.ListField(child=serializers.CharField(), required=False)
 
     class Meta:
@@ -36,13 +45,16 @@ class ErrorSerializer(serializers.Serializer):
 
 _WHY = {
     400: "field errors: each bad field (or `non_field_errors`) with a list of messages",
+    403: "staff only: a signed-in user who is not staff",
     401: "no token, or an unknown one: send `Authorization: Token <key>` (or `Bearer <key>`)",
     404: "no such job of yours (another user's job is a 404 too), or the file is gone",
     409: "the job is in a state that refuses this; see `reason`",
     413: "the request body is too large; see `limit_bytes`",
     415: "the body is not JSON: send Content-Type: application/json",
     422: "the Idempotency-Key was used for a different request",
-    429: "overloaded, too many jobs in flight, or submitting too fast; see Retry-After and `reason`",
+    429: "overloaded, too many jobs in flight, the expected start later than `start_within` (the body "
+    "carries the quote: expected_start_at, expected_finish_at), or submitting too fast; see Retry-After "
+    "and `reason`",
     503: "the database or the broker is unavailable; retry after Retry-After",
 }
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import secrets
+from datetime import datetime
 from typing import Any
 
 from drf_spectacular.types import OpenApiTypes
@@ -15,6 +16,8 @@ from genserver import deployment
 from genserver.jobs.api.schema import PromptField, RegistryModelField
 from genserver.jobs.models import WEBHOOK_EVENTS, Job
 from genserver.registry import RegistryError
+
+START_WITHIN_MAX_SECONDS = 7 * 24 * 3600  # a start deadline a week away is no deadline: leave start_within out
 
 
 class StrictFloatField(serializers.FloatField):
@@ -75,6 +78,14 @@ class JobCreateSerializer(serializers.Serializer):
         help_text="route the job to the workers on this lane of the pool layout "
         '("interactive": a card group, for a user waiting on a video); '
         "where no worker serves it, the job runs as without a lane",
+    )
+    start_within = StrictIntegerField(
+        required=False,
+        min_value=1,
+        max_value=START_WITHIN_MAX_SECONDS,
+        help_text="seconds: accept the job only if it is expected to start (its first denoising step) within "
+        "them (else 429 with the quote: expected_start_at, expected_finish_at); accepted, it ends "
+        "`expired` if it has not started by then",
     )
 
     def to_internal_value(self, data: Any) -> dict[str, Any]:
@@ -182,6 +193,28 @@ class StepsChangeSerializer(serializers.Serializer):
         return value
 
 
+class PriorityChangeSerializer(serializers.Serializer):
+    """POST /jobs/{id}/priority/ (staff): the Redis priority of the job's next message, within its class."""
+
+    priority = StrictIntegerField(
+        min_value=0,
+        max_value=8,
+        help_text="0 is served first; within the job's class band: short 0-3, medium 4-5, long 6-8",
+    )
+
+    def to_internal_value(self, data: Any) -> dict[str, Any]:
+        if not isinstance(data, dict):
+            raise serializers.ValidationError({"non_field_errors": ['Send a JSON object: {"priority": N}.']})
+        unknown = sorted(set(data) - set(self.fields))
+        if unknown:
+            raise serializers.ValidationError({k: ["Unknown field; only `priority` can change."] for k in unknown})
+        return super().to_internal_value(data)
+
+
+def _iso(moment: datetime | None) -> str | None:
+    return None if moment is None else serializers.DateTimeField().to_representation(moment)
+
+
 class ProgressSerializer(serializers.Serializer):
     step = serializers.IntegerField()
     total_steps = serializers.IntegerField()
@@ -207,6 +240,8 @@ class JobSerializer(serializers.ModelSerializer):
     progress = serializers.SerializerMethodField()
     queue_position = serializers.SerializerMethodField()
     eta_seconds = serializers.SerializerMethodField()
+    expected_start_at = serializers.SerializerMethodField()
+    expected_finish_at = serializers.SerializerMethodField()
     estimated_seconds = serializers.SerializerMethodField()
     preview_url = serializers.SerializerMethodField()
     outputs = serializers.SerializerMethodField()
@@ -227,6 +262,9 @@ class JobSerializer(serializers.ModelSerializer):
             "progress",
             "queue_position",
             "eta_seconds",
+            "expected_start_at",
+            "expected_finish_at",
+            "start_deadline",
             "estimated_seconds",
             "duration_class",
             "queue",
@@ -273,6 +311,16 @@ class JobSerializer(serializers.ModelSerializer):
     @extend_schema_field(serializers.FloatField(allow_null=True))
     def get_eta_seconds(self, job: Job) -> float | None:
         return self.context["snapshot"].eta_seconds(job)
+
+    @extend_schema_field(serializers.DateTimeField(allow_null=True))
+    def get_expected_start_at(self, job: Job) -> str | None:
+        """When its first denoising step is expected (when it was, once it started); from the ETA's numbers."""
+        return _iso(self.context["snapshot"].quote(job)[0])
+
+    @extend_schema_field(serializers.DateTimeField(allow_null=True))
+    def get_expected_finish_at(self, job: Job) -> str | None:
+        """When its denoising is expected to end: now + eta_seconds (null when eta_seconds is)."""
+        return _iso(self.context["snapshot"].quote(job)[1])
 
     @extend_schema_field(OpenApiTypes.FLOAT)
     def get_estimated_seconds(self, job: Job) -> float:

@@ -11,6 +11,7 @@ urlpatterns = [
     path("jobs/<uuid:job_id>/events/", events.job_events, name="job-events"),
     path("jobs/<uuid:job_id>/cancel/", views.JobCancelView.as_view(), name="job-cancel"),
     path("jobs/<uuid:job_id>/steps/", views.JobStepsView.as_view(), name="job-steps"),
+    path("jobs/<uuid:job_id>/priority/", views.JobPriorityView.as_view(), name="job-priority"),
     path("jobs/<uuid:job_id>/outputs/<int:index>/", views.JobOutputView.as_view(), name="job-output"),
     path("jobs/<uuid:job_id>/preview/", views.JobPreviewView.as_view(), name="job-preview"),
     path("jobs/<uuid:job_id>/segments/<int:index>/", views.JobSegmentView.as_view(), name="job-segment"),

@@ -10,7 +10,7 @@ from django.http.response import HttpResponseBase
 from django.shortcuts import get_object_or_404
 from drf_spectacular.types import OpenApiTypes
 from drf_spectacular.utils import OpenApiParameter, OpenApiResponse, extend_schema
-from rest_framework import status
+from rest_framework import serializers, status
 from rest_framework.exceptions import ValidationError
 from rest_framework.generics import GenericAPIView
 from rest_framework.pagination import LimitOffsetPagination
@@ -22,7 +22,12 @@ from genserver import deployment
 from genserver.jobs import selectors, services
 from genserver.jobs.api import throttling, waits
 from genserver.jobs.api.schema import ModelInfoSerializer, QueueInfoSerializer, error_responses
-from genserver.jobs.api.serializers import JobCreateSerializer, JobSerializer, StepsChangeSerializer
+from genserver.jobs.api.serializers import (
+    JobCreateSerializer,
+    JobSerializer,
+    PriorityChangeSerializer,
+    StepsChangeSerializer,
+)
 from genserver.jobs.models import JobStatus
 from genserver.storage import StorageError, default_storage
 
@@ -98,7 +103,16 @@ class JobListCreateView(GenericAPIView):
         responses={
             201: OpenApiResponse(JobSerializer, description="the job; finished when `Preference-Applied` is present"),
             200: OpenApiResponse(JobSerializer, description="a retry with the same Idempotency-Key"),
-            **error_responses(400, 413, 415, 422, 429),
+            **error_responses(
+                400,
+                413,
+                415,
+                422,
+                429,
+                s429="overloaded, too many jobs in flight, or (reason `start_deadline`) the expected start "
+                "is later than `start_within`: the body carries the quote (expected_start_at, "
+                "expected_finish_at); see Retry-After. Nothing was recorded",
+            ),
         },
     )
     def post(self, request: Request) -> Response:
@@ -128,6 +142,8 @@ class JobListCreateView(GenericAPIView):
             )
         except services.AdmissionRefused as refused:
             return _overloaded(refused)
+        except services.StartDeadlineRefused as late:
+            return _too_late(late)
         headers = {"Idempotent-Replayed": "true"} if replayed else {}
         wait = waits.preferred_wait(request)
         if wait is not None:
@@ -193,6 +209,70 @@ class JobStepsView(APIView):
         except services.AdmissionRefused as refused:
             return _overloaded(refused)
         return Response(JobSerializer(job, context=_job_context(request)).data, status=status.HTTP_202_ACCEPTED)
+
+
+class JobPriorityView(APIView):
+    parser_classes = [throttling.SubmitJSONParser]  # JSON only
+
+    @extend_schema(
+        request=PriorityChangeSerializer,
+        responses={
+            200: OpenApiResponse(
+                JobSerializer,
+                description="re-prioritised: `queue_position`, `eta_seconds` and the quote follow; a waiting "
+                "message was re-published at the new priority (a held job takes it with its next message)",
+            ),
+            **error_responses(
+                400,
+                403,
+                404,
+                409,
+                413,
+                415,
+                s400="`priority` missing, not a whole number, or outside the job's class band "
+                "(short 0-3, medium 4-5, long 6-8: a job never moves across classes)",
+                s409="the job has ended (succeeded, failed, cancelled or expired)",
+            ),
+        },
+    )
+    def post(self, request: Request, job_id) -> Response:
+        """Staff: move a job within its class (the Redis priority of its next message, 0 first)."""
+        if not request.user.is_staff:
+            return Response(
+                {"detail": "Only staff may re-prioritise jobs.", "reason": "staff_only"},
+                status=status.HTTP_403_FORBIDDEN,
+            )
+        job = get_object_or_404(selectors.jobs_visible_to(request.user), pk=job_id)
+        incoming = PriorityChangeSerializer(data=request.data)
+        incoming.is_valid(raise_exception=True)
+        try:
+            job = services.reprioritise(job, incoming.validated_data["priority"])
+        except services.PriorityRefused as refused:
+            if refused.reason == "out_of_band":
+                return Response({"priority": [str(refused)]}, status=status.HTTP_400_BAD_REQUEST)
+            job.refresh_from_db()
+            return Response(
+                {"detail": str(refused), "reason": refused.reason, "status": job.status},
+                status=status.HTTP_409_CONFLICT,
+            )
+        return Response(JobSerializer(job, context=_job_context(request)).data)
+
+
+def _too_late(late: services.StartDeadlineRefused) -> Response:
+    """429 with Retry-After and the quote: the job would not start within the request's `start_within`."""
+    field = serializers.DateTimeField()
+    return Response(
+        {
+            "detail": str(late),
+            "reason": "start_deadline",
+            "start_within": late.start_within,
+            "expected_start_at": field.to_representation(late.expected_start_at) if late.expected_start_at else None,
+            "expected_finish_at": field.to_representation(late.expected_finish_at) if late.expected_finish_at else None,
+            "retry_after": late.retry_after_seconds,
+        },
+        status=status.HTTP_429_TOO_MANY_REQUESTS,
+        headers={"Retry-After": str(late.retry_after_seconds)},
+    )
 
 
 def _overloaded(refused: services.AdmissionRefused) -> Response:

@@ -6,7 +6,8 @@ can race on a job and exactly one of them wins. Tasks are published only
 after the transaction that made them valid commits.
 
 The modules follow the job's life: `submission` (admission, in-flight
-limits, idempotency, cancel), `estimates` (cost and the online step-time
+limits, idempotency, cancel), `deadlines` (the start deadline: a refused quote,
+the end `expired`), `priority` (staff re-prioritise within a class), `estimates` (cost and the online step-time
 correction), `steps` (step changes midway), `transitions` (the worker's
 claims, heartbeats, chunks and decode), `recovery` (failed attempts, the
 reaper, the admin's retry), `retention`; `_common` holds what they and
@@ -16,8 +17,10 @@ segment_service.py share. Callers use the names re-exported here.
 from __future__ import annotations
 
 from ._common import Outcome, disk_full, publish_or_leave_to_reaper
+from .deadlines import StartDeadlineRefused, expire_if_overdue, expire_overdue
 from .estimates import Estimate, estimate
-from .recovery import fail_attempt, reap_stale, reprioritise, retry_failed
+from .priority import PriorityRefused, priority_bounds, reprioritise
+from .recovery import fail_attempt, reap_stale, retry_failed
 from .retention import expire_outputs, retain, sweep_embeddings
 from .steps import STEPS_CHANGEABLE, StepsChangeRefused, change_steps, release_for_new_total
 from .submission import (
@@ -51,7 +54,9 @@ __all__ = [
     "IdempotencyConflict",
     "InFlightLimitReached",
     "Outcome",
+    "PriorityRefused",
     "STEPS_CHANGEABLE",
+    "StartDeadlineRefused",
     "StepsChangeRefused",
     "cancel_job",
     "change_steps",
@@ -61,7 +66,9 @@ __all__ = [
     "claim_merge_partners",
     "disk_full",
     "estimate",
+    "expire_if_overdue",
     "expire_outputs",
+    "expire_overdue",
     "fail_attempt",
     "fingerprint",
     "finish_cancelled",
@@ -69,6 +76,7 @@ __all__ = [
     "finish_decoding",
     "finish_encoding",
     "heartbeat",
+    "priority_bounds",
     "publish_or_leave_to_reaper",
     "reap_stale",
     "record_preview",

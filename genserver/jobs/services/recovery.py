@@ -1,4 +1,4 @@
-"""Recovery: failed attempts, the reaper, and the admin's retry and reprioritise."""
+"""Recovery: failed attempts, the reaper, and the admin's retry (re-prioritising is in `priority`)."""
 
 from __future__ import annotations
 
@@ -119,17 +119,6 @@ def reap_stale() -> dict[str, int]:
     return outcomes
 
 
-def reprioritise(job: Job, priority: int) -> Job:
-    """Admin action: move a waiting job's next message to another priority (re-published)."""
-    if not 0 <= priority <= 9:
-        raise ValueError("priority must be between 0 (first) and 9")
-    Job.objects.filter(pk=job.pk).update(priority=priority)
-    job.refresh_from_db()
-    if not job.is_terminal and not job.lease_owner:
-        republish(job)
-    return job
-
-
 def retry_failed(job: Job) -> bool:
     """Admin action: give a failed job a fresh set of attempts, continuing from its checkpoint."""
     if job.status != JobStatus.FAILED:
@@ -141,7 +130,13 @@ def retry_failed(job: Job) -> bool:
         else (JobStatus.DECODING if has_checkpoint and job.checkpoint_step >= job.total_steps else JobStatus.DENOISING)
     )
     fields = dict(
-        status=status, stage=JobStage.RETRYING, attempts=0, error="", finished_at=None, published_at=timezone.now()
+        status=status,
+        stage=JobStage.RETRYING,
+        attempts=0,
+        error="",
+        finished_at=None,
+        published_at=timezone.now(),
+        start_deadline=None,  # staff asked for this run: a start deadline from the submit no longer applies
     )
     if not has_checkpoint:
         fields.update(checkpoint_step=0, checkpoint_key="", steps_done=0)

@@ -21,6 +21,7 @@ from genserver.scheduling.admission import Decision, decide
 
 from . import observe
 from ._common import after_end, announce_on_commit, publish_or_leave_to_reaper
+from .deadlines import StartDeadlineRefused, deadline_from
 from .estimates import Estimate, chunked_for_queue, estimate
 
 log = logging.getLogger(__name__)
@@ -80,19 +81,24 @@ def submit_job(owner: Any, data: dict[str, Any], idempotency_key: str = "") -> J
     """Admit and record a validated request, then publish its encode task.
 
     Raises AdmissionRefused (→ 429) and writes nothing when the class is over its limit,
-    and InFlightLimitReached (→ 429) when the owner has too many unfinished jobs; an
-    IntegrityError when another submit recorded the same `idempotency_key` first.
+    StartDeadlineRefused (→ 429 with the quote) when `start_within` is given and the expected
+    start is later, and InFlightLimitReached (→ 429) when the owner has too many unfinished jobs;
+    an IntegrityError when another submit recorded the same `idempotency_key` first.
     """
     spec = deployment.registry().get(data["model"])
     est = estimate(data)
     queue = deployment.layout().queue_for(est.duration_class, spec.name, data.get("lane", ""))
     est = chunked_for_queue(est, queue, data["steps"])
-    decision = decide(
-        queue, est.priority, selectors.backlog_items(), selectors.live_capacity(), deployment.limits()
-    )  # the cards alive now, on every node
+    capacity = selectors.live_capacity()  # the cards alive now, on every node
+    decision = decide(queue, est.priority, selectors.backlog_items(), capacity, deployment.limits())
     if not decision.accepted:
         metrics.count_submit(est.duration_class, "wait_limit")
         raise AdmissionRefused(decision, est.duration_class)
+    start_within = data.get("start_within")
+    if start_within and not decision.expected_wait_seconds <= start_within:  # inf: no live card serves it
+        metrics.count_submit(est.duration_class, "start_deadline")
+        own = est.seconds * est.clock_scale / capacity.job_speedup(queue)  # as QueueSnapshot's ETA
+        raise StartDeadlineRefused(start_within, decision.expected_wait_seconds, own)
     recorded = {k: v for k, v in data.items() if k != "seed_drawn"}
     with transaction.atomic():
         try:
@@ -159,6 +165,7 @@ def _record_job(
         published_at=timezone.now(),
         idempotency_key=idempotency_key,
         request_fingerprint=request_fingerprint,
+        start_deadline=deadline_from(data.get("start_within")),
     )
 
 

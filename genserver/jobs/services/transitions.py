@@ -20,15 +20,19 @@ from genserver.scheduling.classes import priority_for
 
 from . import observe
 from ._common import JobId, after_end, announce_on_commit, emit_on_commit, end_if_cancelled, lease_free, lease_until
+from .deadlines import expire_if_overdue, not_overdue
 from .estimates import learn_step_time, rescale_to_total
 
 log = logging.getLogger(__name__)
 
 
 def start_encoding(job_id: JobId, worker: str) -> Job | None:
-    """Take the job's encode stage. None when it was cancelled, finished or is held elsewhere."""
+    """Take the job's encode stage. None when it was cancelled, finished, is held elsewhere, or missed its
+    start deadline (it ends `expired` here instead of running)."""
     now = timezone.now()
-    free = Job.objects.filter(lease_free(now), pk=job_id, cancel_requested=False)
+    if expire_if_overdue(job_id, now):
+        return None
+    free = Job.objects.filter(lease_free(now), not_overdue(now), pk=job_id, cancel_requested=False)
     fields = dict(
         status=JobStatus.ENCODING, stage=JobStage.ENCODING, lease_owner=worker, lease_expires_at=lease_until()
     )
@@ -37,7 +41,7 @@ def start_encoding(job_id: JobId, worker: str) -> Job | None:
     elif not free.filter(status=JobStatus.ENCODING).update(**fields):  # a retried encode
         return None
     announce_on_commit(job_id, "encoding")
-    return Job.objects.get(pk=job_id)
+    return Job.objects.filter(pk=job_id).first()  # None if the row was deleted meanwhile (the admin)
 
 
 def claim_encode_batch(job: Job, worker: str, limit: int) -> list[Job]:
@@ -75,10 +79,18 @@ def finish_encoding(job_id: JobId, worker: str, embeddings_key: str) -> bool:
 
 
 def claim_chunk(job_id: JobId, worker: str, from_step: int) -> Job | None:
-    """Take the chunk that starts at `from_step`. None when it already ran, runs elsewhere, or must not run."""
+    """Take the chunk that starts at `from_step`. None when it already ran, runs elsewhere, or must not run
+    (an overdue job that never started ends `expired` here instead)."""
     now = timezone.now()
+    if expire_if_overdue(job_id, now):
+        return None
     taken = Job.objects.filter(
-        lease_free(now), pk=job_id, status=JobStatus.DENOISING, checkpoint_step=from_step, cancel_requested=False
+        lease_free(now),
+        not_overdue(now),
+        pk=job_id,
+        status=JobStatus.DENOISING,
+        checkpoint_step=from_step,
+        cancel_requested=False,
     ).update(
         stage=JobStage.DENOISING, lease_owner=worker, lease_expires_at=lease_until(), chunks_run=F("chunks_run") + 1
     )
