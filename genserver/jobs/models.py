@@ -233,7 +233,9 @@ class QueueTally(models.Model):
     that moves a job into, out of or within the waiting jobs (submit, a claim, a chunk's end, a
     failed attempt, a cancel, a step change, a deletion) updates its row in the same transaction,
     so admission and the queue picture read a few rows instead of every queued job, and no write
-    path can forget it. Never written by Python code.
+    path can forget it. Never written by Python code. On SQLite a later migration that remakes the
+    job table (most AlterFields there) drops its triggers: such a migration must install them again
+    (0011's `install`); tests/jobs/test_queue_depth.py fails on SQLite if it does not.
     """
 
     queue = models.CharField(max_length=120)
