@@ -237,28 +237,30 @@ class QueueSnapshot:
 
     def prepare(self, jobs: Iterable[Job]) -> None:
         """Load what the positions and ETAs of these jobs (a page, or one job) need: per priority among
-        them, the NEAR_END waiting jobs at the front of it and the NEAR_END at its back, two indexed
-        reads. A job with fewer than NEAR_END ahead counts them from the front ones; else one with fewer
-        than NEAR_END behind is its priority's tally less those behind it; a job with more on both sides
-        (the middle of a very deep queue) is summed on its own (`_same_priority_ahead`)."""
+        them, the NEAR_END waiting jobs at the back of it and, for the jobs with more behind them, the
+        NEAR_END at its front: at most two indexed reads. A job with fewer than NEAR_END behind is its
+        priority's tally less those behind it; else one with fewer than NEAR_END ahead counts them from
+        the front ones; a job with more on both sides (the middle of a very deep queue) is summed on its
+        own (`_same_priority_ahead`)."""
         waiting = [j for j in jobs if self._waits(j) and j.pk not in self._peers]
         for priority in sorted({j.priority for j in waiting}):
             mine = sorted((j for j in waiting if j.priority == priority), key=_key)
-            front = _Neighbours.read(priority, Q(wait_key__lte=_key(mine[-1])), ascending=True)
+            # The back first: the jobs a response shows are mostly recent ones (a submit's, a page's).
+            back = _Neighbours.read(priority, Q(wait_key__gt=_key(mine[0])), ascending=False)
             rest = []
             for job in mine:
-                ahead = front.ahead_of(job)
-                if ahead is None:
+                behind = back.behind(job)
+                if behind is None:
                     rest.append(job)
                 else:
-                    self._peers[job.pk] = ahead
+                    self._peers[job.pk] = self._all_but(job, behind)
             if not rest:
                 continue
-            back = _Neighbours.read(priority, Q(wait_key__gt=_key(rest[0])), ascending=False)
+            front = _Neighbours.read(priority, Q(wait_key__lte=_key(rest[-1])), ascending=True)
             for job in rest:
-                behind = back.behind(job)
-                if behind is not None:
-                    self._peers[job.pk] = self._all_but(job, behind)
+                ahead = front.ahead_of(job)
+                if ahead is not None:
+                    self._peers[job.pk] = ahead
 
     def _waits(self, job: Job) -> bool:
         return not job.is_terminal and not _is_running(job) and job.status != JobStatus.DECODING
