@@ -464,8 +464,8 @@ def own_stack(cards: int, clock: float, users: int, database_url: str | None, ke
         django.setup()
         from django.contrib.auth import get_user_model
         from django.core.management import call_command
-        from rest_framework.authtoken.models import Token
 
+        from genserver.jobs.services.tokens import issue as issue_token
         from workers.local_workers import LocalWorkers
 
         _wait(lambda: _redis_up(url), 20, "Redis answering")
@@ -473,7 +473,7 @@ def own_stack(cards: int, clock: float, users: int, database_url: str | None, ke
         with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
             call_command("make_tiny_models", verbosity=0)  # workers check every registry model at start
         tokens = [
-            Token.objects.get_or_create(user=get_user_model().objects.get_or_create(username=f"chaos{i}")[0])[0].key
+            issue_token(get_user_model().objects.get_or_create(username=f"chaos{i}")[0], "chaos")[1]
             for i in range(users)
         ]
         supervisor = QuietSupervisor(os.path.join(data_dir, "stack.log"), stop_timeout=10)

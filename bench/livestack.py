@@ -7,6 +7,7 @@ unless REDIS_URL is set (then a private database number on it is used).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import re
@@ -152,5 +153,14 @@ def wait_for_workers(stack: LiveStack, timeout: float = 120) -> None:
     """Until every worker of the stack's layout (as its API reports it) is live: the suite's readiness wait."""
     from workers.local_workers import wait_until_live
 
-    _, queues, _ = stack.request("GET", "/api/v1/queues/")
+    # The workers serving each class are staff's view of /queues/: ask as a staff user of the stack.
+    staff = subprocess.run(
+        [sys.executable, "manage.py", "issue_token", "bench-staff", "--staff"],
+        cwd=ROOT,
+        env=stack.env,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.split()[-1]
+    _, queues, _ = dataclasses.replace(stack, token=staff).request("GET", "/api/v1/queues/")
     wait_until_live({name for q in queues for name in q["workers"]}, timeout, interval=0.5)

@@ -229,6 +229,46 @@ def flower_port() -> int:
     return env_int("FLOWER_PORT", 5555, minimum=1, maximum=65535)
 
 
+def flower_address() -> str:
+    """The address `make up` binds Flower to (127.0.0.1: this machine only)."""
+    return env_str("FLOWER_ADDRESS", "127.0.0.1")
+
+
+def is_loopback(address: str) -> bool:
+    """Whether `address` (an IP address or a host name) reaches this machine only."""
+    import ipaddress
+
+    if address.lower() in ("localhost", "localhost.localdomain", "ip6-localhost"):
+        return True
+    try:
+        return ipaddress.ip_address(address.strip("[]")).is_loopback
+    except ValueError:
+        return False  # a host name other than localhost: assume others reach it
+
+
+def flower_basic_auth() -> str:
+    """Flower's logins, `user:password[,user:password...]` (Flower reads the same variable itself); "" is
+    allowed only while Flower listens on a loopback address."""
+    raw = env_str("FLOWER_BASIC_AUTH", "")
+    pairs = [p for p in raw.split(",") if p]
+    if any(":" not in p or not p.split(":", 1)[0] or not p.split(":", 1)[1] for p in pairs):
+        raise SettingsError("FLOWER_BASIC_AUTH", "is not user:password pairs", "user:password[,user:password...]")
+    address = flower_address()
+    if not pairs and not is_loopback(address):
+        raise SettingsError(
+            "FLOWER_BASIC_AUTH",
+            f"is unset but FLOWER_ADDRESS={address} lets other machines reach Flower",
+            "user:password (Flower's basic auth), or FLOWER_ADDRESS=127.0.0.1",
+        )
+    return raw
+
+
+def metrics_token() -> str:
+    """The bearer secret Prometheus sends to /metrics (and to a worker node's `python -m genserver.metrics
+    serve`); "" → the API's /metrics answers staff only, and a node's exporter listens on loopback only."""
+    return env_str("GENSERVER_METRICS_TOKEN", "")
+
+
 def api_workers() -> int:
     return env_int("GENSERVER_API_WORKERS", 2, minimum=1)
 

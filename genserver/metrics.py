@@ -316,17 +316,31 @@ class _ProcessCollector(Collector):
 
 # --- GET /metrics -----------------------------------------------------------------------------------------------
 def _may_scrape(request: Any) -> bool:
-    """A staff session, or `Authorization: Bearer <GENSERVER_METRICS_TOKEN>` when the token is set."""
-    import hmac
-
+    """`Authorization: Bearer <GENSERVER_METRICS_TOKEN>` when the token is set, a staff user's API token
+    (`Token` or `Bearer`), or a staff session."""
     from django.conf import settings
 
-    token = settings.METRICS_TOKEN
-    scheme, _, given = request.headers.get("Authorization", "").partition(" ")
-    if token and scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode(), token.encode()):
+    from genserver.jobs.services import tokens
+
+    header = request.headers.get("Authorization", "")
+    if _bearer_matches(header, settings.METRICS_TOKEN):
         return True
+    key = tokens.key_in_header(header)
     user = getattr(request, "user", None)
-    return bool(user is not None and user.is_authenticated and user.is_staff)
+    if key is not None:
+        try:
+            user = tokens.authenticate(key).user
+        except tokens.TokenRefused:
+            return False  # an unknown, expired or revoked API token
+    return bool(user is not None and user.is_authenticated and user.is_active and user.is_staff)
+
+
+def _bearer_matches(header: str, token: str) -> bool:
+    """`header` is `Bearer <token>` (compared in constant time); never when `token` is empty."""
+    import hmac
+
+    scheme, _, given = header.partition(" ")
+    return bool(token) and scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode(), token.encode())
 
 
 def metrics_view(request: Any) -> Any:
@@ -337,8 +351,8 @@ def metrics_view(request: Any) -> Any:
         return HttpResponse("GET /metrics only.\n", status=405, content_type="text/plain", headers={"Allow": "GET"})
     if not _may_scrape(request):
         return HttpResponse(
-            "GET /metrics needs a staff session, or `Authorization: Bearer <token>` with the token "
-            "set in GENSERVER_METRICS_TOKEN.\n",
+            "GET /metrics needs a staff session, a staff user's API token (`Authorization: Token <key>`), "
+            "or `Authorization: Bearer <token>` with the token set in GENSERVER_METRICS_TOKEN.\n",
             status=403,
             content_type="text/plain",
         )
@@ -376,12 +390,30 @@ def clean_multiprocess_dir(path: Path = MULTIPROCESS_DIR) -> int:
     return removed
 
 
-def serve(port: int, address: str = "0.0.0.0") -> None:
-    """Serve this host's process files (no cluster picture: the API exports that) until interrupted."""
+def serve(port: int, address: str = "127.0.0.1", token: str | None = None) -> None:
+    """Serve this host's process files (no cluster picture: the API exports that) until interrupted.
+
+    With a token (default GENSERVER_METRICS_TOKEN) every scrape must send `Authorization: Bearer <token>`;
+    without one it serves only a loopback address (ValueError otherwise: anyone could read it).
+    """
     from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    token = config.metrics_token() if token is None else token
+    if not token and not config.is_loopback(address):
+        raise ValueError(
+            f"refusing to serve /metrics on {address} without GENSERVER_METRICS_TOKEN: set it (Prometheus then "
+            "sends `Authorization: Bearer <token>`), or serve on --address 127.0.0.1"
+        )
 
     class Handler(BaseHTTPRequestHandler):
         def do_GET(self) -> None:
+            if token and not _bearer_matches(self.headers.get("Authorization", ""), token):
+                self.send_response(401)
+                self.send_header("WWW-Authenticate", "Bearer")
+                self.send_header("Content-Type", "text/plain")
+                self.end_headers()
+                self.wfile.write(b"Send Authorization: Bearer <GENSERVER_METRICS_TOKEN>.\n")
+                return
             body = scrape(cluster=False) if self.path.split("?")[0] == "/metrics" else b""
             self.send_response(200 if body else 404)
             self.send_header("Content-Type", CONTENT_TYPE)
@@ -401,10 +433,15 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description="A worker node's Prometheus scrape target, or clean its files.")
     parser.add_argument("command", choices=("serve", "clean"))
     parser.add_argument("--port", type=int, default=9464)
-    parser.add_argument("--address", default="0.0.0.0")
+    parser.add_argument(
+        "--address", default="0.0.0.0", help="where to listen; beyond loopback it needs GENSERVER_METRICS_TOKEN"
+    )
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO)
     if args.command == "clean":
         print(f"removed {clean_multiprocess_dir()} files from {MULTIPROCESS_DIR}")
     else:
-        serve(args.port, args.address)
+        try:
+            serve(args.port, args.address)
+        except ValueError as refused:
+            raise SystemExit(f"genserver.metrics: {refused}") from None

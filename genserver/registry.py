@@ -53,7 +53,7 @@ class ModelSpec:
     cost_points: dict[int, float]  # tokens → TFLOP per 1k tokens per forward pass
     path: str = ""  # local directory of a diffusers checkpoint (backend = diffusers)
     description: str = ""
-    max_batch: int = 1  # identically shaped outputs denoised together
+    max_batch: int = 1  # the most outputs (num_outputs) one job may ask for, denoised together
     # The most outputs one denoise batch may hold across merged jobs of the same shape
     # (model, size, frames, steps, guidance); 1 turns merging off. A small model fills the
     # card only with several images at once; a large one is compute-bound at one, and a
@@ -89,7 +89,7 @@ class ModelSpec:
             "kind": self.kind,
             "backend": self.backend,
             "description": self.description,
-            "limits": self.limits.__dict__ | {"max_outputs": 4},
+            "limits": self.limits.__dict__ | {"max_outputs": self.max_batch},  # num_outputs at most
             "defaults": self.defaults.__dict__,
             "segment_frames": self.segment_frames,
             "max_merge": self.max_merge,  # same-shape jobs' outputs one denoise batch may hold
@@ -122,6 +122,9 @@ def _spec_from(name: str, raw: dict[str, Any]) -> ModelSpec:
     max_merge = raw.get("max_merge", 1)
     if not isinstance(max_merge, int) or isinstance(max_merge, bool) or max_merge < 1:
         raise RegistryError(f"{where}: max_merge must be an integer ≥ 1 (1 = no merging), got {max_merge!r}")
+    max_batch = raw.get("max_batch", 1)
+    if not isinstance(max_batch, int) or isinstance(max_batch, bool) or max_batch < 1:
+        raise RegistryError(f"{where}: max_batch must be an integer ≥ 1 (num_outputs at most), got {max_batch!r}")
     if kind == "image" and limits.max_frames != 1:
         raise RegistryError(f"{where}: an image model must have max_frames = 1")
     segment_frames = int(raw.get("segment_frames", 0))
@@ -151,7 +154,7 @@ def _spec_from(name: str, raw: dict[str, Any]) -> ModelSpec:
         cost_points=points,
         path=str(raw.get("path", "")),
         description=str(raw.get("description", "")),
-        max_batch=int(raw.get("max_batch", 1)),
+        max_batch=max_batch,
         max_merge=max_merge,
         limits=limits,
         defaults=defaults,

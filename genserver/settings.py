@@ -58,7 +58,6 @@ INSTALLED_APPS = [
     "django.contrib.messages",
     "django.contrib.staticfiles",
     "rest_framework",
-    "rest_framework.authtoken",
     "drf_spectacular",
     "drf_spectacular_sidecar",
     "genserver.jobs",
@@ -180,13 +179,17 @@ LOGGING = {
         "celery": {"handlers": ["celery"], "propagate": False},
     },
 }
-# GET /metrics answers a staff session, or `Authorization: Bearer <this token>` (Prometheus); empty: staff only.
-METRICS_TOKEN = env_str("GENSERVER_METRICS_TOKEN", "")
+# GET /metrics answers a staff session or a staff user's API token, or `Authorization: Bearer <this token>`
+# (Prometheus); empty: staff only.
+METRICS_TOKEN = config.metrics_token()
 
 # --- API -----------------------------------------------------------------------
+# API tokens (genserver/jobs/services/tokens.py): stored hashed, each with an expiry. Days a new token
+# lives when its creator does not say (POST /api/v1/tokens/, the admin, `manage.py issue_token`).
+API_TOKEN_DAYS = env_int("GENSERVER_API_TOKEN_DAYS", 90, minimum=1, maximum=3650)
 REST_FRAMEWORK = {
     "DEFAULT_AUTHENTICATION_CLASSES": [
-        "rest_framework.authentication.TokenAuthentication",
+        "genserver.jobs.api.auth.ApiTokenAuthentication",  # `Authorization: Token <key>`
         "genserver.jobs.api.auth.BearerTokenAuthentication",  # the same tokens as `Authorization: Bearer …`
         "rest_framework.authentication.SessionAuthentication",
     ],
@@ -329,12 +332,22 @@ MAX_JOBS_IN_FLIGHT = env_int("GENSERVER_MAX_JOBS_IN_FLIGHT", 20, minimum=0)
 # with 429 and a Retry-After (when the oldest of them leaves the window). 0 = off.
 SUBMIT_RATE_LIMIT = env_int("GENSERVER_SUBMIT_RATE_LIMIT", 60, minimum=0)
 SUBMIT_RATE_WINDOW = env_float("GENSERVER_SUBMIT_RATE_WINDOW", 60.0, above=0)
+# Per user: seconds of card time per UTC day (each job charged its estimate at submit, settled
+# with its measured denoising time when it ends); one more job is a 429 until midnight UTC. 0 = off.
+# These three are the defaults of the per-user and per-group quotas edited in the admin (jobs.Quota).
+QUOTA_CARD_SECONDS_PER_DAY = env_float("GENSERVER_QUOTA_CARD_SECONDS_PER_DAY", 0.0, minimum=0)
 # Outputs and previews of finished jobs are deleted this long after the job ends
 # (the job stays, with stage "expired" and no outputs). 0 keeps them forever.
 OUTPUT_TTL_SECONDS = env_float("GENSERVER_OUTPUT_TTL", 7 * 24 * 3600.0, minimum=0)
 # Prompt embeddings (a cache shared by jobs with the same prompts) that no active
-# job uses are deleted after this long unused. Checkpoints go when a job ends.
+# job uses are deleted after this long unused. Checkpoints go when a job ends (a failed one's
+# latest after FAILED_CHECKPOINT_TTL_SECONDS).
 EMBEDDINGS_TTL_SECONDS = env_float("GENSERVER_EMBEDDINGS_TTL", 3600.0, minimum=0)
+# A failed job keeps its latest checkpoint (the admin's retry resumes there) this long after
+# it failed; then retention deletes it and a retry starts over.
+FAILED_CHECKPOINT_TTL_SECONDS = env_float("GENSERVER_FAILED_CHECKPOINT_TTL", 3 * 24 * 3600.0, minimum=0)
+# Rows of jobs that ended this long ago are deleted, with their files. 0 keeps them forever.
+JOB_TTL_SECONDS = env_float("GENSERVER_JOB_TTL", 0.0, minimum=0)
 # How often beat runs the retention sweep (seconds).
 RETENTION_INTERVAL_SECONDS = env_float("GENSERVER_RETENTION_INTERVAL", 300.0, above=0)
 CELERY_BEAT_SCHEDULE["retention"] = {
@@ -376,6 +389,8 @@ WEBHOOK_PREVIEW_SECONDS = env_float("GENSERVER_WEBHOOK_PREVIEW_SECONDS", 0.5, mi
 # `manage.py check`, `make up` and `make workers` before anything starts.
 API_PORT = config.api_port()
 FLOWER_PORT = config.flower_port()
+FLOWER_ADDRESS = config.flower_address()
+FLOWER_BASIC_AUTH_IS_SET = bool(config.flower_basic_auth())  # refuses a non-loopback address without it
 API_WORKERS = config.api_workers()
 WORKER_POOL = config.worker_pool()
 WORKER_LOGLEVEL = config.worker_loglevel()

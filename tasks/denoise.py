@@ -160,7 +160,9 @@ def _record_chunk(member: _Member, result: stages.ChunkResult, worker: str, stay
             services.finish_cancelled(job_id, worker)
         return result.stopped
     step = member.cursor.offset + result.step  # global over a long video's segments
-    if not services.finish_chunk(job_id, worker, step, result.checkpoint_key, result.step_seconds, keep_lease=stay):
+    if not services.finish_chunk(
+        job_id, worker, step, result.checkpoint_key, result.step_seconds, keep_lease=stay, chunk_seconds=result.seconds
+    ):
         return Outcome.SUPERSEDED
     metrics.observe(metrics.CHECKPOINT_BYTES, member.job.model, result.checkpoint_bytes)
     if member.checkpoint_key and member.checkpoint_key != result.checkpoint_key:

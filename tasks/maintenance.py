@@ -20,5 +20,6 @@ def reap() -> dict[str, int]:
 
 @shared_task(name=broker.RETAIN_TASK.name)
 def retain() -> dict[str, int]:
-    """Retention: expire old outputs and previews, delete prompt embeddings no job uses any more."""
+    """Retention: expire old outputs and previews and failed jobs' kept checkpoints, delete prompt
+    embeddings no job uses any more, purge old job rows (GENSERVER_JOB_TTL) with their files."""
     return services.retain()

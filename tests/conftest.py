@@ -178,6 +178,12 @@ def api(make_user):
     return make_user("alice")
 
 
+@pytest.fixture
+def staff_api(make_user):
+    """A staff user's client: GET /api/v1/workers/ and the workers of /queues/ are theirs only."""
+    return make_user("root", staff=True)
+
+
 # --- events (issue 13): the real ASGI server, for SSE, the CLI and other HTTP clients -----------------
 
 
@@ -196,10 +202,11 @@ def asgi_server(django_db_setup, redis_conn) -> Iterator:
 def api_token(transactional_db) -> Callable:
     """token_for(username, staff=False): a user (created if needed) and their API token, committed."""
     from django.contrib.auth import get_user_model
-    from rest_framework.authtoken.models import Token
+
+    from genserver.jobs.services import tokens
 
     def token_for(username: str, staff: bool = False) -> str:
         user, _ = get_user_model().objects.get_or_create(username=username, defaults={"is_staff": staff})
-        return Token.objects.get_or_create(user=user)[0].key
+        return tokens.issue(user, "tests")[1]
 
     return token_for

@@ -108,7 +108,9 @@ def _free_port() -> int:
 
 def _run(argv: list[str], data_dir: Path, **bad: str) -> subprocess.CompletedProcess:
     """Run an entry point against the real settings module with one bad variable; nothing shared is touched."""
-    env = {k: v for k, v in os.environ.items() if k != "REDIS_URL"}  # unset: the stack would start its own Redis
+    # REDIS_URL unset: the stack would start its own Redis; PROMETHEUS_MULTIPROC_DIR unset: `make up`
+    # empties the folder it names of value files, and this process set it to the session's.
+    env = {k: v for k, v in os.environ.items() if k not in ("REDIS_URL", "PROMETHEUS_MULTIPROC_DIR")}
     env |= {
         "DJANGO_SETTINGS_MODULE": "genserver.settings",
         "GENSERVER_DATA_DIR": str(data_dir),
@@ -147,6 +149,40 @@ def test_make_up_refuses_a_bad_setting_before_starting_anything(tmp_path, variab
     assert not (tmp_path / "redis").exists()  # the bundled Redis never started
     assert not (tmp_path / "genserver.sqlite3").exists()  # nor the migrations, the API or a worker
     assert "genserver is up" not in out.stdout
+
+
+def test_make_up_refuses_flower_beyond_loopback_without_its_basic_auth(tmp_path):
+    out = _run(["-m", "workers.stack"], tmp_path, FLOWER_ADDRESS="0.0.0.0", FLOWER_BASIC_AUTH="")
+    _assert_one_line(out, "FLOWER_BASIC_AUTH")
+    assert "FLOWER_ADDRESS=0.0.0.0" in out.stderr
+    assert not (tmp_path / "redis").exists()
+
+
+def test_flower_logins_are_checked_and_make_up_says_how_to_reach_flower(monkeypatch):
+    from genserver import config
+    from workers.stack import flower_access
+
+    for address in ("127.0.0.1", "127.0.0.2", "::1", "localhost"):
+        monkeypatch.setenv("FLOWER_ADDRESS", address)
+        monkeypatch.delenv("FLOWER_BASIC_AUTH", raising=False)
+        assert config.is_loopback(address) and config.flower_basic_auth() == ""
+        reach = flower_access(address, 5555, "")
+        assert "this machine only" in reach and reach.startswith(
+            ("http://127.0.0.", "http://[::1]", "http://localhost")
+        )
+    for address in ("0.0.0.0", "::", "192.0.2.7", "flower.example.com"):
+        monkeypatch.setenv("FLOWER_ADDRESS", address)
+        monkeypatch.delenv("FLOWER_BASIC_AUTH", raising=False)
+        with pytest.raises(SettingsError, match="FLOWER_BASIC_AUTH"):
+            config.flower_basic_auth()
+        monkeypatch.setenv("FLOWER_BASIC_AUTH", "ops:s3cret,alice:pw")
+        assert config.flower_basic_auth() == "ops:s3cret,alice:pw"
+        reach = flower_access(address, 5555, config.flower_basic_auth())
+        assert "basic auth: user ops, alice" in reach and "s3cret" not in reach
+    for bad in ("ops", "ops:", ":pw", "ops:pw,bob"):
+        monkeypatch.setenv("FLOWER_BASIC_AUTH", bad)
+        with pytest.raises(SettingsError, match="user:password"):
+            config.flower_basic_auth()
 
 
 def test_make_up_refuses_a_generated_layout_that_cannot_be_built(tmp_path):

@@ -68,11 +68,11 @@ def test_cancelling_a_real_model_during_denoise_skips_decode(stack, api):
     assert job.status == "cancelled" and not job.outputs and job.steps_done < job.steps
 
 
-def test_workers_endpoint_shows_loaded_models(stack, api):
+def test_workers_endpoint_shows_loaded_models(stack, api, staff_api):
     assert finished(submit(api, model="tiny-sd", prompt="load me", steps=2).json()["id"]).status == "succeeded"
 
     def card_holds_tiny_sd():
-        workers = {w["name"]: w for w in api.get("/api/v1/workers/").json()["workers"]}
+        workers = {w["name"]: w for w in staff_api.get("/api/v1/workers/").json()["workers"]}
         return "tiny-sd" in workers.get(stack.hostname("card0"), {}).get("models", [])
 
     wait_for(card_holds_tiny_sd, 15, what="card0's heartbeat to list tiny-sd")

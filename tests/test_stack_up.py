@@ -43,7 +43,9 @@ class UpStack:
         env = {
             k: v
             for k, v in os.environ.items()
-            if k not in ("REDIS_URL", "DATABASE_URL", "GENSERVER_EMBEDDED_REDIS_PORT")
+            # PROMETHEUS_MULTIPROC_DIR too: this process set it (genserver.metrics) to the session's folder,
+            # and `make up` empties the one it is given of value files: the session's own counters.
+            if k not in ("REDIS_URL", "DATABASE_URL", "GENSERVER_EMBEDDED_REDIS_PORT", "PROMETHEUS_MULTIPROC_DIR")
         }
         env |= {
             "GENSERVER_DATA_DIR": str(self.data_dir),

@@ -107,13 +107,15 @@ def cluster_nodes(stack, store, tmp_path) -> Iterator[dict[str, LocalWorkers]]:
         stack.resume_workers()
 
 
-def test_a_node_dies_mid_video_and_another_resumes_it_byte_for_byte(cluster_nodes, store, s3_server, api, tmp_path):
+def test_a_node_dies_mid_video_and_another_resumes_it_byte_for_byte(
+    cluster_nodes, store, s3_server, api, staff_api, tmp_path
+):
     from genserver.redis_client import WORKER_KEY, client
 
     # 1. Two launchers with the same layout, side by side: every worker of both is live under its node.
-    live = {w["name"] for w in api.get("/api/v1/workers/").json()["workers"]}
+    live = {w["name"] for w in staff_api.get("/api/v1/workers/").json()["workers"]}
     assert cluster_nodes["north"].names | cluster_nodes["south"].names <= live
-    assert long_cards(api) == {"north": 1, "south": 1}
+    assert long_cards(staff_api) == {"north": 1, "south": 1}
 
     # 2. A video starts on one node (call it the victim); kill that node's whole process tree mid-denoise.
     response = submit(api, **VIDEO)
@@ -146,7 +148,7 @@ def test_a_node_dies_mid_video_and_another_resumes_it_byte_for_byte(cluster_node
     assert not list(tmp_path.rglob("step-*.pt"))
     # The dead node's liveness keys expire within the lease: its card stops counting.
     assert all(0 < ttl <= NODE_LEASE_SECONDS * 1000 for ttl in ttls), ttls
-    wait_for(lambda: long_cards(api) == {survivor: 1}, 60, interval=0.2, what=f"{victim}'s card to stop counting")
+    wait_for(lambda: long_cards(staff_api) == {survivor: 1}, 60, interval=0.2, what=f"{victim}'s card to stop counting")
 
     # 3. The survivor resumes it from the checkpoint in the store: the bytes of an undisturbed run.
     job = finished(killed)
@@ -160,9 +162,9 @@ def test_a_node_dies_mid_video_and_another_resumes_it_byte_for_byte(cluster_node
 
     # 4. A third node joins: it counts from its first heartbeat, and takes work (alone once the survivor stops).
     cluster_nodes["east"] = start_node("east", tmp_path, store)
-    wait_for(lambda: long_cards(api) == {survivor: 1, "east": 1}, 30, interval=0.2, what="east's card to count")
+    wait_for(lambda: long_cards(staff_api) == {survivor: 1, "east": 1}, 30, interval=0.2, what="east's card to count")
     cluster_nodes[survivor].stop()
     client().delete(*[WORKER_KEY.format(name=n) for n in cluster_nodes[survivor].names])  # a clean leave
-    assert long_cards(api) == {"east": 1}
+    assert long_cards(staff_api) == {"east": 1}
     third = finished(submit(api, **VIDEO | {"seed": 99}).json()["id"])
     assert third.status == "succeeded", third.error

@@ -5,7 +5,8 @@ naming the variable and exits 2, before anything starts). Then starts, in
 order: the bundled Redis (only when REDIS_URL is unset), database
 migrations, the tiny demo checkpoints, the API (gunicorn with uvicorn workers, genserver.asgi), the worker pools
 (through the launcher's layout), Celery beat (the reaper) and Flower; then
-prints the URLs and a ready-to-use API token.
+prints the URLs, how to reach Flower and /metrics (each asks for credentials
+when it listens beyond loopback), and a ready-to-use API token.
 
 Ctrl-C stops them in the opposite order of need: the API and the workers first
 (Celery's warm shutdown: a chunk in flight ends and checkpoints), then beat and
@@ -189,6 +190,22 @@ def api_argv(port: int, workers: int, data_dir: Path) -> list[str]:
     ]
 
 
+def flower_access(address: str, port: int, logins: str) -> str:
+    """How to reach Flower: its URL and what it asks for."""
+    host = socket.gethostname() if address in ("0.0.0.0", "::") else address
+    host = f"[{host}]" if ":" in host else host  # an IPv6 address in a URL
+    if config.is_loopback(address):
+        return f"http://{host}:{port}/   (this machine only; FLOWER_ADDRESS with FLOWER_BASIC_AUTH to open it)"
+    users = ", ".join(pair.split(":", 1)[0] for pair in logins.split(",") if pair)
+    return f"http://{host}:{port}/   (basic auth: user {users}, password from FLOWER_BASIC_AUTH)"
+
+
+def metrics_access() -> str:
+    """Who /metrics answers."""
+    bearer = "Bearer $GENSERVER_METRICS_TOKEN, " if config.metrics_token() else ""
+    return f"{bearer}a staff session or a staff user's API token"
+
+
 def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     os.environ.setdefault("DJANGO_SETTINGS_MODULE", "genserver.settings")
@@ -197,6 +214,7 @@ def main() -> None:
     with exit_on_settings_error():  # every setting and the pool layout checked before anything starts
         layout = current_layout()
         port, flower_port, api_workers = config.api_port(), config.flower_port(), config.api_workers()
+        flower_address, flower_logins = config.flower_address(), config.flower_basic_auth()
     metrics_dir = prepare_metrics_dir(settings.DATA_DIR)
     from genserver.health import supervisor_state_path
 
@@ -210,7 +228,8 @@ def main() -> None:
         make_tiny_models_if_missing(settings.MODELS_DIR)
         log.info("checking the registry and migrating the database")
         manage("migrate", "--noinput")  # runs the system checks: a missing checkpoint stops here
-        token = manage("issue_token", "demo").splitlines()[-1]
+        # A fresh key each start (only hashes are stored); the previous start's "make up" token is revoked.
+        token = manage("issue_token", "demo", "--name", "make up", "--replace").splitlines()[-1]
         supervisor.add("api", api_argv(port, api_workers, settings.DATA_DIR))
         start_workers(supervisor, layout)
         supervisor.add(
@@ -231,7 +250,9 @@ def main() -> None:
         )
         supervisor.add(
             "flower",
-            [python(), "-m", "celery", "-A", "genserver", "flower", f"--port={flower_port}", "--address=127.0.0.1"],
+            # Flower reads its logins from FLOWER_BASIC_AUTH itself (not on the command line, where `ps` shows it).
+            [python(), "-m", "celery", "-A", "genserver", "flower", f"--port={flower_port}"]
+            + [f"--address={flower_address}"],
             stop_stage=1,
             env={"PROMETHEUS_MULTIPROC_DIR": str(metrics_dir / "flower")},
         )  # its own /metrics, not ours
@@ -248,9 +269,9 @@ def main() -> None:
 genserver is up.
   API        {api}/api/v1/   (docs: {api}/api/docs/)
   Admin      {api}/admin/    (.venv/bin/python manage.py createsuperuser for a login)
-  Flower     http://127.0.0.1:{flower_port}/
-  Metrics    {api}/metrics   (a staff session, or Bearer GENSERVER_METRICS_TOKEN; files in {metrics_dir})
-  Token      {token}   (user "demo")
+  Flower     {flower_access(flower_address, flower_port, flower_logins)}
+  Metrics    {api}/metrics   ({metrics_access()}; files in {metrics_dir})
+  Token      {token}   (user "demo", expires in {settings.API_TOKEN_DAYS} days; more: POST /api/v1/tokens/)
 
   curl -H "Authorization: Token {token}" -H "Content-Type: application/json" \\
        -d '{{"model": "tiny-sd", "prompt": "a red fox in the snow"}}' {api}/api/v1/jobs/

@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import uuid
+from datetime import datetime
 
 from django.conf import settings
+from django.contrib.auth.models import Group, User
+from django.core.exceptions import ValidationError
 from django.db import models
 from django.db.models.functions import Coalesce
+from django.utils import timezone
 
 
 class JobStatus(models.TextChoices):
@@ -124,6 +128,15 @@ class Job(models.Model):
     preview_step = models.PositiveIntegerField(default=0)
     outputs = models.JSONField(default=list, blank=True, help_text="[{key, content_type}]")
     measured_step_seconds = models.FloatField(null=True, blank=True)
+    # Quotas (genserver/jobs/services/quotas.py): card time, in wall seconds of one card.
+    card_seconds = models.FloatField(
+        default=0.0, help_text="measured seconds of denoising on cards (the chunks recorded; a group counts its cards)"
+    )
+    charged_card_seconds = models.FloatField(
+        default=0.0,
+        help_text="what its owner's daily card-seconds quota counts: the estimate from submit until it ends, "
+        "then the measured card_seconds",
+    )
 
     created_at = models.DateTimeField(auto_now_add=True, db_index=True)
     started_at = models.DateTimeField(null=True, blank=True, help_text="first denoising step")
@@ -229,13 +242,13 @@ class JobSegment(models.Model):
 class QueueTally(models.Model):
     """The waiting jobs of one (queue, class, priority): how many, and their wall seconds of work left.
 
-    Kept by database triggers on the job table (migration 0011): every write of the job service
+    Kept by database triggers on the job table (migration 0013): every write of the job service
     that moves a job into, out of or within the waiting jobs (submit, a claim, a chunk's end, a
     failed attempt, a cancel, a step change, a deletion) updates its row in the same transaction,
     so admission and the queue picture read a few rows instead of every queued job, and no write
     path can forget it. Never written by Python code. On SQLite a later migration that remakes the
     job table (most AlterFields there) drops its triggers: such a migration must install them again
-    (0011's `install`); tests/jobs/test_queue_depth.py fails on SQLite if it does not.
+    (0013's `install`); tests/jobs/test_queue_depth.py fails on SQLite if it does not.
     """
 
     queue = models.CharField(max_length=120)
@@ -251,3 +264,119 @@ class QueueTally(models.Model):
 
     def __str__(self) -> str:
         return f"{self.queue or self.duration_class} p{self.priority}: {self.count} jobs, {self.seconds:.1f} s"
+
+
+class Quota(models.Model):
+    """Per-user or per-group limits on submits, edited in the admin (applied by services/quotas.py).
+
+    A user's effective quota is their own row, else their groups' rows combined
+    (the most generous value of each limit), else the global defaults from settings.
+    A blank limit means "the global default"; 0 means "no limit".
+    """
+
+    user = models.OneToOneField(
+        settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.CASCADE, related_name="quota"
+    )
+    group = models.OneToOneField(Group, null=True, blank=True, on_delete=models.CASCADE, related_name="quota")
+    max_jobs_in_flight = models.PositiveIntegerField(
+        null=True, blank=True, help_text="unfinished jobs at once; blank: GENSERVER_MAX_JOBS_IN_FLIGHT; 0: no limit"
+    )
+    submits_per_minute = models.PositiveIntegerField(
+        null=True,
+        blank=True,
+        help_text="accepted submits in any GENSERVER_SUBMIT_RATE_WINDOW seconds (60); "
+        "blank: GENSERVER_SUBMIT_RATE_LIMIT; 0: no limit",
+    )
+    card_seconds_per_day = models.FloatField(
+        null=True,
+        blank=True,
+        help_text="seconds of card time per UTC day (the estimate at submit, the measured time once a job ends); "
+        "blank: GENSERVER_QUOTA_CARD_SECONDS_PER_DAY; 0: no limit",
+    )
+    allowed_models = models.JSONField(
+        default=list, blank=True, help_text='model names, e.g. ["sdxl-sim"]; empty: every model'
+    )
+    allowed_lanes = models.JSONField(
+        default=list,
+        blank=True,
+        help_text='lanes a job may ask for, e.g. ["interactive"]; empty: every lane '
+        "(a job without a lane is always allowed)",
+    )
+    updated_at = models.DateTimeField(auto_now=True)
+
+    class Meta:
+        constraints = [
+            models.CheckConstraint(
+                condition=(models.Q(user__isnull=False) & models.Q(group__isnull=True))
+                | (models.Q(user__isnull=True) & models.Q(group__isnull=False)),
+                name="quota_for_a_user_or_a_group",
+            ),
+            models.CheckConstraint(
+                condition=models.Q(card_seconds_per_day__isnull=True) | models.Q(card_seconds_per_day__gte=0),
+                name="quota_card_seconds_not_negative",
+            ),
+        ]
+
+    def __str__(self) -> str:
+        return f"quota of user {self.user}" if self.user_id else f"quota of group {self.group}"
+
+    def clean(self) -> None:
+        from genserver import deployment
+
+        errors: dict[str, str] = {}
+        if bool(self.user_id) == bool(self.group_id):
+            errors["user"] = "Choose a user or a group (one of them, not both)."
+        known = set(deployment.registry().names())
+        for field, valid, what in (
+            ("allowed_models", known, "a model of the registry"),
+            ("allowed_lanes", None, "a lane name"),
+        ):
+            value = getattr(self, field)
+            if not isinstance(value, list) or not all(isinstance(v, str) and v for v in value):
+                errors[field] = f'A JSON list of names is required, e.g. ["name"] (each {what}); [] allows all.'
+            elif valid is not None and (unknown := sorted(set(value) - valid)):
+                errors[field] = f"Unknown model(s) {', '.join(unknown)}; known: {', '.join(sorted(valid))}."
+        if errors:
+            raise ValidationError(errors)
+
+
+class UserUsage(User):
+    """A user as the admin's read-only usage page shows them (their counts and effective quota)."""
+
+    class Meta:
+        proxy = True
+        verbose_name = "usage of a user"
+        verbose_name_plural = "usage of users"
+
+
+class ApiToken(models.Model):
+    """An API token (`Authorization: Token <key>` or `Bearer <key>`): its owner, name, expiry and last use.
+
+    The key itself is never stored: only its first characters (`prefix`, public, to find the row and to
+    tell tokens apart in lists) and the SHA-256 of the whole key (`digest`). Written only by
+    genserver/jobs/services/tokens.py, which makes, checks and revokes keys.
+    """
+
+    user = models.ForeignKey(settings.AUTH_USER_MODEL, on_delete=models.CASCADE, related_name="api_tokens")
+    name = models.CharField(max_length=100, blank=True, default="", help_text="what the token is for")
+    prefix = models.CharField(max_length=16, db_index=True, help_text="the key's first characters (not secret)")
+    digest = models.CharField(max_length=64, unique=True, help_text="SHA-256 of the key, hex")
+    created_at = models.DateTimeField(default=timezone.now)
+    expires_at = models.DateTimeField(null=True, blank=True, help_text="empty: never expires")
+    last_used_at = models.DateTimeField(null=True, blank=True)
+    revoked_at = models.DateTimeField(null=True, blank=True, help_text="set: refused from that moment on")
+
+    class Meta:
+        ordering = ["-created_at"]
+        verbose_name = "API token"
+
+    def __str__(self) -> str:
+        return f"{self.prefix}… ({self.name or 'unnamed'}) of {self.user_id}"
+
+    def state(self, now: datetime | None = None) -> str:
+        """`active`, `expired` or `revoked`."""
+        if self.revoked_at is not None:
+            return "revoked"
+        if self.expires_at is not None and self.expires_at <= (now or timezone.now()):
+            return "expired"
+        return "active"

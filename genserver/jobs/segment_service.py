@@ -219,21 +219,21 @@ def start_assembly(job_id: JobId, worker: str) -> tuple[Job, list[JobSegment]] |
     return job, list(JobSegment.objects.filter(job=job, status=SegmentStatus.PUBLISHED).order_by("index"))
 
 
-def retry_fields(job: Job) -> dict[str, Any]:
-    """An admin retry of a failed long video: published segments stay; denoising starts again at the
-    first segment not published, from its seed (the failed job's checkpoints are gone); the rows of
+def retry_fields(job: Job, has_checkpoint: bool = False) -> dict[str, Any]:
+    """An admin retry of a failed long video: published segments stay; denoising goes on at the
+    first segment not published: from the checkpoint the failed job kept (`has_checkpoint`: it is
+    still stored) when that lies inside this segment, else from the segment's seed. The rows of
     unpublished segments are dropped (they are recorded again when their denoising ends)."""
     published = set(JobSegment.objects.filter(job=job, status=SegmentStatus.PUBLISHED).values_list("index", flat=True))
     JobSegment.objects.filter(job=job).exclude(status=SegmentStatus.PUBLISHED).delete()
     first = next((i for i in range(job.segment_count) if i not in published), None)
     if first is None:
         return {"status": JobStatus.DECODING, "checkpoint_step": job.total_steps, "steps_done": job.total_steps}
-    return {
-        "status": JobStatus.DENOISING,
-        "checkpoint_step": first * job.steps,
-        "steps_done": first * job.steps,
-        "checkpoint_key": "",
-    }
+    start = first * job.steps
+    if has_checkpoint and start < job.checkpoint_step < start + job.steps:  # midway through this segment
+        step = job.checkpoint_step
+        return {"status": JobStatus.DENOISING, "checkpoint_step": step, "steps_done": step}
+    return {"status": JobStatus.DENOISING, "checkpoint_step": start, "steps_done": start, "checkpoint_key": ""}
 
 
 def republish_decodes(job: Job) -> None:

@@ -9,7 +9,7 @@ import time
 from bisect import bisect_right
 from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
-from datetime import datetime, timedelta
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from django.db.models import Count, ExpressionWrapper, F, FloatField, Q, QuerySet, Sum, Value
@@ -18,7 +18,7 @@ from django.utils import timezone
 
 from genserver import deployment
 from genserver.jobs.broker import broker_depth
-from genserver.jobs.models import ACTIVE, Job, JobStatus, QueueTally
+from genserver.jobs.models import ACTIVE, ApiToken, Job, JobStatus, QueueTally
 from genserver.redis_client import WORKER_KEY, client as redis_client
 from genserver.scheduling.admission import WorkItem, expected_wait
 from genserver.scheduling.classes import CLASSES, priority_for
@@ -61,9 +61,9 @@ def _work_item(job: Job, wall: bool) -> WorkItem:
 # A running job holds a card (lease_owner set while denoising): there are at most as many as the cards
 # (and their merged batches), so they are loaded one by one. Every other active job waits, and waiting
 # jobs are only ever counted and summed: per (queue, class, priority) in QueueTally, which triggers on
-# the job table keep in the same transaction as every write (migration 0011), and per job, for the part
+# the job table keep in the same transaction as every write (migration 0013), and per job, for the part
 # of its own priority that waits around it, in the database over the partial index of waiting jobs
-# (migration 0010). A request reads a few tally rows, not the rows of the whole queue.
+# (migration 0012). A request reads a few tally rows, not the rows of the whole queue.
 _RUNNING = Q(status=JobStatus.DENOISING) & ~Q(lease_owner="")
 _WAITING = Q(status__in=ACTIVE) & ~_RUNNING
 # Wall seconds of work left (Job.remaining_seconds × clock_scale), as the database computes it.
@@ -398,9 +398,33 @@ def _cards(capacity: PoolLayout, duration_class: str) -> tuple[int, dict[str, in
     return sum(by_node.values()), by_node
 
 
-def queue_overview() -> list[dict[str, Any]]:
+# What a user who is not staff sees of a class: its summary, nothing that names a worker or a machine.
+QUEUE_SUMMARY_FIELDS = (
+    "name",
+    "depth",
+    "running",
+    "backlog_seconds",
+    "capacity_source",
+    "cards",
+    "expected_wait_seconds",
+    "wait_limit_seconds",
+    "accepting",
+)
+
+
+def queue_overview(staff: bool = True) -> list[dict[str, Any]]:
     """Per duration class: depth, backlog, the cards serving it (live, per node), and whether a new job
-    would be accepted now (every figure in wall seconds, like the jobs' estimates and ETAs)."""
+    would be accepted now (every figure in wall seconds, like the jobs' estimates and ETAs).
+
+    `staff` False: the class summary only (QUEUE_SUMMARY_FIELDS): no worker names, nodes or
+    broker internals."""
+    full = _queue_overview()
+    if staff:
+        return full
+    return [{k: entry[k] for k in QUEUE_SUMMARY_FIELDS} for entry in full]
+
+
+def _queue_overview() -> list[dict[str, Any]]:
     thresholds, limits = deployment.thresholds(), deployment.limits()
     groups, running = waiting_groups(), running_jobs()
     items = [*(g.item() for g in groups), *(_work_item(j, wall=True) for j in running)]
@@ -468,3 +492,190 @@ def wait_for_terminal(job_id: Any, seconds: float) -> Job:
             return job
         time.sleep(min(interval, left))
         interval = min(interval * 2, WAIT_POLL_MAX_SECONDS)
+
+
+# --- Quotas (issue 17): a user's effective quota and their usage of it -----------------------------
+@dataclass(frozen=True)
+class EffectiveQuota:
+    """The limits that apply to one user (0: no limit; an empty tuple: every model / lane)."""
+
+    source: str  # "user" (their own row), "groups: a, b" (combined), or "default" (settings)
+    max_jobs_in_flight: int
+    submits_per_minute: int  # per SUBMIT_RATE_WINDOW seconds (60 by default)
+    card_seconds_per_day: float
+    models: tuple[str, ...] = ()
+    lanes: tuple[str, ...] = ()
+
+    def allows_model(self, model: str) -> bool:
+        return not self.models or model in self.models
+
+    def allows_lane(self, lane: str) -> bool:
+        """A job without a lane is always allowed; a lane must be listed when lanes are restricted."""
+        return not lane or not self.lanes or lane in self.lanes
+
+
+def _quota_of_row(row: Any) -> EffectiveQuota:
+    """A Quota row's limits, its blank ones taken from the settings."""
+    from django.conf import settings
+
+    def pick(value: Any, default: Any) -> Any:
+        return default if value is None else value
+
+    return EffectiveQuota(
+        source="",
+        max_jobs_in_flight=pick(row.max_jobs_in_flight, settings.MAX_JOBS_IN_FLIGHT),
+        submits_per_minute=pick(row.submits_per_minute, settings.SUBMIT_RATE_LIMIT),
+        card_seconds_per_day=float(pick(row.card_seconds_per_day, settings.QUOTA_CARD_SECONDS_PER_DAY)),
+        models=tuple(sorted(set(row.allowed_models or ()))),
+        lanes=tuple(sorted(set(row.allowed_lanes or ()))),
+    )
+
+
+def _most_generous(values: list[Any]) -> Any:
+    """0 (no limit) wins; otherwise the largest."""
+    return 0 if any(v == 0 for v in values) else max(values)
+
+
+def _widest(lists: list[tuple[str, ...]]) -> tuple[str, ...]:
+    """An empty list (all) wins; otherwise the union."""
+    return () if any(not names for names in lists) else tuple(sorted(set().union(*lists)))
+
+
+def effective_quota(user: Any) -> EffectiveQuota:
+    """The user's own Quota row; else their groups' rows, each limit the most generous of them (no limit
+    beats any number, the union of allowed models and lanes, an empty list beats any list); else the
+    defaults from settings (GENSERVER_MAX_JOBS_IN_FLIGHT, GENSERVER_SUBMIT_RATE_LIMIT,
+    GENSERVER_QUOTA_CARD_SECONDS_PER_DAY, every model and lane)."""
+    from django.conf import settings
+
+    from genserver.jobs.models import Quota
+
+    own = Quota.objects.filter(user_id=user.pk).first()
+    if own is not None:
+        return replace(_quota_of_row(own), source="user")
+    rows = list(Quota.objects.filter(group__user__pk=user.pk).select_related("group").order_by("group__name"))
+    if rows:
+        each = [_quota_of_row(row) for row in rows]
+        return EffectiveQuota(
+            source="groups: " + ", ".join(row.group.name for row in rows),
+            max_jobs_in_flight=_most_generous([q.max_jobs_in_flight for q in each]),
+            submits_per_minute=_most_generous([q.submits_per_minute for q in each]),
+            card_seconds_per_day=_most_generous([q.card_seconds_per_day for q in each]),
+            models=_widest([q.models for q in each]),
+            lanes=_widest([q.lanes for q in each]),
+        )
+    return EffectiveQuota(
+        source="default",
+        max_jobs_in_flight=settings.MAX_JOBS_IN_FLIGHT,
+        submits_per_minute=settings.SUBMIT_RATE_LIMIT,
+        card_seconds_per_day=settings.QUOTA_CARD_SECONDS_PER_DAY,
+    )
+
+
+def next_utc_midnight(now: datetime) -> datetime:
+    """When the daily card-seconds quota resets: the next 00:00 UTC."""
+    today = now.astimezone(UTC).replace(hour=0, minute=0, second=0, microsecond=0)
+    return today + timedelta(days=1)
+
+
+@dataclass(frozen=True)
+class Usage:
+    """A user's counts against their quota at `now`."""
+
+    now: datetime
+    in_flight: int  # unfinished jobs whose cancel was not asked
+    submits_in_window: int  # accepted submits in the last SUBMIT_RATE_WINDOW seconds
+    oldest_submit_in_window: datetime | None
+    window_seconds: float
+    card_seconds_today: float  # the day's jobs' charges (estimates of those running, measured of those ended)
+
+    @property
+    def submits_reset_at(self) -> datetime | None:
+        """When the oldest submit of the window leaves it (a place frees up); None when the window is empty."""
+        if self.oldest_submit_in_window is None:
+            return None
+        return self.oldest_submit_in_window + timedelta(seconds=self.window_seconds)
+
+    @property
+    def day_resets_at(self) -> datetime:
+        return next_utc_midnight(self.now)
+
+
+def charged_card_seconds() -> Any:
+    """A job's charge against the daily quota, as an expression: its measured card time once it ended
+    (the same moment as its status changes, before `quotas.settle` writes it down), else its estimate."""
+    from django.db.models import Case, F, When
+
+    from genserver.jobs.models import TERMINAL
+
+    return Case(When(status__in=TERMINAL, then=F("card_seconds")), default=F("charged_card_seconds"))
+
+
+def in_flight_jobs(user: Any) -> QuerySet[Job]:
+    """The user's jobs that count against their jobs-in-flight limit (a cancel asked no longer counts)."""
+    return Job.objects.filter(owner_id=user.pk, status__in=ACTIVE, cancel_requested=False)
+
+
+def usage_of(user: Any, now: datetime | None = None) -> Usage:
+    """The user's in-flight jobs, submits in the rate window and card-seconds charged today (UTC)."""
+    from django.conf import settings
+    from django.db.models import Sum
+
+    now = now or timezone.now()
+    window = settings.SUBMIT_RATE_WINDOW
+    recent = Job.objects.filter(owner_id=user.pk, created_at__gte=now - timedelta(seconds=window))
+    day_start = next_utc_midnight(now) - timedelta(days=1)
+    charged = Job.objects.filter(owner_id=user.pk, created_at__gte=day_start).aggregate(
+        total=Sum(charged_card_seconds())
+    )["total"]
+    return Usage(
+        now=now,
+        in_flight=in_flight_jobs(user).count(),
+        submits_in_window=recent.count(),
+        oldest_submit_in_window=recent.order_by("created_at").values_list("created_at", flat=True).first(),
+        window_seconds=window,
+        card_seconds_today=float(charged or 0.0),
+    )
+
+
+def _limit(limit: float, used: float, resets_at: datetime | None) -> dict[str, Any]:
+    unlimited = limit == 0
+    return {
+        "limit": None if unlimited else limit,
+        "used": used,
+        "remaining": None if unlimited else max(0, limit - used),
+        "resets_at": resets_at,
+    }
+
+
+def usage_report(user: Any, now: datetime | None = None) -> dict[str, Any]:
+    """GET /api/v1/usage/: the user's counts, their quota's limits (None: no limit), what remains, and
+    when each resets (jobs in flight: as they end; submits: the oldest leaving the window; card-seconds:
+    00:00 UTC)."""
+    quota, usage = effective_quota(user), usage_of(user, now)
+    names = deployment.registry().names()
+    return {
+        "user": user.get_username(),
+        "quota": quota.source,
+        "jobs_in_flight": _limit(quota.max_jobs_in_flight, usage.in_flight, None),
+        "submits_per_minute": _limit(quota.submits_per_minute, usage.submits_in_window, usage.submits_reset_at)
+        | {"window_seconds": usage.window_seconds},
+        "card_seconds_per_day": _limit(
+            quota.card_seconds_per_day, round(usage.card_seconds_today, 3), usage.day_resets_at
+        ),
+        "allowed_models": [n for n in names if quota.allows_model(n)],
+        "allowed_lanes": list(quota.lanes) if quota.lanes else None,
+    }
+
+
+# --- API tokens (genserver/jobs/services/tokens.py writes them) ---------------------------------------------
+def api_tokens_of(user: Any) -> QuerySet[ApiToken]:
+    """The user's tokens not revoked (expired ones included, newest first): GET /api/v1/tokens/."""
+    return ApiToken.objects.filter(user=user, revoked_at__isnull=True).order_by("-created_at", "-pk")
+
+
+def live_api_tokens(user: Any, now: datetime | None = None) -> QuerySet[ApiToken]:
+    """The user's tokens that authenticate now (neither expired nor revoked)."""
+    from django.db.models import Q
+
+    return api_tokens_of(user).filter(Q(expires_at__isnull=True) | Q(expires_at__gt=now or timezone.now()))

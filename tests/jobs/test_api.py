@@ -43,6 +43,54 @@ def test_invalid_request_is_400_with_field_errors_and_no_row(api, fields, bad_fi
     assert Job.objects.count() == 0
 
 
+@pytest.mark.parametrize(
+    "field, value, kind",
+    [
+        ("prompt", 12345, "a number"),
+        ("prompt", True, "a boolean"),
+        ("prompt", ["a", "fox"], "an array"),
+        ("prompt", {"text": "a fox"}, "an object"),
+        ("negative_prompt", 7, "a number"),
+        ("model", 1.5, "a number"),
+        ("lane", 1, "a number"),
+        ("webhook_url", 80, "a number"),
+        ("webhook_events", [1], "a number"),
+    ],
+)
+def test_string_fields_must_be_json_strings(api, field, value, kind):
+    body = {"model": "sdxl-sim", "prompt": "a fox"} | {field: value}
+    if field == "webhook_events":
+        body["webhook_url"] = "https://example.com/hook"
+    response = api.post("/api/v1/jobs/", data=json.dumps(body), content_type="application/json")
+    assert response.status_code == 400, response.content
+    message = json.dumps(response.json()[field])
+    assert "must be a string" in message.lower() and kind in message, message
+    assert Job.objects.count() == 0
+
+
+def test_num_outputs_is_bounded_by_the_models_max_batch(api):
+    """faulty-sim (tests/registry-extra.toml) leaves max_batch at its default, 1; sdxl-sim has 4."""
+    response = submit(api, model="faulty-sim", num_outputs=2)
+    assert response.status_code == 400, response.content
+    assert response.json()["num_outputs"] == ["At most 1 output for faulty-sim (its max_batch); ask for fewer."]
+    assert Job.objects.count() == 0
+    assert submit(api, model="sdxl-sim", num_outputs=4).status_code == 201
+    response = submit(api, model="sdxl-sim", num_outputs=5)
+    assert response.status_code == 400 and "At most 4 outputs for sdxl-sim" in response.json()["num_outputs"][0]
+    models = {m["name"]: m for m in api.get("/api/v1/models/").json()}
+    assert models["faulty-sim"]["limits"]["max_outputs"] == 1 and models["sdxl-sim"]["limits"]["max_outputs"] == 4
+
+
+def test_schema_bounds_num_outputs_by_the_largest_max_batch(api):
+    from genserver import deployment
+
+    components = api.get("/api/schema/", HTTP_ACCEPT="application/json").json()["components"]["schemas"]
+    largest = max(deployment.registry().get(n).max_batch for n in deployment.registry().names())
+    for body, field in (("JobCreate", "num_outputs"), ("ImageGenerationRequest", "n")):
+        bounds = components[body]["properties"][field]
+        assert (bounds["type"], bounds["minimum"], bounds["maximum"]) == ("integer", 1, largest), bounds
+
+
 def test_missing_prompt_and_model_are_named(api):
     response = api.post("/api/v1/jobs/", data="{}", content_type="application/json")
     assert response.status_code == 400
@@ -82,9 +130,11 @@ def test_token_auth_and_issue_token_command(capsys):
     call_command("issue_token", "bob")
     token = capsys.readouterr().out.strip()
     call_command("issue_token", "bob")
-    assert capsys.readouterr().out.strip() == token  # same user, same token
-    authed = APIClient(HTTP_AUTHORIZATION=f"Token {token}")
-    assert authed.get("/api/v1/jobs/").status_code == 200
+    second = capsys.readouterr().out.strip()
+    assert second != token  # a new token each time (only hashes are kept); both work
+    for key in (token, second):
+        authed = APIClient(HTTP_AUTHORIZATION=f"Token {key}")
+        assert authed.get("/api/v1/jobs/").status_code == 200
     assert APIClient(HTTP_AUTHORIZATION="Token nope").get("/api/v1/jobs/").status_code == 401
 
 
@@ -127,14 +177,33 @@ def test_models_endpoint_lists_the_registry(api):
     assert models["tiny-sd"]["defaults"]["steps"] > 0
 
 
-def test_queues_endpoint_reports_each_class(api):
+def test_queues_endpoint_reports_each_class(api, staff_api):
     video = submit(api, model="wan-sim").json()
     queues = {q["name"]: q for q in api.get("/api/v1/queues/").json()}
     assert set(queues) == {"short", "medium", "long"}
     # The backlog is on the clock of the job's estimate (wall seconds, 665 s of work × the time scale).
     assert queues["long"]["depth"] == 1
     assert queues["long"]["backlog_seconds"] == pytest.approx(video["estimated_seconds"], rel=1e-3)
-    assert queues["short"]["accepting"] is True and queues["short"]["workers"] == ["card0"]
+    assert queues["short"]["accepting"] is True
+    staff = {q["name"]: q for q in staff_api.get("/api/v1/queues/").json()}
+    assert staff["short"]["workers"] == ["card0"] and staff["long"]["depth"] == 1
+
+
+def test_a_user_sees_the_class_summary_and_staff_the_workers(api, staff_api):
+    from genserver.jobs.selectors import QUEUE_SUMMARY_FIELDS
+
+    mine = api.get("/api/v1/queues/").json()
+    staff = staff_api.get("/api/v1/queues/").json()
+    assert [set(q) for q in mine] == [set(QUEUE_SUMMARY_FIELDS)] * 3  # no workers, nodes or broker depths
+    assert all({"workers", "cards_by_node"} <= set(q) for q in staff)
+    for summary, full in zip(mine, staff, strict=True):
+        assert summary == {k: full[k] for k in QUEUE_SUMMARY_FIELDS}
+    refused = api.get("/api/v1/workers/")
+    assert refused.status_code == 403 and refused.json()["reason"] == "staff_only", refused.json()
+    assert "/api/v1/queues/" in refused.json()["detail"]
+    assert APIClient().get("/api/v1/workers/").status_code == 401
+    answer = staff_api.get("/api/v1/workers/")
+    assert answer.status_code == 200 and {"workers", "nodes"} <= set(answer.json())
 
 
 def test_schema_and_docs_answer_without_auth():

@@ -18,10 +18,11 @@ from tests.support.api import submit
 @pytest.fixture
 def token(transactional_db) -> str:  # transactional: the live server's thread reads the rows
     from django.contrib.auth import get_user_model
-    from rest_framework.authtoken.models import Token
+
+    from genserver.jobs.services import tokens
 
     user = get_user_model().objects.create_user(username="openai-user")
-    return Token.objects.create(user=user).key
+    return tokens.issue(user)[1]
 
 
 def client_for(live_server, token: str) -> openai.OpenAI:
@@ -108,6 +109,12 @@ def post(client, body, **headers):
         ({"model": "tiny-sd", "prompt": "a fox", "guidance_scale": "NaN"}, "guidance_scale"),
         ({"model": "tiny-sd", "prompt": "a fox", "seed": -1}, "seed"),
         ({"model": "tiny-sd", "prompt": "a fox", "colour": "red"}, "colour"),
+        ({"model": "tiny-sd", "prompt": 12345}, "prompt"),
+        ({"model": "tiny-sd", "prompt": "a fox", "size": 512}, "size"),
+        ({"model": "tiny-sd", "prompt": "a fox", "user": 42}, "user"),
+        ({"model": "tiny-sd", "prompt": "a fox", "negative_prompt": ["x"]}, "negative_prompt"),
+        ({"model": "tiny-sd", "prompt": "a fox", "response_format": 1}, "response_format"),
+        ({"model": 3, "prompt": "a fox"}, "model"),
     ],
 )
 @pytest.mark.django_db
@@ -122,14 +129,29 @@ def test_bad_requests_get_openai_error_shape_and_leave_no_job(api, body, param):
 
 
 @pytest.mark.django_db
+def test_string_fields_say_they_must_be_strings(api):
+    error = post(api, {"model": "tiny-sd", "prompt": 12345}).json()["error"]
+    assert error["param"] == "prompt" and "must be a string" in error["message"].lower(), error
+    assert not Job.objects.exists()
+
+
+@pytest.mark.django_db
+def test_n_is_bounded_by_the_models_max_batch(api):
+    error = post(api, {"model": "faulty-sim", "prompt": "a fox", "n": 2}).json()["error"]
+    assert error["param"] == "n" and "At most 1 output for faulty-sim" in error["message"], error
+    assert not Job.objects.exists()
+
+
+@pytest.mark.django_db
 def test_not_json_missing_token_and_unknown_paths_answer_in_openai_shape(client):
     from django.contrib.auth import get_user_model
-    from rest_framework.authtoken.models import Token
+
+    from genserver.jobs.services import tokens
 
     assert client.post("/v1/images/generations", data="{}", content_type="application/json").status_code == 401
     missing = client.post("/v1/images/generations", data="{}", content_type="application/json").json()
     assert missing["error"]["code"] == "invalid_api_key"
-    key = Token.objects.create(user=get_user_model().objects.create_user(username="bob")).key
+    key = tokens.issue(get_user_model().objects.create_user(username="bob"))[1]
     auth = {"HTTP_AUTHORIZATION": f"Bearer {key}"}
     not_json = client.post("/v1/images/generations", data="prompt=a", content_type="text/plain", **auth)
     assert not_json.status_code == 415 and "error" in not_json.json()

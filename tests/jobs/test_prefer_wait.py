@@ -29,9 +29,10 @@ def submit_over_http(live_server, token: str, prefer: str) -> tuple[int, dict, d
 @pytest.fixture
 def token(transactional_db) -> str:
     from django.contrib.auth import get_user_model
-    from rest_framework.authtoken.models import Token
 
-    return Token.objects.create(user=get_user_model().objects.create_user(username="waiter")).key
+    from genserver.jobs.services import tokens
+
+    return tokens.issue(get_user_model().objects.create_user(username="waiter"))[1]
 
 
 def test_a_job_that_ends_within_the_wait_is_answered_finished(stack, live_server, token, settings):

@@ -222,13 +222,39 @@ def test_admin_retry_of_a_failed_video_restarts_at_the_first_unpublished_segment
     assert list(JobSegment.objects.filter(job=video).values_list("index", "status")) == [(0, "published")]
 
 
+def test_admin_retry_of_a_video_failed_midway_through_a_segment_resumes_at_its_kept_checkpoint(
+    video, sent, django_capture_on_commit_callbacks, monkeypatch
+):
+    from genserver.storage import default_storage
+
+    storage = default_storage()
+    for step in (20, 30):
+        storage.put(f"checkpoints/{video.pk}/s{step}.pt", b"state")
+        denoise_to(video, step, django_capture_on_commit_callbacks)
+    segment_service.start_segment_decode(video.pk, 0, "dec")
+    segment_service.finish_segment_decode(video.pk, 0, "dec", "0.mp4", "0.png")
+    with override_settings(MAX_ATTEMPTS=1), django_capture_on_commit_callbacks(execute=True):
+        assert services.fail_attempt(video.pk, "card", "RuntimeError: boom") == "failed"
+    assert [e.key for e in storage.list(f"checkpoints/{video.pk}")] == [f"checkpoints/{video.pk}/s30.pt"]
+    sent.clear()
+    capture_sends(monkeypatch, into=sent, send_chunk=lambda job_id, step, q, p: ("chunk", step))
+    assert services.retry_failed(Job.objects.get(pk=video.pk))
+    job = Job.objects.get(pk=video.pk)
+    assert (job.status, job.checkpoint_step, job.steps_done) == ("denoising", 30, 30)
+    assert job.checkpoint_key == f"checkpoints/{video.pk}/s30.pt"
+    assert sent == [("chunk", 30)]  # segment 1 from step 10 of its 20; segment 0 stays published
+    assert list(JobSegment.objects.filter(job=video).values_list("index", "status")) == [(0, "published")]
+    storage.delete_prefix(f"checkpoints/{video.pk}")
+
+
 @pytest.mark.parametrize(
     "fields, error",
     [
         ({"num_frames": 961}, None),  # 60 s at 16 fps: 12 segments
         ({"num_frames": 965}, "num_frames"),
         ({"num_frames": 161, "num_outputs": 2}, "num_outputs"),  # a segmented video makes one output
-        ({"num_frames": 81, "num_outputs": 2}, None),
+        ({"num_frames": 81, "num_outputs": 2}, "num_outputs"),  # wan-sim leaves max_batch at 1
+        ({"num_frames": 81, "num_outputs": 1}, None),
     ],
 )
 def test_request_limits_of_long_videos(fields, error):

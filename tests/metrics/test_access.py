@@ -1,4 +1,5 @@
-"""Who may scrape GET /metrics: a staff session, or the bearer token of GENSERVER_METRICS_TOKEN."""
+"""Who may scrape GET /metrics: a staff session or a staff user's API token, or the bearer token of
+GENSERVER_METRICS_TOKEN; a worker node's exporter asks for that token whenever it listens beyond loopback."""
 
 from __future__ import annotations
 
@@ -24,6 +25,66 @@ def test_metrics_needs_staff_or_the_bearer_token(api, client):
         assert client.get("/metrics", HTTP_AUTHORIZATION="Bearer ").status_code == 403
 
 
+def test_metrics_takes_a_staff_users_api_token_and_refuses_others(make_user, client):
+    from datetime import timedelta
+
+    from django.utils import timezone
+
+    from genserver.jobs.models import ApiToken
+    from genserver.jobs.services import tokens
+
+    staff = make_user("root", staff=True)
+    plain = make_user("bob")
+    staff_token, staff_key = tokens.issue(staff.user)
+    _, plain_key = tokens.issue(plain.user)
+    for keyword in ("Token", "Bearer"):
+        assert client.get("/metrics", HTTP_AUTHORIZATION=f"{keyword} {staff_key}").status_code == 200
+        assert client.get("/metrics", HTTP_AUTHORIZATION=f"{keyword} {plain_key}").status_code == 403
+    ApiToken.objects.filter(pk=staff_token.pk).update(expires_at=timezone.now() - timedelta(seconds=1))
+    assert client.get("/metrics", HTTP_AUTHORIZATION=f"Token {staff_key}").status_code == 403
+    ApiToken.objects.filter(pk=staff_token.pk).update(expires_at=None)
+    assert client.get("/metrics", HTTP_AUTHORIZATION=f"Token {staff_key}").status_code == 200
+    tokens.revoke(staff_token)
+    assert client.get("/metrics", HTTP_AUTHORIZATION=f"Token {staff_key}").status_code == 403
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_a_worker_nodes_exporter_beyond_loopback_needs_the_metrics_token():
+    import threading
+    import urllib.error
+    import urllib.request
+
+    from genserver import metrics
+
+    for address in ("0.0.0.0", "::", "10.1.2.3", "gpu-a.example.com"):  # refused before anything listens
+        with pytest.raises(ValueError, match="GENSERVER_METRICS_TOKEN"):
+            metrics.serve(_free_port(), address, token="")
+    # With the token set every scrape must send it (here on loopback: the tests listen nowhere else).
+    port = _free_port()
+    threading.Thread(target=metrics.serve, args=(port, "127.0.0.1", "node-scrape-secret"), daemon=True).start()
+
+    def status(headers: dict[str, str]) -> int | None:
+        request = urllib.request.Request(f"http://127.0.0.1:{port}/metrics", headers=headers)
+        try:
+            with urllib.request.urlopen(request, timeout=2) as response:
+                return response.status
+        except urllib.error.HTTPError as refused:
+            return refused.code
+        except OSError:
+            return None  # not listening yet
+
+    assert wait_for(lambda: status({}), what="the node exporter to answer") == 401
+    assert status({"Authorization": "Bearer wrong"}) == 401
+    assert status({"Authorization": "Bearer node-scrape-secret"}) == 200
+
+
 def test_a_worker_node_serves_its_own_processes_without_the_cluster_part():
     """`python -m genserver.metrics serve`: the scrape target of a node that runs only workers."""
     import socket
@@ -36,7 +97,7 @@ def test_a_worker_node_serves_its_own_processes_without_the_cluster_part():
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    threading.Thread(target=metrics.serve, args=(port, "127.0.0.1"), daemon=True).start()
+    threading.Thread(target=metrics.serve, args=(port, "127.0.0.1", ""), daemon=True).start()
 
     def body() -> str:
         try:

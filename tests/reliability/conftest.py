@@ -172,12 +172,12 @@ class TcpProxy:
 @pytest.fixture
 def user_with_token(django_user_model):
     """(user, APIClient authenticated by a real token header): the whole auth path runs, database included."""
-    from rest_framework.authtoken.models import Token
     from rest_framework.test import APIClient
+
+    from genserver.jobs.services import tokens
 
     def make(username: str, staff: bool = False):
         user = django_user_model.objects.create_user(username=username, is_staff=staff)
-        token = Token.objects.create(user=user)
-        return user, APIClient(HTTP_AUTHORIZATION=f"Token {token.key}")
+        return user, APIClient(HTTP_AUTHORIZATION=f"Token {tokens.issue(user)[1]}")
 
     return make

@@ -1,6 +1,9 @@
 """7. Retention and a full disk.
 
-* Checkpoints go when a job ends, whatever the ending.
+* Checkpoints go when a job ends, whatever the ending, but a failed job's latest stays for the
+  admin's retry (which resumes there) until FAILED_CHECKPOINT_TTL_SECONDS.
+* Job rows are purged JOB_TTL_SECONDS after they ended (off by default), and a deleted job (the
+  purge, the admin) takes its files with it.
 * Prompt embeddings that no active job uses are deleted once unused for
   EMBEDDINGS_TTL_SECONDS (a job in use refreshes them; an encode in progress
   keeps them).
@@ -8,7 +11,7 @@
   go, the job stays (stage "expired", no outputs, its old URLs 404).
 * The sweep is a beat task (tasks.maintenance.retain).
 * A full disk fails the job at once with a clear error (not three retries of
-  the same failure), frees its checkpoints, and the worker goes on.
+  the same failure), frees its checkpoints but the latest, and the worker goes on.
 """
 
 from __future__ import annotations
@@ -60,6 +63,112 @@ def test_checkpoints_go_when_a_job_ends(make_user, settings, ending, django_capt
         assert services.finish_decoding(job.pk, "w1", [])
     assert job_row(job.pk).status == ending
     assert not storage.path(f"checkpoints/{job.pk}").exists()
+
+
+def _failed_with_checkpoints(owner, django_capture_on_commit_callbacks, settings):
+    """A denoising job with checkpoints at steps 5 and 10 (the row names 10), failed for good."""
+    settings.MAX_ATTEMPTS = 1
+    storage = default_storage()
+    job = make_job(
+        owner,
+        status=JobStatus.DENOISING,
+        embeddings_key="embeddings/e.pt",
+        lease_owner="w1",
+        lease_expires_at=timezone.now() + timedelta(seconds=30),
+    )
+    storage.put(f"checkpoints/{job.pk}/step-00005.pt", b"state 5")
+    latest = storage.put(f"checkpoints/{job.pk}/step-00010.pt", b"state 10")
+    Job.objects.filter(pk=job.pk).update(checkpoint_step=10, steps_done=12, checkpoint_key=latest)
+    with django_capture_on_commit_callbacks(execute=True):
+        assert services.fail_attempt(job.pk, "w1", "RuntimeError: boom") == "failed"
+    return job_row(job.pk), latest
+
+
+def test_a_failed_job_keeps_its_latest_checkpoint_and_a_retry_resumes_there(
+    make_user, settings, django_capture_on_commit_callbacks, monkeypatch
+):
+    storage = default_storage()
+    job, latest = _failed_with_checkpoints(make_user("alice").user, django_capture_on_commit_callbacks, settings)
+    assert job.status == "failed" and job.checkpoint_key == latest
+    assert [e.key for e in storage.list(f"checkpoints/{job.pk}")] == [latest]  # the older one went
+    sent = capture_sends(monkeypatch, "send_chunk")
+    assert services.retry_failed(job)
+    job = job_row(job.pk)
+    assert (job.status, job.checkpoint_step, job.steps_done, job.attempts) == ("denoising", 10, 10, 0)
+    assert sent == [("chunk", job.pk, 10, job.queue, job.priority)]
+
+
+def test_retention_removes_a_failed_jobs_checkpoint_after_its_ttl(
+    make_user, settings, django_capture_on_commit_callbacks, monkeypatch
+):
+    settings.FAILED_CHECKPOINT_TTL_SECONDS = 3600
+    storage = default_storage()
+    job, latest = _failed_with_checkpoints(make_user("alice").user, django_capture_on_commit_callbacks, settings)
+    assert services.expire_failed_checkpoints() == 0 and storage.exists(latest)  # failed a moment ago
+    Job.objects.filter(pk=job.pk).update(finished_at=timezone.now() - timedelta(seconds=7200))
+    assert services.expire_failed_checkpoints() == 1
+    assert not storage.path(f"checkpoints/{job.pk}").exists()
+    job = job_row(job.pk)
+    assert (job.checkpoint_key, job.checkpoint_step, job.steps_done) == ("", 0, 0)
+    assert services.expire_failed_checkpoints() == 0  # idempotent
+    sent = capture_sends(monkeypatch, "send_chunk")
+    assert services.retry_failed(job)  # from the start now
+    assert sent == [("chunk", job.pk, 0, job.queue, job.priority)]
+
+
+def _ended_job_with_files(owner, ended_ago: float, status: str = JobStatus.SUCCEEDED) -> Job:
+    storage = default_storage()
+    job = make_job(owner, status=status, stage="done", finished_at=timezone.now() - timedelta(seconds=ended_ago))
+    out = storage.put(f"outputs/{job.pk}/0.png", b"\x89PNG")
+    storage.put(f"outputs/{job.pk}/segments/000.mp4", b"mp4")
+    storage.put(f"previews/{job.pk}/preview.png", b"\x89PNG")
+    storage.put(f"checkpoints/{job.pk}/step-00010.pt", b"state")
+    Job.objects.filter(pk=job.pk).update(outputs=[{"key": out, "content_type": "image/png"}])
+    return job
+
+
+def _files_of(job_id) -> list[str]:
+    storage = default_storage()
+    return [e.key for kind in ("outputs", "previews", "checkpoints") for e in storage.list(f"{kind}/{job_id}")]
+
+
+@pytest.mark.django_db(transaction=True)
+def test_old_job_rows_are_purged_with_their_files_when_configured(make_user, settings):
+    owner = make_user("alice").user
+    old = _ended_job_with_files(owner, 10 * 86400)
+    old_failed = _ended_job_with_files(owner, 10 * 86400, status=JobStatus.FAILED)
+    young = _ended_job_with_files(owner, 60)
+    running = make_job(owner, status=JobStatus.DENOISING)  # not ended: never purged
+    assert settings.JOB_TTL_SECONDS == 0 and services.purge_jobs() == 0  # off by default: rows stay
+    assert Job.objects.count() == 4
+    settings.JOB_TTL_SECONDS = 86400
+    assert services.purge_jobs() == 2
+    assert set(Job.objects.values_list("pk", flat=True)) == {young.pk, running.pk}
+    assert _files_of(old.pk) == [] and _files_of(old_failed.pk) == []
+    assert len(_files_of(young.pk)) == 4
+    assert services.purge_jobs() == 0
+    assert "jobs_purged" in services.retain()
+
+
+def test_a_job_deleted_in_the_admin_takes_its_files(make_user, django_capture_on_commit_callbacks):
+    from django.contrib.auth import get_user_model
+    from django.test import Client
+
+    owner = make_user("alice").user
+    doomed, kept = _ended_job_with_files(owner, 60), _ended_job_with_files(owner, 60)
+    admin = get_user_model().objects.create_superuser("boss", password="pw")
+    browser = Client()
+    browser.force_login(admin)
+    with django_capture_on_commit_callbacks(execute=True):  # the files go once the deletion commits
+        response = browser.post(
+            "/admin/jobs/job/", {"action": "delete_selected", "_selected_action": [doomed.pk], "post": "yes"}
+        )
+    assert response.status_code == 302, response.content[:500]
+    assert not Job.objects.filter(pk=doomed.pk).exists()
+    assert _files_of(doomed.pk) == [] and len(_files_of(kept.pk)) == 4
+    with django_capture_on_commit_callbacks(execute=True):
+        response = browser.post(f"/admin/jobs/job/{kept.pk}/delete/", {"post": "yes"})
+    assert response.status_code == 302 and _files_of(kept.pk) == []
 
 
 def test_unused_embeddings_are_deleted_after_their_ttl(make_user, settings):
@@ -129,7 +238,7 @@ def test_retention_is_a_beat_task(settings):
     entry = settings.CELERY_BEAT_SCHEDULE["retention"]
     assert entry["task"] == retain.name and entry["options"]["queue"] == "control"  # the registered task
     assert entry["schedule"] == settings.RETENTION_INTERVAL_SECONDS > 0
-    assert set(retain.apply().get()) == {"outputs_expired", "embeddings_deleted"}
+    assert set(retain.apply().get()) == {"outputs_expired", "checkpoints_expired", "embeddings_deleted", "jobs_purged"}
 
 
 # --- a full disk ------------------------------------------------------------------------------
@@ -183,7 +292,9 @@ def test_disk_full_fails_the_job_at_once_with_a_clear_error(make_user, monkeypat
     assert job.error.startswith("storage full: could not write")
     assert os.strerror(errno.ENOSPC) in job.error.splitlines()[0]
     assert "not retried" in job.error.splitlines()[0]
-    assert not default_storage().path(f"checkpoints/{job.pk}").exists()
+    kept = [e.key for e in default_storage().list(f"checkpoints/{job.pk}")]
+    assert kept == ([job.checkpoint_key] if job.checkpoint_key else [])  # at most the latest, for a retry
+    assert bool(kept) == (stage == "decode")  # its denoising had ended
 
 
 def test_other_storage_errors_are_still_retried(make_user):

@@ -1,13 +1,18 @@
 """6. Tenancy and access: tokens everywhere but the schema and health, owners only, per-user limits.
 
 * Every route except the schema/docs and the health probes refuses a request
-  without a valid token (401); the admin sends non-staff to its login page.
+  without a valid token (401), a revoked or expired one included; the admin sends
+  non-staff to its login page.
 * Outputs and previews are served only to the owner and staff, through
   authenticated API routes keyed by an unguessable UUID; storage has no public URL.
 * Another user's job is a 404 to read, list, cancel, or fetch files from.
 * Per-user limits: unfinished jobs (MAX_JOBS_IN_FLIGHT) and accepted submits per
-  window (SUBMIT_RATE_LIMIT), each a 429 with Retry-After and a reason, and no row.
+  window (SUBMIT_RATE_LIMIT), each a 429 with Retry-After and a reason, and no row
+  (the defaults of the per-user quotas: tests/jobs/test_quotas.py); GET /api/v1/usage/
+  shows each user their own counts only.
 * Staff actions (retry, re-prioritise, cancel anyone's job) exist only in the admin.
+* What names the machines is staff's: GET /api/v1/workers/ is 403 to others, and
+  /queues/ shows them the class summary without workers or nodes.
 """
 
 from __future__ import annotations
@@ -44,13 +49,15 @@ def routes(resolver=None, prefix: str = "") -> list[str]:
                 continue
             found += routes(entry, pattern)
         elif isinstance(entry, URLPattern):
-            found.append(pattern.replace("<uuid:job_id>", str(uuid.uuid4())).replace("<int:index>", "0"))
+            path = pattern.replace("<uuid:job_id>", str(uuid.uuid4())).replace("<int:index>", "0")
+            found.append(path.replace("<int:token_id>", "1"))
     return found
 
 
 def test_every_route_but_schema_and_health_needs_a_token():
     anonymous, bad_token = APIClient(), APIClient(HTTP_AUTHORIZATION="Token not-a-token")
     checked = 0
+    refused_paths = set()
     for path in routes():
         if path in PUBLIC:
             accept = "application/json" if path == "api/schema/" else "text/html"
@@ -77,7 +84,19 @@ def test_every_route_but_schema_and_health_needs_a_token():
                 assert ("error" if path.startswith("v1/") else "detail") in response.json(), (method, path)
                 assert response.has_header("WWW-Authenticate"), (method, path)
                 checked += 1
-    assert checked >= 7 * 4
+                refused_paths.add(path)
+    assert "api/v1/usage/" in refused_paths  # a user's quota and counts are theirs alone
+    assert checked >= 8 * 4
+
+
+def test_workers_are_staff_only_and_queues_show_others_a_summary(make_user):
+    alice, staff = make_user("alice"), make_user("root", staff=True)
+    for method in ("get", "post"):
+        assert getattr(alice, method)("/api/v1/workers/").status_code == 403
+    assert staff.get("/api/v1/workers/").status_code == 200
+    named = {"workers", "live_workers", "cards_by_node", "broker_messages"}
+    assert all(not named & set(q) for q in alice.get("/api/v1/queues/").json())
+    assert all({"workers", "cards_by_node"} <= set(q) for q in staff.get("/api/v1/queues/").json())
 
 
 def test_schema_and_health_answer_without_a_token():
@@ -138,6 +157,10 @@ def test_another_users_job_is_404_to_read_list_cancel_and_fetch(make_user):
     assert bob.get("/api/v1/jobs/").json()["count"] == 0
     assert bob.get("/api/v1/jobs/?status=queued").json()["count"] == 0
     assert Job.objects.get(pk=queued).status == "queued" and not Job.objects.get(pk=queued).cancel_requested
+    # Usage is each user's own: bob's shows none of alice's jobs.
+    usage = bob.get("/api/v1/usage/").json()
+    assert usage["user"] == "bob" and usage["jobs_in_flight"]["used"] == 0
+    assert usage["submits_per_minute"]["used"] == 0 and usage["card_seconds_per_day"]["used"] == 0
 
 
 def test_jobs_in_flight_per_user_are_limited_with_429_and_retry_after(make_user, settings):
@@ -267,6 +290,30 @@ def test_staff_actions_live_in_the_admin_only(make_user):
     response = browser.post("/admin/jobs/job/", {"action": "retry_from_checkpoint", "_selected_action": [job_id]})
     assert response.status_code == 302 and "/admin/login/" in response["Location"]
     assert Job.objects.get(pk=job_id).status == "queued"
+
+
+def test_every_token_route_refuses_revoked_and_expired_tokens():
+    """The routes a token opens shut the moment it is revoked or expires (tests/jobs/test_tokens.py: the rest)."""
+    from django.contrib.auth import get_user_model
+
+    from genserver.jobs.models import ApiToken
+    from genserver.jobs.services import tokens
+
+    user = get_user_model().objects.create_user("carol")
+    revoked, revoked_key = tokens.issue(user)
+    expired, expired_key = tokens.issue(user)
+    tokens.revoke(revoked)
+    ApiToken.objects.filter(pk=expired.pk).update(expires_at=timezone.now() - timedelta(seconds=1))
+    checked = 0
+    for path in routes():
+        if not (path.startswith("api/v1/") or path.startswith("v1/")):
+            continue
+        for key in (revoked_key, expired_key):
+            for keyword in ("Token", "Bearer"):
+                response = APIClient(HTTP_AUTHORIZATION=f"{keyword} {key}").get("/" + path)
+                assert response.status_code == 401, (path, keyword, response.status_code)
+                checked += 1
+    assert checked >= 14 * 4
 
 
 def test_token_header_variants_do_not_authenticate():

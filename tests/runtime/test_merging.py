@@ -186,3 +186,37 @@ def test_simulated_merged_step_takes_the_batch_time(tmp_path: Path, monkeypatch:
     states = [big.prepare(r, big.encode([(r.prompt, "")])[0]) for r in requests]
     big.step_many(states)
     assert slept[-1] == pytest.approx(4 * big.step_seconds(requests[0]))  # compute-bound: no saving
+
+
+def test_a_merged_chunks_time_is_shared_by_the_members_rows(tmp_path: Path) -> None:
+    """Quotas count a job's card time: a merged batch's seconds go to its members by their outputs (rows);
+    a lone job's step time (which teaches the cost model) stays unreported for a merged one."""
+    family = SimulatedFamily(load_registry().get("sdxl-turbo-sim"), "cpu", tmp_path)
+    requests = [
+        make_request(
+            "sdxl-turbo-sim", job_id=j, seed=i, width=512, height=512, steps=4, guidance_scale=0.0, num_outputs=n
+        )
+        for i, (j, n) in enumerate((("a", 1), ("b", 2)))
+    ]
+    states = [family.prepare(r, family.encode([(r.prompt, "")])[0]) for r in requests]
+    results = stages.run_merged_chunk(
+        family,
+        LocalStorage(tmp_path),
+        states,
+        until_step=2,
+        preview_every=0,
+        should_stop=lambda *_: "",
+        on_preview=lambda *_: None,
+    )
+    assert results[0].seconds > 0 and results[1].seconds == pytest.approx(2 * results[0].seconds)
+    assert results[0].step_seconds is None and results[1].step_seconds is None
+    lone = stages.run_chunk(
+        family,
+        LocalStorage(tmp_path),
+        family.prepare(requests[0], family.encode([(requests[0].prompt, "")])[0]),
+        until_step=2,
+        preview_every=0,
+        should_stop=lambda _: "",
+        on_preview=lambda *_: None,
+    )
+    assert lone.seconds == pytest.approx(lone.step_seconds * 2)

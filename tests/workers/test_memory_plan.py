@@ -141,7 +141,7 @@ def test_launcher_counts_only_checkpoints_that_exist(settings, monkeypatch):
     settings.REGISTRY_PATH = str(REPO / "genserver" / "registry.toml")
     deployment.registry.cache_clear()
     monkeypatch.setattr(memory_plan, "detected_card_bytes", lambda: 1 * GIB)
-    monkeypatch.setattr(settings, "DATA_DIR", Path("/nonexistent-genserver-data"))
+    settings.DATA_DIR = Path("/nonexistent-genserver-data")  # pytest-django's wrapper puts it back
     try:
         refuse_unfit_layout(default_layout(num_gpus=1))
     finally:

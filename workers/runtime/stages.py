@@ -102,6 +102,7 @@ class ChunkResult:
     step_seconds: float | None  # mean measured seconds per step in this chunk
     checkpoint_bytes: int = 0  # the size of the checkpoint written (0 if none)
     checkpoint_seconds: float = 0.0  # how long writing it took (part of the chunk boundary)
+    seconds: float = 0.0  # wall seconds of the chunk's steps for this job (its rows' share of a merged batch)
 
 
 def run_chunk(
@@ -169,6 +170,7 @@ def run_merged_chunk(
                 storage.put(key, png_bytes(family.preview(state)))
                 on_preview(state, key, state.step)
     elapsed = time.perf_counter() - started
+    rows = sum(state.request.num_outputs for state in active) or 1
     for state in active:
         saving = time.perf_counter()
         data = _to_bytes(family.checkpoint(state))
@@ -182,6 +184,7 @@ def run_merged_chunk(
             elapsed / steps_run if steps_run and solo else None,
             len(data),
             time.perf_counter() - saving,
+            elapsed * state.request.num_outputs / rows,
         )
     return [results[id(state)] for state in states]
 

@@ -4,7 +4,7 @@ Each event's `data:` is the job exactly as GET /api/v1/jobs/{id}/ shows it and
 its `id:` the entry of the job's Redis event log (genserver/jobs/events.py).
 The flow of one stream:
 
-1. authenticate (DRF's TokenAuthentication in a thread, else the session) and
+1. authenticate (an API token, `Token` or `Bearer`, in a thread; else the session) and
    load the job the caller may see, or 404;
 2. subscribe to the job's channel *before* reading its log, so an event
    published in between is read, never lost;
@@ -33,9 +33,9 @@ from asgiref.sync import sync_to_async
 from django.conf import settings
 from django.http import Http404, HttpRequest, HttpResponse, JsonResponse, StreamingHttpResponse
 from rest_framework import exceptions
-from rest_framework.authentication import TokenAuthentication
 
 from genserver.jobs import events, selectors
+from genserver.jobs.api.auth import authenticate_header_token
 from genserver.jobs.models import Job
 
 URL_FIELDS = ("preview_url",)
@@ -69,8 +69,8 @@ def _redis() -> aioredis.Redis:
 
 
 def _authenticate(request: HttpRequest) -> Any:
-    """The token's user, else None (DRF's TokenAuthentication, in a thread: it reads the database)."""
-    found = TokenAuthentication().authenticate(request)
+    """The token's user, else None (`Token` or `Bearer`; in a thread: it reads the database)."""
+    found = authenticate_header_token(request)
     return found[0] if found else None
 
 

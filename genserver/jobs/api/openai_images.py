@@ -7,8 +7,9 @@ OpenAI's response shape, or OpenAI's error shape
 `{"error": {"message", "type", "param", "code"}}`:
 
 * 400 bad fields (`param` names the OpenAI field), 401 no or unknown token,
-  413 body too large, 415 not JSON, 429 with Retry-After when admission, the
-  in-flight limit or the submit rate refuses;
+  403 a model the user's quota does not allow, 413 body too large, 415 not JSON,
+  429 with Retry-After when admission or a limit of the user's quota refuses
+  (`code`: overloaded, too_many_in_flight, rate_limited, card_seconds_per_day);
 * a job that ends failed answers 500, one cancelled 409 (both name the job);
   neither is retried by the OpenAI client (`x-should-retry: false`): a retry
   would be a new job;
@@ -25,7 +26,6 @@ from typing import Any
 from django.conf import settings
 from drf_spectacular.utils import OpenApiParameter, OpenApiResponse, extend_schema
 from rest_framework import exceptions, serializers, status
-from rest_framework.authentication import TokenAuthentication
 from rest_framework.request import Request
 from rest_framework.response import Response
 from rest_framework.reverse import reverse
@@ -34,8 +34,15 @@ from rest_framework.views import APIView
 from genserver import deployment
 from genserver.jobs import selectors, services
 from genserver.jobs.api import throttling
-from genserver.jobs.api.auth import BearerTokenAuthentication
-from genserver.jobs.api.schema import PromptField, RegistryModelField
+from genserver.jobs.api.auth import ApiTokenAuthentication, BearerTokenAuthentication
+from genserver.jobs.api.fields import (
+    StrictCharField,
+    StrictChoiceField,
+    StrictFloatField,
+    StrictIntegerField,
+    StrictRegexField,
+)
+from genserver.jobs.api.schema import NumOutputsField, PromptField, RegistryModelField
 from genserver.jobs.api.serializers import JobCreateSerializer
 from genserver.jobs.models import Job, JobStatus
 from genserver.storage import StorageError, default_storage
@@ -58,10 +65,8 @@ class ImageGenerationRequestSerializer(serializers.Serializer):
 
     prompt = PromptField(max_length=20000)
     model = RegistryModelField(kind="image", max_length=100, help_text="an image model of GET /v1/models")
-    n = serializers.IntegerField(
-        required=False, default=1, min_value=1, max_value=4, help_text="images to make (the job's num_outputs)"
-    )
-    size = serializers.RegexField(
+    n = NumOutputsField(help_text="images to make (the job's num_outputs): at most the model's max_outputs")
+    size = StrictRegexField(
         r"^(auto|\d{1,5}x\d{1,5})$",
         required=False,
         default="auto",
@@ -69,17 +74,17 @@ class ImageGenerationRequestSerializer(serializers.Serializer):
         error_messages={"invalid": 'Give "WIDTHxHEIGHT" (e.g. "512x512") or "auto".'},
         help_text='"WIDTHxHEIGHT" within the model\'s limits, or "auto" (its default)',
     )
-    response_format = serializers.ChoiceField(choices=["url", "b64_json"], required=False, default="url")
-    output_format = serializers.ChoiceField(choices=["png"], required=False, default="png")
-    user = serializers.CharField(
+    response_format = StrictChoiceField(choices=["url", "b64_json"], required=False, default="url")
+    output_format = StrictChoiceField(choices=["png"], required=False, default="png")
+    user = StrictCharField(
         required=False, max_length=256, allow_blank=True, help_text="your end user's id (accepted, not stored)"
     )
-    quality = serializers.CharField(required=False, max_length=32, help_text="accepted and ignored")
-    style = serializers.CharField(required=False, max_length=32, help_text="accepted and ignored")
-    negative_prompt = serializers.CharField(required=False, max_length=20000, allow_blank=True)
-    seed = serializers.IntegerField(required=False, min_value=0, max_value=2**63 - 1)
-    num_inference_steps = serializers.IntegerField(required=False, min_value=1, max_value=10000)
-    guidance_scale = serializers.FloatField(required=False, min_value=0.0, max_value=1000.0)
+    quality = StrictCharField(required=False, max_length=32, help_text="accepted and ignored")
+    style = StrictCharField(required=False, max_length=32, help_text="accepted and ignored")
+    negative_prompt = StrictCharField(required=False, max_length=20000, allow_blank=True)
+    seed = StrictIntegerField(required=False, min_value=0, max_value=2**63 - 1)
+    num_inference_steps = StrictIntegerField(required=False, min_value=1, max_value=10000)
+    guidance_scale = StrictFloatField(required=False, min_value=0.0, max_value=1000.0)
 
     def to_internal_value(self, data: Any) -> dict[str, Any]:
         if not isinstance(data, dict):
@@ -87,20 +92,12 @@ class ImageGenerationRequestSerializer(serializers.Serializer):
         unknown = sorted(set(data) - set(self.fields))
         if unknown:
             raise serializers.ValidationError({k: ["Unknown field."] for k in unknown})
-        for name in ("n", "seed", "num_inference_steps", "guidance_scale"):
-            if isinstance(data.get(name), bool):
-                raise serializers.ValidationError({name: ["A number is required, not a boolean."]})
         return super().to_internal_value(data)
 
     def validate_model(self, value: str) -> str:
         names = self.fields["model"].names()
         if value not in names:
             raise serializers.ValidationError(f"Unknown image model {value!r}; available: {', '.join(names)}.")
-        return value
-
-    def validate_guidance_scale(self, value: float) -> float:
-        if value != value or value in (float("inf"), float("-inf")):
-            raise serializers.ValidationError("A finite number is required.")
         return value
 
     def native(self) -> dict[str, Any]:
@@ -169,7 +166,10 @@ def _error_responses(*statuses: int) -> dict[int, OpenApiResponse]:
         413: "the request body is too large",
         422: "the Idempotency-Key was used for a different request",
         415: "the body is not JSON",
-        429: "refused: overloaded, too many jobs in flight or too fast (Retry-After)",
+        403: "your quota does not allow this model (`code` model_not_allowed), or the job alone costs more "
+        "card-seconds than your daily quota (exceeds_daily_quota)",
+        429: "refused: overloaded, or a limit of your quota: too many jobs in flight, too fast, card-seconds "
+        "per day (`code` names it; Retry-After)",
         500: "the job failed (`job_id` names it)",
         503: "the database or the broker is unavailable",
     }
@@ -210,7 +210,7 @@ def _first_field_error(detail: Any, prefix: str = "") -> tuple[str | None, str]:
 class OpenAIView(APIView):
     """Bearer first (its 401 carries `WWW-Authenticate: Bearer`), and every error in OpenAI's shape."""
 
-    authentication_classes = [BearerTokenAuthentication, TokenAuthentication]
+    authentication_classes = [BearerTokenAuthentication, ApiTokenAuthentication]
 
     def handle_exception(self, exc: Exception) -> Response:
         response = super().handle_exception(exc)
@@ -222,10 +222,15 @@ class OpenAIView(APIView):
             param, message = _first_field_error(data)
             body = openai_error(code, message, "invalid_request_error", param, "invalid_value").data
         elif code in (status.HTTP_401_UNAUTHORIZED, status.HTTP_403_FORBIDDEN):
+            message = (
+                "Incorrect or missing API key: send `Authorization: Bearer <token>` with a "
+                "token from `manage.py issue_token USER` or POST /api/v1/tokens/."
+            )
+            if isinstance(exc, exceptions.AuthenticationFailed) and str(exc.detail) != "Invalid token.":
+                message = str(exc.detail)  # an expired or revoked token says so, and what to do
             body = openai_error(
                 code,
-                "Incorrect or missing API key: send `Authorization: Bearer <token>` with a "
-                "token from `manage.py issue_token USER`.",
+                message,
                 "invalid_request_error",
                 None,
                 "invalid_api_key",
@@ -249,7 +254,6 @@ def _detail(data: Any) -> str:
 # --- Views ---------------------------------------------------------------------------------------
 class ImageGenerationView(OpenAIView):
     parser_classes = [throttling.SubmitJSONParser]
-    throttle_classes = [throttling.SubmitRateThrottle]
 
     @extend_schema(
         operation_id="openai_images_generate",
@@ -270,7 +274,7 @@ class ImageGenerationView(OpenAIView):
                 description="the wait ended first: `data` is "
                 "empty and `error.job_id` names the job, which keeps running",
             ),
-            **_error_responses(400, 401, 409, 413, 415, 422, 429, 500, 503),
+            **_error_responses(400, 401, 403, 409, 413, 415, 422, 429, 500, 503),
         },
     )
     def post(self, request: Request) -> Response:
@@ -295,14 +299,22 @@ class ImageGenerationView(OpenAIView):
             job, _ = services.submit_or_replay(request.user, native.validated_data, key)
         except services.IdempotencyConflict as conflict:
             return openai_error(422, str(conflict), "invalid_request_error", "Idempotency-Key", "idempotency_conflict")
-        except services.InFlightLimitReached as full:
+        except services.QuotaExceeded as full:
             return openai_error(
                 429,
                 str(full),
                 "rate_limit_error",
                 None,
-                "too_many_in_flight",
+                full.reason,  # too_many_in_flight, rate_limited or card_seconds_per_day
                 headers={"Retry-After": str(full.retry_after_seconds)},
+            )
+        except services.NotAllowed as refused:
+            return openai_error(
+                403,
+                str(refused),
+                "permission_error",
+                _PARAM_OF.get(refused.field, refused.field),
+                refused.reason,  # model_not_allowed or exceeds_daily_quota (the endpoint has no lane)
             )
         except services.AdmissionRefused as refused:
             d = refused.decision

@@ -15,6 +15,7 @@ from drf_spectacular.utils import OpenApiResponse
 from rest_framework import serializers
 
 from genserver import deployment
+from genserver.jobs.api.fields import StrictCharField, StrictIntegerField
 
 
 class ErrorSerializer(serializers.Serializer):
@@ -23,8 +24,11 @@ class ErrorSerializer(serializers.Serializer):
     detail = serializers.CharField(required=False, help_text="what went wrong and what to change")
     reason = serializers.CharField(
         required=False,
-        help_text="a stable code: overloaded, too_many_in_flight, start_deadline, rate_limited, too_large, "
-        "idempotency_conflict, unavailable, staff_only, finished, or why a step change was refused",
+        help_text="a stable code: overloaded, too_many_in_flight, start_deadline, rate_limited, "
+        "card_seconds_per_day, model_not_allowed, lane_not_allowed, exceeds_daily_quota, too_large, "
+        "idempotency_conflict, unavailable, staff_only, finished, or why a step change was refused. A quota "
+        "refusal also names `limit`, `used` and `resets_at` (429), or `allowed` (403: the models or lanes "
+        "allowed); a 400 on a field of the same name is that field's messages instead",
     )
     retry_after = serializers.IntegerField(required=False, help_text="seconds; also in the Retry-After header")
     expected_start_at = serializers.DateTimeField(
@@ -46,7 +50,7 @@ class ErrorSerializer(serializers.Serializer):
 _WHY = {
     400: "field errors: each bad field (or `non_field_errors`) with a list of messages",
     403: "staff only: a signed-in user who is not staff",
-    401: "no token, or an unknown one: send `Authorization: Token <key>` (or `Bearer <key>`)",
+    401: "no token, or an unknown, expired or revoked one: send `Authorization: Token <key>` (or `Bearer <key>`)",
     404: "no such job of yours (another user's job is a 404 too), or the file is gone",
     409: "the job is in a state that refuses this; see `reason`",
     413: "the request body is too large; see `limit_bytes`",
@@ -70,7 +74,7 @@ def error_responses(*statuses: int, **described: str) -> dict[int, OpenApiRespon
     }
 
 
-class RegistryModelField(serializers.CharField):
+class RegistryModelField(StrictCharField):
     """A model name of the registry; the schema lists the names as an enum (read when the schema is built)."""
 
     def __init__(self, kind: str = "", **kwargs: Any) -> None:
@@ -87,6 +91,30 @@ class RegistryModelFieldExtension(OpenApiSerializerFieldExtension):
 
     def map_serializer_field(self, auto_schema, direction) -> dict[str, Any]:
         return {"type": "string", "enum": self.target.names()}
+
+
+class NumOutputsField(StrictIntegerField):
+    """Outputs of one job: at least 1, at most its model's `max_batch` (checked against the model in
+    the serializer's validate); the schema's maximum is the largest `max_batch` of the registry."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        kwargs.setdefault("min_value", 1)
+        kwargs.setdefault("required", False)
+        kwargs.setdefault("default", 1)
+        kwargs.setdefault("help_text", "outputs to make: at most the model's limits.max_outputs (GET /api/v1/models/)")
+        super().__init__(**kwargs)
+
+    @staticmethod
+    def largest() -> int:
+        reg = deployment.registry()
+        return max(reg.get(n).max_batch for n in reg.names())
+
+
+class NumOutputsFieldExtension(OpenApiSerializerFieldExtension):
+    target_class = NumOutputsField
+
+    def map_serializer_field(self, auto_schema, direction) -> dict[str, Any]:
+        return {"type": "integer", "minimum": 1, "maximum": self.target.largest()}
 
 
 class BearerScheme(OpenApiAuthenticationExtension):
@@ -135,21 +163,64 @@ class ModelInfoSerializer(serializers.Serializer):
 
 
 class QueueInfoSerializer(serializers.Serializer):
-    """One duration class of GET /api/v1/queues/."""
+    """One duration class of GET /api/v1/queues/ (the fields marked "staff only" are absent for others)."""
 
     name = serializers.ChoiceField(choices=["short", "medium", "long"])
     depth = serializers.IntegerField(help_text="jobs of the class waiting")
     running = serializers.IntegerField()
     backlog_seconds = serializers.FloatField()
-    workers = serializers.ListField(child=serializers.CharField(), help_text="workers of the layout serving it")
+    capacity_source = serializers.ChoiceField(
+        choices=["live", "layout"], help_text="live: cards counted from heartbeats; layout: from the configured layout"
+    )
+    cards = serializers.IntegerField(help_text="cards serving the class")
     expected_wait_seconds = serializers.FloatField(allow_null=True, help_text="null: no worker serves the class")
     wait_limit_seconds = serializers.FloatField()
     accepting = serializers.BooleanField()
-    live_workers = serializers.ListField(child=serializers.CharField(), required=False)
-    broker_messages = serializers.IntegerField(required=False, allow_null=True)
+    workers = serializers.ListField(
+        child=serializers.CharField(), required=False, help_text="staff only: workers of the layout serving it"
+    )
+    cards_by_node = serializers.DictField(
+        child=serializers.IntegerField(), required=False, help_text="staff only: the cards serving it, per node"
+    )
+    live_workers = serializers.ListField(
+        child=serializers.CharField(), required=False, help_text="staff only: live workers serving it"
+    )
+    broker_messages = serializers.IntegerField(
+        required=False, allow_null=True, help_text="staff only: messages waiting in its broker queues"
+    )
 
 
-class PromptField(serializers.CharField):
+class QuotaLimitSerializer(serializers.Serializer):
+    limit = serializers.FloatField(allow_null=True, help_text="null: no limit")
+    used = serializers.FloatField()
+    remaining = serializers.FloatField(allow_null=True, help_text="null: no limit")
+    resets_at = serializers.DateTimeField(allow_null=True, help_text="when a place frees up / the count resets")
+
+
+class SubmitRateLimitSerializer(QuotaLimitSerializer):
+    window_seconds = serializers.FloatField(help_text="the rate window (GENSERVER_SUBMIT_RATE_WINDOW, 60 s)")
+
+
+class UsageSerializer(serializers.Serializer):
+    """GET /api/v1/usage/: the caller's own counts against their quota."""
+
+    user = serializers.CharField()
+    quota = serializers.CharField(help_text='where the limits come from: "user", "groups: ...", or "default"')
+    jobs_in_flight = QuotaLimitSerializer(help_text="unfinished jobs (resets_at null: places free up as jobs end)")
+    submits_per_minute = SubmitRateLimitSerializer(help_text="accepted submits in the rate window")
+    card_seconds_per_day = QuotaLimitSerializer(
+        help_text="card time today (UTC): running jobs at their estimate, ended ones at their measured time; "
+        "resets at 00:00 UTC"
+    )
+    allowed_models = serializers.ListField(child=serializers.CharField())
+    allowed_lanes = serializers.ListField(
+        child=serializers.CharField(),
+        allow_null=True,
+        help_text="null: every lane (a job without a lane is always allowed)",
+    )
+
+
+class PromptField(StrictCharField):
     """A prompt: text with at least one non-blank character (it is trimmed)."""
 
 
@@ -169,6 +240,8 @@ CLOSED_REQUEST_BODIES = (
     "JobCreate",
     "StepsChange",
     "ImageGenerationRequest",
+    "ApiTokenCreateRequest",
+    "ApiTokenCreate",
 )
 
 

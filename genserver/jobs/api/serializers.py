@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 import secrets
 from datetime import datetime
 from typing import Any
@@ -13,49 +12,34 @@ from rest_framework import serializers
 from rest_framework.reverse import reverse
 
 from genserver import deployment
-from genserver.jobs.api.schema import PromptField, RegistryModelField
+from genserver.jobs.api.fields import (
+    StrictCharField,
+    StrictChoiceField,
+    StrictFloatField,
+    StrictIntegerField,
+    StrictRegexField,
+    StrictURLField,
+)
+from genserver.jobs.api.schema import NumOutputsField, PromptField, RegistryModelField
 from genserver.jobs.models import WEBHOOK_EVENTS, Job
 from genserver.registry import RegistryError
 
 START_WITHIN_MAX_SECONDS = 7 * 24 * 3600  # a start deadline a week away is no deadline: leave start_within out
 
 
-class StrictFloatField(serializers.FloatField):
-    """A float that must be finite: NaN and ±inf are refused, not stored."""
-
-    default_error_messages = {"not_finite": "A finite number is required (not NaN or infinity)."}
-
-    def to_internal_value(self, data: Any) -> float:
-        if isinstance(data, bool):
-            self.fail("invalid")
-        value = super().to_internal_value(data)
-        if not math.isfinite(value):
-            self.fail("not_finite")
-        return value
-
-
-class StrictIntegerField(serializers.IntegerField):
-    """An integer given as a JSON number or digit string; booleans are refused."""
-
-    def to_internal_value(self, data: Any) -> int:
-        if isinstance(data, bool):
-            self.fail("invalid")
-        return super().to_internal_value(data)
-
-
 class JobCreateSerializer(serializers.Serializer):
     model = RegistryModelField(max_length=100, help_text="a model of GET /api/v1/models/")
     prompt = PromptField(max_length=20000, trim_whitespace=True)
-    negative_prompt = serializers.CharField(max_length=20000, required=False, allow_blank=True, default="")
+    negative_prompt = StrictCharField(max_length=20000, required=False, allow_blank=True, default="")
     width = StrictIntegerField(required=False, min_value=1, max_value=16384)
     height = StrictIntegerField(required=False, min_value=1, max_value=16384)
     num_frames = StrictIntegerField(required=False, min_value=1, max_value=10000)
     steps = StrictIntegerField(required=False, min_value=1, max_value=10000)
     guidance_scale = StrictFloatField(required=False, min_value=0.0, max_value=1000.0)
     seed = StrictIntegerField(required=False, min_value=0, max_value=2**63 - 1)
-    num_outputs = StrictIntegerField(required=False, default=1, min_value=1, max_value=4)
+    num_outputs = NumOutputsField()
     preview_every = StrictIntegerField(required=False, default=0, min_value=0, max_value=10000)
-    webhook_url = serializers.URLField(
+    webhook_url = StrictURLField(
         max_length=500,
         required=False,
         allow_blank=True,
@@ -63,13 +47,13 @@ class JobCreateSerializer(serializers.Serializer):
         help_text="http(s) URL that receives signed JSON events of the job",
     )
     webhook_events = serializers.ListField(
-        child=serializers.ChoiceField(choices=WEBHOOK_EVENTS),
+        child=StrictChoiceField(choices=WEBHOOK_EVENTS),
         required=False,
         max_length=len(WEBHOOK_EVENTS),
         help_text="which events webhook_url receives (default: started, succeeded, failed, cancelled); "
         "previews are sent at most once per GENSERVER_WEBHOOK_PREVIEW_SECONDS",
     )
-    lane = serializers.RegexField(
+    lane = StrictRegexField(
         r"^[a-z0-9][a-z0-9_-]{0,31}$",
         max_length=32,
         required=False,
@@ -141,6 +125,9 @@ class JobCreateSerializer(serializers.Serializer):
                 errors[field] = [f"Must be between {lim.min_size} and {maximum} for {spec.name}."]
             elif value % lim.size_multiple:
                 errors[field] = [f"Must be a multiple of {lim.size_multiple} for {spec.name}."]
+        if attrs["num_outputs"] > spec.max_batch:
+            most = f"{spec.max_batch} output" + ("s" if spec.max_batch > 1 else "")
+            errors["num_outputs"] = [f"At most {most} for {spec.name} (its max_batch); ask for fewer."]
         if spec.kind == "image" and attrs["num_frames"] != 1:
             errors["num_frames"] = [f"{spec.name} makes images; leave num_frames out or set it to 1."]
         elif spec.kind == "video":
@@ -149,7 +136,7 @@ class JobCreateSerializer(serializers.Serializer):
                 errors["num_frames"] = [f"At most {lim.max_frames} frames for {spec.name}."]
             elif (frames - 1) % lim.frames_step:
                 errors["num_frames"] = [f"Must be 1 + a multiple of {lim.frames_step} for {spec.name} (e.g. 81)."]
-            elif attrs["num_outputs"] > 1 and frames > spec.segment_frames > 0:
+            elif attrs["num_outputs"] > 1 and frames > spec.segment_frames > 0 and "num_outputs" not in errors:
                 errors["num_outputs"] = [
                     f"A video longer than {spec.segment_frames} frames runs in segments "
                     f"and makes one output; set num_outputs to 1."

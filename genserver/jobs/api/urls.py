@@ -2,7 +2,7 @@
 
 from django.urls import path
 
-from genserver.jobs.api import events, views
+from genserver.jobs.api import events, tokens, views
 
 urlpatterns = [
     path("jobs/", views.JobListCreateView.as_view(), name="job-list"),
@@ -23,4 +23,8 @@ urlpatterns = [
     path("models/", views.ModelListView.as_view(), name="model-list"),
     path("queues/", views.QueueListView.as_view(), name="queue-list"),
     path("workers/", views.WorkerListView.as_view(), name="worker-list"),
+    path("usage/", views.UsageView.as_view(), name="usage"),
+    # --- API tokens: the signed-in user's own (genserver/jobs/api/tokens.py)
+    path("tokens/", tokens.TokenListCreateView.as_view(), name="token-list"),
+    path("tokens/<int:token_id>/", tokens.TokenDetailView.as_view(), name="token-detail"),
 ]

@@ -14,6 +14,7 @@ from rest_framework import serializers, status
 from rest_framework.exceptions import ValidationError
 from rest_framework.generics import GenericAPIView
 from rest_framework.pagination import LimitOffsetPagination
+from rest_framework.permissions import IsAdminUser
 from rest_framework.request import Request
 from rest_framework.response import Response
 from rest_framework.views import APIView
@@ -21,7 +22,7 @@ from rest_framework.views import APIView
 from genserver import deployment
 from genserver.jobs import selectors, services
 from genserver.jobs.api import throttling, waits
-from genserver.jobs.api.schema import ModelInfoSerializer, QueueInfoSerializer, error_responses
+from genserver.jobs.api.schema import ModelInfoSerializer, QueueInfoSerializer, UsageSerializer, error_responses
 from genserver.jobs.api.serializers import (
     JobCreateSerializer,
     JobSerializer,
@@ -60,7 +61,6 @@ class JobListCreateView(GenericAPIView):
     serializer_class = JobSerializer
     pagination_class = StrictLimitOffsetPagination
     parser_classes = [throttling.SubmitJSONParser]  # JSON only: any other content type is a 415
-    throttle_classes = [throttling.SubmitRateThrottle]  # counts POSTs only
 
     def get_queryset(self):
         qs = selectors.jobs_visible_to(self.request.user).select_related("owner").prefetch_related("segments")
@@ -105,13 +105,17 @@ class JobListCreateView(GenericAPIView):
             200: OpenApiResponse(JobSerializer, description="a retry with the same Idempotency-Key"),
             **error_responses(
                 400,
+                403,
                 413,
                 415,
                 422,
                 429,
-                s429="overloaded, too many jobs in flight, or (reason `start_deadline`) the expected start "
-                "is later than `start_within`: the body carries the quote (expected_start_at, "
-                "expected_finish_at); see Retry-After. Nothing was recorded",
+                s403="your quota does not allow this model or lane (`allowed` lists those it does), or the "
+                "job alone costs more card-seconds than your daily quota; nothing was recorded",
+                s429="overloaded, a limit of your quota (jobs in flight, submits per minute, card-seconds "
+                "per day: `limit`, `used`, `resets_at`; see GET /api/v1/usage/), or (reason "
+                "`start_deadline`) the expected start is later than `start_within`: the body carries the "
+                "quote (expected_start_at, expected_finish_at); see Retry-After. Nothing was recorded",
             ),
         },
     )
@@ -128,18 +132,10 @@ class JobListCreateView(GenericAPIView):
             return Response(
                 {"detail": str(conflict), "reason": "idempotency_conflict"}, status=status.HTTP_422_UNPROCESSABLE_ENTITY
             )
-        except services.InFlightLimitReached as full:
-            return Response(
-                {
-                    "detail": str(full),
-                    "reason": "too_many_in_flight",
-                    "limit": full.limit,
-                    "in_flight": full.in_flight,
-                    "retry_after": full.retry_after_seconds,
-                },
-                status=status.HTTP_429_TOO_MANY_REQUESTS,
-                headers={"Retry-After": str(full.retry_after_seconds)},
-            )
+        except services.QuotaExceeded as full:
+            return _quota_exceeded(full)
+        except services.NotAllowed as refused:
+            return _not_allowed(refused)
         except services.AdmissionRefused as refused:
             return _overloaded(refused)
         except services.StartDeadlineRefused as late:
@@ -275,6 +271,33 @@ def _too_late(late: services.StartDeadlineRefused) -> Response:
     )
 
 
+def _quota_exceeded(full: services.QuotaExceeded) -> Response:
+    """429 with Retry-After: a limit of the user's quota (which, what is used, when it resets)."""
+    body = {
+        "detail": str(full),
+        "reason": full.reason,
+        "limit": full.limit,
+        "used": full.used,
+        "retry_after": full.retry_after_seconds,
+        "resets_at": serializers.DateTimeField().to_representation(full.resets_at) if full.resets_at else None,
+    }
+    if isinstance(full, services.InFlightLimitReached):
+        body["in_flight"] = full.in_flight
+    if full.reason == "rate_limited":
+        body["window_seconds"] = settings.SUBMIT_RATE_WINDOW
+    return Response(
+        body, status=status.HTTP_429_TOO_MANY_REQUESTS, headers={"Retry-After": str(full.retry_after_seconds)}
+    )
+
+
+def _not_allowed(refused: services.NotAllowed) -> Response:
+    """403: the user's quota does not allow this model or lane (or a job this big); `allowed` lists what it does."""
+    body: dict = {"detail": str(refused), "reason": refused.reason, refused.field: [str(refused)]}
+    if refused.allowed is not None:
+        body["allowed"] = refused.allowed
+    return Response(body, status=status.HTTP_403_FORBIDDEN)
+
+
 def _overloaded(refused: services.AdmissionRefused) -> Response:
     """429 with Retry-After for work admission refused (a submit, or steps added to a job)."""
     d = refused.decision
@@ -375,11 +398,28 @@ class ModelListView(APIView):
         return Response([reg.get(name).public() for name in reg.names()])
 
 
+class StaffOnlyWorkers(IsAdminUser):
+    """Worker names and nodes name the service's machines: staff only (anonymous stays a 401)."""
+
+    message = {
+        "detail": "Only staff may list the workers (they name the service's machines); "
+        "GET /api/v1/queues/ gives every user the per-class summary.",
+        "reason": "staff_only",
+    }
+
+
 class WorkerListView(APIView):
-    @extend_schema(responses={200: OpenApiTypes.OBJECT, **error_responses()})
+    permission_classes = [StaffOnlyWorkers]
+
+    @extend_schema(
+        responses={
+            200: OpenApiTypes.OBJECT,
+            **error_responses(403, s403="staff only: the workers name the service's machines"),
+        }
+    )
     def get(self, request: Request) -> Response:
-        """Live workers (`gpu0@NODE`): their node, queues, cards and the models each one holds; per node its
-        workers and denoising cards; the embedding cache; merged denoise batches."""
+        """Staff only. Live workers (`gpu0@NODE`): their node, queues, cards and the models each one holds;
+        per node its workers and denoising cards; the embedding cache; merged denoise batches."""
         from genserver.metrics import embedding_cache_counts, merged_counts
 
         workers = selectors.live_workers()
@@ -396,4 +436,14 @@ class WorkerListView(APIView):
 class QueueListView(APIView):
     @extend_schema(responses={200: QueueInfoSerializer(many=True), **error_responses()})
     def get(self, request: Request) -> Response:
-        return Response(selectors.queue_overview())
+        """Per duration class: depth, backlog, expected wait, whether it accepts work. Staff also see the
+        workers and cards per node serving each class."""
+        return Response(selectors.queue_overview(staff=request.user.is_staff))
+
+
+class UsageView(APIView):
+    @extend_schema(responses={200: UsageSerializer, **error_responses()})
+    def get(self, request: Request) -> Response:
+        """Your own counts against your quota and what remains: jobs in flight, submits in the rate window,
+        card-seconds today (UTC), the models and lanes you may use, and when each limit resets."""
+        return Response(UsageSerializer(selectors.usage_report(request.user)).data)

@@ -5,8 +5,9 @@ and checkpoint step), so two workers, a redelivered message and the reaper
 can race on a job and exactly one of them wins. Tasks are published only
 after the transaction that made them valid commits.
 
-The modules follow the job's life: `submission` (admission, in-flight
-limits, idempotency, cancel), `deadlines` (the start deadline: a refused quote,
+The modules follow the job's life: `quotas` (per-user limits and allowed
+models/lanes at submit, the charge settled at the end), `submission` (admission,
+idempotency, cancel), `deadlines` (the start deadline: a refused quote,
 the end `expired`), `priority` (staff re-prioritise within a class), `estimates` (cost and the online step-time
 correction), `steps` (step changes midway), `transitions` (the worker's
 claims, heartbeats, chunks and decode), `recovery` (failed attempts, the
@@ -20,15 +21,14 @@ from ._common import Outcome, disk_full, publish_or_leave_to_reaper
 from .deadlines import StartDeadlineRefused, expire_if_overdue, expire_overdue
 from .estimates import Estimate, estimate
 from .priority import PriorityRefused, priority_bounds, reprioritise
+from .quotas import InFlightLimitReached, NotAllowed, QuotaExceeded, settle
 from .recovery import fail_attempt, reap_stale, retry_failed
-from .retention import expire_outputs, retain, sweep_embeddings
+from .retention import expire_failed_checkpoints, expire_outputs, job_deleted, purge_jobs, retain, sweep_embeddings
 from .steps import STEPS_CHANGEABLE, StepsChangeRefused, change_steps, release_for_new_total
 from .submission import (
     AdmissionRefused,
     IdempotencyConflict,
-    InFlightLimitReached,
     cancel_job,
-    check_in_flight,
     fingerprint,
     replayed_job,
     submit_job,
@@ -53,19 +53,21 @@ __all__ = [
     "Estimate",
     "IdempotencyConflict",
     "InFlightLimitReached",
+    "NotAllowed",
     "Outcome",
     "PriorityRefused",
+    "QuotaExceeded",
     "STEPS_CHANGEABLE",
     "StartDeadlineRefused",
     "StepsChangeRefused",
     "cancel_job",
     "change_steps",
-    "check_in_flight",
     "claim_chunk",
     "claim_encode_batch",
     "claim_merge_partners",
     "disk_full",
     "estimate",
+    "expire_failed_checkpoints",
     "expire_if_overdue",
     "expire_outputs",
     "expire_overdue",
@@ -76,8 +78,10 @@ __all__ = [
     "finish_decoding",
     "finish_encoding",
     "heartbeat",
+    "job_deleted",
     "priority_bounds",
     "publish_or_leave_to_reaper",
+    "purge_jobs",
     "reap_stale",
     "record_preview",
     "release_for_new_total",
@@ -85,6 +89,7 @@ __all__ = [
     "reprioritise",
     "retain",
     "retry_failed",
+    "settle",
     "start_decoding",
     "start_encoding",
     "submit_job",

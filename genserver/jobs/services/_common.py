@@ -1,7 +1,7 @@
 """What every part of the job service shares: leases, the end of a job, events, publishing and disk errors.
 
-A leaf: it imports no other part of the service but the leaf `observe`, so segment_service.py and
-each module of this package import it directly.
+A leaf: it imports no other part of the service but the leaves `observe` and `quotas`, so
+segment_service.py and each module of this package import it directly.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from genserver.jobs.models import TERMINAL, Job, JobStage, JobStatus
 from genserver.redis_client import CANCEL_KEY, client as redis_client
 from genserver.storage import default_storage
 
-from . import observe
+from . import observe, quotas
 
 log = logging.getLogger(__name__)
 
@@ -76,15 +76,42 @@ def end_if_cancelled(job: Job) -> bool:
     return True
 
 
+# Where a job's files live in storage, by kind: what goes when the job's row is deleted.
+JOB_FILE_PREFIXES = ("checkpoints", "outputs", "previews")
+
+
+def drop_checkpoints(job_id: JobId, keep: str = "") -> None:
+    """Delete the job's checkpoints, all of them or all but `keep` (a failed job's latest, for a retry)."""
+    storage = default_storage()
+    prefix = f"checkpoints/{job_id}"
+    if not keep:
+        storage.delete_prefix(prefix)
+        return
+    for entry in list(storage.list(prefix)):
+        if entry.key != keep:
+            storage.delete(entry.key)
+
+
+def delete_job_files(job_id: JobId) -> None:
+    """Delete every file of the job (checkpoints, outputs, previews, a long video's segments); the
+    prompt embeddings are a shared cache, swept by retention when unused."""
+    storage = default_storage()
+    for kind in JOB_FILE_PREFIXES:
+        storage.delete_prefix(f"{kind}/{job_id}")
+
+
 def after_end(job_id: JobId) -> None:
-    """Once a job is terminal (called after the transition committed): drop its checkpoints and
-    cancel flag, and publish its webhook event (succeeded, failed or cancelled)."""
-    default_storage().delete_prefix(f"checkpoints/{job_id}")
+    """Once a job is terminal (called after the transition committed): settle its quota charge (the
+    measured card time replaces the estimate), drop its checkpoints (a failed job keeps its latest, so
+    the admin's retry resumes there, until retention removes it after FAILED_CHECKPOINT_TTL_SECONDS) and
+    cancel flag, and publish its webhook event (succeeded, failed, cancelled or expired)."""
+    quotas.settle(job_id)
+    status, kept = Job.objects.filter(pk=job_id).values_list("status", "checkpoint_key").first() or ("", "")
+    drop_checkpoints(job_id, keep=kept if status == JobStatus.FAILED else "")
     try:
         redis_client().delete(CANCEL_KEY.format(job_id=job_id))
     except Exception:  # noqa: BLE001 - a stale cancel flag expires with its job; Redis down must not block the end
         pass
-    status = Job.objects.filter(pk=job_id).values_list("status", flat=True).first()
     if status in TERMINAL:
         events.publish(job_id, status)  # the stream's last event: open streams end on it
         webhooks.emit(job_id, status)

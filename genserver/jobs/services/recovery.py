@@ -120,7 +120,9 @@ def reap_stale() -> dict[str, int]:
 
 
 def retry_failed(job: Job) -> bool:
-    """Admin action: give a failed job a fresh set of attempts, continuing from its checkpoint."""
+    """Admin action: give a failed job a fresh set of attempts, continuing from the checkpoint it kept
+    (a failed job keeps its latest until retention removes it; a long video restarts at its first
+    segment not yet published)."""
     if job.status != JobStatus.FAILED:
         return False
     has_checkpoint = bool(job.checkpoint_key) and default_storage().exists(job.checkpoint_key)
@@ -138,13 +140,16 @@ def retry_failed(job: Job) -> bool:
         published_at=timezone.now(),
         start_deadline=None,  # staff asked for this run: a start deadline from the submit no longer applies
     )
-    if not has_checkpoint:
+    if has_checkpoint:
+        fields.update(steps_done=job.checkpoint_step)  # the steps after it are done again
+    else:
         fields.update(checkpoint_step=0, checkpoint_key="", steps_done=0)
         if status == JobStatus.DECODING:
             fields["status"] = JobStatus.DENOISING
     if job.segment_count > 1 and job.embeddings_key:
-        fields.update(segment_service.retry_fields(job))  # from the first segment not yet published
-    if not Job.objects.filter(pk=job.pk, status=JobStatus.FAILED).update(**fields):
+        fields.update(segment_service.retry_fields(job, has_checkpoint))  # from the first segment not published
+    # The checkpoint it found must still be the row's: retention may have just forgotten it.
+    if not Job.objects.filter(pk=job.pk, status=JobStatus.FAILED, checkpoint_key=job.checkpoint_key).update(**fields):
         return False
     observe.transition(job.pk, JobStatus.FAILED, str(fields["status"]))
     job.refresh_from_db()

@@ -1,4 +1,9 @@
-"""Retention: expire old outputs and previews, drop prompt embeddings no job uses (checkpoints go when a job ends)."""
+"""Retention: expire old outputs, failed jobs' kept checkpoints, unused embeddings and old job rows (with their files).
+
+Checkpoints go when a job ends, except a failed job's latest (the admin's retry resumes there),
+which goes FAILED_CHECKPOINT_TTL_SECONDS after the failure. A job row deleted by the purge
+(JOB_TTL_SECONDS) or in the admin takes its files with it (`job_deleted`, a post_delete handler).
+"""
 
 from __future__ import annotations
 
@@ -7,11 +12,14 @@ from datetime import datetime, timedelta
 from typing import Any
 
 from django.conf import settings
+from django.db import transaction
 from django.db.models import Exists, OuterRef, Q
 from django.utils import timezone
 
 from genserver.jobs.models import ACTIVE, TERMINAL, Job, JobSegment, JobStage, JobStatus
 from genserver.storage import StorageError, default_storage
+
+from ._common import delete_job_files, drop_checkpoints
 
 EMBEDDINGS = "embeddings"
 ASIDE = ".deleting-"  # a candidate moved aside while the database is asked again
@@ -20,9 +28,73 @@ log = logging.getLogger(__name__)
 
 
 def retain(now: datetime | None = None) -> dict[str, int]:
-    """Beat task body: expire old outputs and drop unused embeddings (checkpoints go when a job ends)."""
+    """Beat task body: expire old outputs and failed jobs' checkpoints, drop unused embeddings, purge old rows."""
     now = now or timezone.now()
-    return {"outputs_expired": expire_outputs(now), "embeddings_deleted": sweep_embeddings(now)}
+    return {
+        "outputs_expired": expire_outputs(now),
+        "checkpoints_expired": expire_failed_checkpoints(now),
+        "embeddings_deleted": sweep_embeddings(now),
+        "jobs_purged": purge_jobs(now),
+    }
+
+
+def expire_failed_checkpoints(now: datetime | None = None, batch: int = 500) -> int:
+    """Delete the checkpoint a failed job kept for a retry, FAILED_CHECKPOINT_TTL_SECONDS after it failed.
+
+    The row forgets it first (a retry from then on starts over), then the files go; a job retried
+    meanwhile is no longer failed and keeps its checkpoint.
+    """
+    ttl = settings.FAILED_CHECKPOINT_TTL_SECONDS
+    now = now or timezone.now()
+    cutoff = now - timedelta(seconds=ttl)
+    candidates = (
+        Job.objects.filter(status=JobStatus.FAILED, finished_at__lt=cutoff)
+        .exclude(checkpoint_key="")
+        .order_by("finished_at")
+        .values_list("pk", "checkpoint_key")[:batch]
+    )
+    expired = 0
+    for pk, key in candidates:
+        forgot = Job.objects.filter(pk=pk, status=JobStatus.FAILED, checkpoint_key=key).update(
+            checkpoint_key="", checkpoint_step=0, steps_done=0
+        )
+        if forgot:
+            drop_checkpoints(pk)
+            expired += 1
+    return expired
+
+
+def purge_jobs(now: datetime | None = None, batch: int = 500) -> int:
+    """Delete the rows of jobs that ended more than JOB_TTL_SECONDS ago (0: never), and so their files.
+
+    The files go with each row (`job_deleted`), once the deletion committed.
+    """
+    ttl = settings.JOB_TTL_SECONDS
+    if ttl <= 0:
+        return 0
+    now = now or timezone.now()
+    cutoff = now - timedelta(seconds=ttl)
+    old = Job.objects.filter(status__in=TERMINAL, finished_at__lt=cutoff).order_by("finished_at")
+    ids = list(old.values_list("pk", flat=True)[:batch])
+    if not ids:
+        return 0
+    with transaction.atomic():
+        deleted = Job.objects.filter(pk__in=ids, status__in=TERMINAL).delete()[1].get(Job._meta.label, 0)
+    return deleted
+
+
+def job_deleted(sender: type, instance: Job, **kwargs: Any) -> None:
+    """post_delete of Job (the purge, the admin's delete, a user's deletion): its files go once the
+    deletion commits, so an aborted delete keeps them."""
+    pk = instance.pk
+    transaction.on_commit(lambda: _delete_files_quietly(pk))
+
+
+def _delete_files_quietly(pk: Any) -> None:
+    try:
+        delete_job_files(pk)
+    except Exception:  # the row is gone either way; a later sweep cannot find these files
+        log.warning("retention: could not delete the files of deleted job %s", pk, exc_info=True)
 
 
 def expire_outputs(now: datetime | None = None, batch: int = 500) -> int:

@@ -1,14 +1,12 @@
-"""Submission (API side): admission, the per-user in-flight limit, idempotent retries, and cancel."""
+"""Submission (API side): quotas, admission, idempotent retries, and cancel."""
 
 from __future__ import annotations
 
 import hashlib
 import json
 import logging
-import math
 from typing import Any
 
-from django.conf import settings
 from django.db import IntegrityError, transaction
 from django.db.models import Q
 from django.utils import timezone
@@ -23,6 +21,7 @@ from . import observe
 from ._common import after_end, announce_on_commit, publish_or_leave_to_reaper
 from .deadlines import StartDeadlineRefused, deadline_from
 from .estimates import Estimate, chunked_for_queue, estimate
+from .quotas import NotAllowed, QuotaExceeded, charge_of, check_allowed, check_limits
 
 log = logging.getLogger(__name__)
 
@@ -36,17 +35,12 @@ class AdmissionRefused(Exception):
         self.duration_class = duration_class
 
 
-class InFlightLimitReached(Exception):
-    """The user already has MAX_JOBS_IN_FLIGHT unfinished jobs (→ 429 with Retry-After)."""
-
-    def __init__(self, limit: int, in_flight: int, retry_after_seconds: int) -> None:
-        super().__init__(
-            f"You have {in_flight} unfinished jobs; at most {limit} may be queued or running at once. "
-            "Wait for one to finish or cancel one."
-        )
-        self.limit = limit
-        self.in_flight = in_flight
-        self.retry_after_seconds = retry_after_seconds
+# The metric's refusal reasons (docs/METRICS.md) for the API's quota codes.
+_METRIC_REASON = {
+    "too_many_in_flight": "in_flight",
+    "rate_limited": "rate_limited",
+    "card_seconds_per_day": "card_seconds",
+}
 
 
 class IdempotencyConflict(Exception):
@@ -80,13 +74,22 @@ def replayed_job(owner: Any, idempotency_key: str, data: dict[str, Any]) -> Job 
 def submit_job(owner: Any, data: dict[str, Any], idempotency_key: str = "") -> Job:
     """Admit and record a validated request, then publish its encode task.
 
-    Raises AdmissionRefused (→ 429) and writes nothing when the class is over its limit,
+    Writes nothing and raises NotAllowed (→ 403) when the owner's quota does not allow the model
+    or lane (services/quotas.py), AdmissionRefused (→ 429) when the class is over its limit,
     StartDeadlineRefused (→ 429 with the quote) when `start_within` is given and the expected
-    start is later, and InFlightLimitReached (→ 429) when the owner has too many unfinished jobs;
-    an IntegrityError when another submit recorded the same `idempotency_key` first.
+    start is later, and QuotaExceeded (→ 429; InFlightLimitReached for unfinished jobs) when the
+    owner's quota is used up; an IntegrityError when another submit recorded the same
+    `idempotency_key` first.
     """
     spec = deployment.registry().get(data["model"])
     est = estimate(data)
+    quota = selectors.effective_quota(owner)
+    charge = charge_of(est.seconds, est.clock_scale)
+    try:
+        check_allowed(quota, spec.name, data.get("lane", ""), charge)
+    except NotAllowed:
+        metrics.count_submit(est.duration_class, "not_allowed")
+        raise
     queue = deployment.layout().queue_for(est.duration_class, spec.name, data.get("lane", ""))
     est = chunked_for_queue(est, queue, data["steps"])
     capacity = selectors.live_capacity()  # the cards alive now, on every node
@@ -102,11 +105,11 @@ def submit_job(owner: Any, data: dict[str, Any], idempotency_key: str = "") -> J
     recorded = {k: v for k, v in data.items() if k != "seed_drawn"}
     with transaction.atomic():
         try:
-            check_in_flight(owner)
-        except InFlightLimitReached:
-            metrics.count_submit(est.duration_class, "in_flight")
+            check_limits(owner, quota, charge)
+        except QuotaExceeded as refused:
+            metrics.count_submit(est.duration_class, _METRIC_REASON[refused.reason])
             raise
-        job = _record_job(owner, spec, data, est, queue, idempotency_key, fingerprint(recorded))
+        job = _record_job(owner, spec, data, est, queue, idempotency_key, fingerprint(recorded), charge)
         transaction.on_commit(lambda: metrics.count_submit(job.duration_class))
         observe.transition(job.pk, "", JobStatus.QUEUED)
         transaction.on_commit(lambda: publish_or_leave_to_reaper(broker.send_encode, job.id, job.priority))
@@ -135,6 +138,7 @@ def _record_job(
     queue: str,
     idempotency_key: str,
     request_fingerprint: str,
+    charge: float,
 ) -> Job:
     return Job.objects.create(
         owner=owner,
@@ -166,32 +170,8 @@ def _record_job(
         idempotency_key=idempotency_key,
         request_fingerprint=request_fingerprint,
         start_deadline=deadline_from(data.get("start_within")),
+        charged_card_seconds=charge,  # the day's quota counts the estimate until the job ends (quotas.settle)
     )
-
-
-def check_in_flight(owner: Any) -> None:
-    """Inside submit_job's transaction: refuse a user's job beyond MAX_JOBS_IN_FLIGHT unfinished ones.
-
-    A job whose cancel was accepted (202) no longer counts, though its card may
-    still be finishing the step in hand. The owner's row is locked first
-    (SELECT ... FOR UPDATE on PostgreSQL; SQLite's IMMEDIATE transactions
-    serialise writers anyway), so two concurrent submits cannot both take the
-    last place. Retry-After is when the first of the owner's jobs is expected to
-    end (its ETA: the work ahead of it and its own, in wall seconds).
-    """
-    limit = settings.MAX_JOBS_IN_FLIGHT
-    if limit <= 0:
-        return
-    # owner._meta.model, not type(owner): a session-authenticated request.user is a lazy proxy (the web page).
-    list(owner._meta.model.objects.select_for_update().filter(pk=owner.pk).values_list("pk", flat=True))
-    counted = Job.objects.filter(owner=owner, status__in=ACTIVE, cancel_requested=False)
-    in_flight = counted.count()
-    if in_flight < limit:
-        return
-    snapshot = selectors.QueueSnapshot.load()
-    etas = [eta for job in counted if (eta := snapshot.eta_seconds(job)) is not None]
-    soonest = min(etas) if etas else 60.0  # no ETA: no worker serves their queues
-    raise InFlightLimitReached(limit, in_flight, max(1, math.ceil(soonest)))
 
 
 def cancel_job(job: Job) -> Job:

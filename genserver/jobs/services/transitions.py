@@ -185,17 +185,30 @@ def record_preview(job_id: JobId, worker: str, key: str, step: int) -> None:
 
 
 def finish_chunk(
-    job_id: JobId, worker: str, step: int, checkpoint_key: str, step_seconds: float | None, keep_lease: bool = False
+    job_id: JobId,
+    worker: str,
+    step: int,
+    checkpoint_key: str,
+    step_seconds: float | None,
+    keep_lease: bool = False,
+    chunk_seconds: float | None = None,
 ) -> bool:
     """Record a saved checkpoint; then either keep the card (`keep_lease`: the worker runs the next
     chunk in-process) or publish what comes next (the next chunk, or decode) and let it go.
 
+    `chunk_seconds`: the chunk's measured wall seconds for this job (its share of a merged batch);
+    without it, `step_seconds` × the chunk's steps. Times the worker's cards, it adds to the job's
+    measured `card_seconds` (what its owner's daily quota is settled with when it ends).
     False when this worker no longer holds the job or the step was already recorded.
     """
+    spec = deployment.layout().worker(worker.split("@", 1)[0])
     with transaction.atomic():
         job = Job.objects.select_for_update().filter(pk=job_id, lease_owner=worker, status=JobStatus.DENOISING).first()
         if job is None or job.checkpoint_step >= step:
             return False
+        if chunk_seconds is None and step_seconds is not None:
+            chunk_seconds = step_seconds * (step - job.checkpoint_step)
+        job.card_seconds += (chunk_seconds or 0.0) * (spec.group_size if spec is not None else 1)
         job.checkpoint_step = job.steps_done = step
         job.checkpoint_key = checkpoint_key
         job.measured_step_seconds = step_seconds
@@ -229,7 +242,6 @@ def finish_chunk(
     metrics.observe(metrics.STEP_SECONDS, job.model, step_seconds)
     if step_seconds:
         # The correction learns single-card step times: a step on a group of k cards counts k × eff.
-        spec = deployment.layout().worker(worker.split("@", 1)[0])
         learn_step_time(job, step_seconds * (spec.speedup if spec is not None else 1.0))
     return True
 

@@ -87,7 +87,7 @@ def uninstall(apps, schema_editor):
 
 class Migration(migrations.Migration):
     dependencies = [
-        ("jobs", "0010_waiting_order"),
+        ("jobs", "0012_waiting_order"),
     ]
 
     operations = [

@@ -7,7 +7,7 @@ from django.db import migrations, models
 
 class Migration(migrations.Migration):
     dependencies = [
-        ("jobs", "0009_job_expired_and_start_deadline"),
+        ("jobs", "0011_api_tokens"),
         migrations.swappable_dependency(settings.AUTH_USER_MODEL),
     ]
 
