@@ -9,6 +9,7 @@ from django.conf import settings
 from django.contrib.auth.models import Group, User
 from django.core.exceptions import ValidationError
 from django.db import models
+from django.db.models.functions import Coalesce
 from django.utils import timezone
 
 
@@ -164,6 +165,15 @@ class Job(models.Model):
         indexes = [
             models.Index(fields=["owner", "-created_at"]),
             models.Index(fields=["status", "priority", "created_at"]),
+            # The waiting jobs (active, no card holds them) in the order they wait at each priority: what
+            # queue positions and ETAs count and sum (selectors.QueueSnapshot), at any queue depth.
+            models.Index(
+                "priority",
+                Coalesce("published_at", "created_at"),
+                name="job_waiting_order",
+                condition=models.Q(status__in=ACTIVE)
+                & ~(models.Q(status=JobStatus.DENOISING) & ~models.Q(lease_owner="")),
+            ),
         ]
 
     def __str__(self) -> str:
@@ -227,6 +237,33 @@ class JobSegment(models.Model):
 
     def __str__(self) -> str:
         return f"segment {self.index} of {self.job_id} [{self.status}]"
+
+
+class QueueTally(models.Model):
+    """The waiting jobs of one (queue, class, priority): how many, and their wall seconds of work left.
+
+    Kept by database triggers on the job table (migration 0013): every write of the job service
+    that moves a job into, out of or within the waiting jobs (submit, a claim, a chunk's end, a
+    failed attempt, a cancel, a step change, a deletion) updates its row in the same transaction,
+    so admission and the queue picture read a few rows instead of every queued job, and no write
+    path can forget it. Never written by Python code. On SQLite a later migration that remakes the
+    job table (most AlterFields there) drops its triggers: such a migration must install them again
+    (0013's `install`); tests/jobs/test_queue_depth.py fails on SQLite if it does not.
+    """
+
+    queue = models.CharField(max_length=120)
+    duration_class = models.CharField(max_length=10)
+    priority = models.PositiveSmallIntegerField()
+    count = models.BigIntegerField(default=0)
+    seconds = models.FloatField(default=0.0, help_text="Σ remaining_seconds × clock_scale of its jobs")
+
+    class Meta:
+        constraints = [
+            models.UniqueConstraint(fields=["queue", "duration_class", "priority"], name="unique_queue_tally"),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.queue or self.duration_class} p{self.priority}: {self.count} jobs, {self.seconds:.1f} s"
 
 
 class Quota(models.Model):

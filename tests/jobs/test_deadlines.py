@@ -174,5 +174,7 @@ def test_the_quote_is_none_while_no_card_serves_the_queue(api, monkeypatch):
     job_id = submit(api).json()["id"]
     from genserver.scheduling.pools import PoolLayout
 
-    snapshot = selectors.QueueSnapshot(list(Job.objects.all()), PoolLayout((), complete=False))
+    snapshot = selectors.QueueSnapshot(
+        selectors.waiting_groups(), selectors.running_jobs(), PoolLayout((), complete=False)
+    )
     assert snapshot.quote(Job.objects.get(pk=job_id)) == (None, None)

@@ -50,7 +50,9 @@ def render_jobs(jobs: list[Job]) -> list[dict[str, Any]]:
     """The jobs as GET /api/v1/jobs/{id}/ shows them (relative URLs; each stream makes them absolute)."""
     from genserver.jobs.api.serializers import JobSerializer
 
-    context = {"request": None, "snapshot": selectors.QueueSnapshot.load()}
+    snapshot = selectors.QueueSnapshot.load()
+    snapshot.prepare(jobs)
+    context = {"request": None, "snapshot": snapshot}
     return [dict(JobSerializer(job, context=context).data) for job in jobs]
 
 
