@@ -8,7 +8,6 @@ passes callbacks for the cancel check, the lease heartbeat and previews.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import io
 import time
 from collections.abc import Callable
@@ -17,7 +16,7 @@ from typing import Any
 
 import torch
 
-from genserver.storage import Storage
+from genserver.storage import Storage, keys
 
 from .base import DenoiseState, Family, GenerationRequest
 from .common import png_bytes
@@ -38,8 +37,8 @@ def checkpoint_key(job_id: str, step: int) -> str:
 
 
 def embeddings_key(family: Family, prompt: str, negative: str) -> str:
-    digest = hashlib.sha256(f"{family.encoder_identity}\0{prompt}\0{negative}".encode()).hexdigest()
-    return f"embeddings/{digest}.pt"
+    """The cache key of these prompts' embeddings (genserver.storage.keys: the API computes the same one)."""
+    return keys.embeddings_key(family.encoder_identity, prompt, negative)
 
 
 @dataclass(frozen=True)
