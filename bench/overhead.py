@@ -10,7 +10,9 @@ Starts the real stack (simulated backend, 4 CPU "cards") and measures, in one ru
    two Celery hops and the DB writes) and on a hit (a prompt whose embeddings
    are stored: the submit publishes the first chunk itself, one hop);
 3. the gap between consecutive chunks of one job (one step per chunk; the
-   gap is wall time minus the simulated step time, spread over the chunk boundaries);
+   gap is wall time minus the simulated step time, spread over the chunk boundaries),
+   and the workers' own timing of those boundaries (`genserver_chunk_boundary_seconds`,
+   scraped from /metrics: the share at or under each bucket, so the P50's bracket);
 4. the API's submit throughput and latency under concurrent clients.
 """
 
@@ -89,6 +91,27 @@ def chunk_gap(stack: LiveStack) -> tuple[float, int]:
     return (span - stepping) / max(1, chunks - 1), chunks - 1
 
 
+def boundary_shares(stack: LiveStack, model: str) -> dict[float, float]:
+    """{bucket bound in seconds: share of the model's chunk boundaries at or under it} from GET /metrics."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    req = urllib.request.Request(
+        stack.url + "/metrics", headers={"Authorization": f"Bearer {stack.env['GENSERVER_METRICS_TOKEN']}"}
+    )
+    with urllib.request.urlopen(req, timeout=30) as resp:
+        text = resp.read().decode()
+    buckets = {
+        float(sample.labels["le"]): sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name == "genserver_chunk_boundary_seconds_bucket" and sample.labels.get("model") == model
+    }
+    total = buckets.get(float("inf"), 0.0)
+    return {bound: n / total for bound, n in sorted(buckets.items()) if total and bound != float("inf")}
+
+
 def submit_load(stack: LiveStack, clients: int, requests: int) -> tuple[list[float], dict[int, int], float]:
     def one(i: int) -> tuple[float, int]:
         t = time.perf_counter()
@@ -121,12 +144,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         "GENSERVER_TIME_SCALE": str(SCALE),
         "GENSERVER_CPU_WORKERS": "4",
         "GENSERVER_REGISTRY": "genserver/registry.toml:bench/seed-registry.toml",
+        "GENSERVER_METRICS_TOKEN": uuid.uuid4().hex,  # this run's scrape of the workers' boundary timings
     }
     with live_stack(env) as stack:
         bare = bare_round_trip(args.samples)
         miss = dispatch_latency(stack, args.samples, hit=False)
         hit = dispatch_latency(stack, args.samples, hit=True)
         gap, boundaries = chunk_gap(stack)
+        shares = boundary_shares(stack, "seed-video")
         latencies, codes, throughput = submit_load(stack, args.clients, args.requests)
     print(f"bare Celery round trip     P50 {ms(bare, 0.5)}  P99 {ms(bare, 0.99)}  (n={len(bare)})")
     for name, dispatch in (("miss", miss), ("hit", hit)):
@@ -135,6 +160,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"  = {pct(dispatch, 0.5) / pct(bare, 0.5):.2f} × bare at P50"
         )
     print(f"gap between chunks         mean {gap * 1000:7.1f} ms over {boundaries} boundaries")
+    median = next((bound for bound, share in shares.items() if share >= 0.5), None)
+    print(
+        "chunk boundary (workers)   "
+        + "  ".join(f"≤{bound * 1000:g} ms {share:.0%}" for bound, share in shares.items() if bound <= 0.025)
+        + (f"  → P50 ≤ {median * 1000:g} ms" if median is not None else "")
+    )
     print(
         f"submit under {args.clients} clients     P50 {ms(latencies, 0.5)}  P99 {ms(latencies, 0.99)}  "
         f"{throughput:.0f} req/s  codes {codes}"
