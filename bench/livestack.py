@@ -120,7 +120,7 @@ def live_stack(env: dict[str, str], boot_timeout: float = 180) -> Iterator[LiveS
     deadline = time.monotonic() + boot_timeout
     assert proc.stdout is not None
     for line in proc.stdout:
-        match = re.search(r"Token\s+([0-9a-f]{40})", line)
+        match = re.search(r"Token\s+(gs_[0-9A-Za-z]+)", line)  # services/tokens.py: gs_ + prefix + secret
         if match:
             token = match.group(1)
         if "Ctrl-C stops everything" in line or time.monotonic() > deadline:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import uuid
 
 import av
 import pytest
@@ -50,14 +51,27 @@ def test_preview_appears_before_the_job_finishes(stack, api):
 
 
 def test_repeated_prompt_hits_the_embedding_cache(stack, api):
+    """The first job encodes; the same prompt again (another seed, then the first seed) skips the encode
+    worker: recorded `denoising` with the first one's embeddings, it succeeds, and at the first seed its
+    pixels are the first one's."""
+    prompt = f"a cached lighthouse {uuid.uuid4()}"
     before = embedding_cache_counts()
-    first = submit(api, model="tiny-sd", prompt="a cached lighthouse", steps=2).json()["id"]
+    first = submit(api, model="tiny-sd", prompt=prompt, steps=2, seed=3).json()["id"]
     assert finished(first).status == "succeeded"
-    second = submit(api, model="tiny-sd", prompt="a cached lighthouse", steps=2, seed=7).json()["id"]
-    assert finished(second).status == "succeeded"
+    again = [submit(api, model="tiny-sd", prompt=prompt, steps=2, seed=seed).json() for seed in (7, 3)]
+    assert [body["status"] for body in again] == ["denoising", "denoising"]  # never queued for encode
+    jobs = [finished(body["id"]) for body in again]
+    assert [job.status for job in jobs] == ["succeeded", "succeeded"], [job.error for job in jobs]
     after = embedding_cache_counts()
-    assert after["misses"] - before["misses"] == 1 and after["hits"] - before["hits"] == 1
-    assert job_row(first).embeddings_key == job_row(second).embeddings_key
+    # The encode worker counts each lookup it makes: had it seen either job, there would be more hits.
+    assert after["misses"] - before["misses"] == 1 and after["hits"] - before["hits"] == 2
+    assert job_row(first).embeddings_key == jobs[0].embeddings_key == jobs[1].embeddings_key
+
+    def pixels(job_id: str) -> bytes:
+        url = api.get(f"/api/v1/jobs/{job_id}/").json()["outputs"][0]["url"]
+        return Image.open(io.BytesIO(download(api, url))).tobytes()
+
+    assert pixels(str(jobs[1].pk)) == pixels(first) != pixels(str(jobs[0].pk))
 
 
 def test_cancelling_a_real_model_during_denoise_skips_decode(stack, api):

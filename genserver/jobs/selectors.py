@@ -19,9 +19,10 @@ from django.utils import timezone
 from genserver import deployment
 from genserver.jobs.broker import broker_depth
 from genserver.jobs.models import ACTIVE, ApiToken, Job, JobStatus, QueueTally
-from genserver.redis_client import WORKER_KEY, client as redis_client
+from genserver.redis_client import CORRECTION_KEY, WORKER_KEY, client as redis_client
 from genserver.scheduling.admission import WorkItem, expected_wait
 from genserver.scheduling.classes import CLASSES, priority_for
+from genserver.scheduling.cost import StepTimeCorrection
 from genserver.scheduling.pools import PoolLayout, class_of, worker_from_queues
 
 
@@ -679,3 +680,18 @@ def live_api_tokens(user: Any, now: datetime | None = None) -> QuerySet[ApiToken
     from django.db.models import Q
 
     return api_tokens_of(user).filter(Q(expires_at__isnull=True) | Q(expires_at__gt=now or timezone.now()))
+
+
+def step_time_corrections() -> dict[str, dict[str, float]]:
+    """The step-time factors the service has learned (measured / modelled step seconds), by model, then by
+    shape bucket (`family:log2(tokens)`): {} for a model that has none yet (simulated ones never learn).
+    Redis unreachable: {} (a read for display must not fail the request)."""
+    try:
+        raw = redis_client().hgetall(CORRECTION_KEY)
+    except Exception:  # noqa: BLE001 - the factors are shown, never needed
+        return {}
+    learned: dict[str, dict[str, float]] = {}
+    for key, value in raw.items():
+        model, bucket = StepTimeCorrection.split(key.decode() if isinstance(key, bytes) else key)
+        learned.setdefault(model, {})[bucket] = round(float(value), 4)
+    return learned

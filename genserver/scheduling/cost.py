@@ -159,24 +159,39 @@ class StepTimeCorrection:
 
     Keeps, per (model, shape bucket), an exponentially weighted mean of
     measured / predicted step seconds. `alpha` trades reaction speed (high)
-    against noise from one slow step (low).
+    against noise from one slow step (low). Bounded: one observation counts
+    as at most `max_jump` times (at least 1/`max_jump`) the factor it updates,
+    so a single outlier chunk (a cold load, a stalled card) moves the factor by
+    at most alpha × (max_jump − 1); and every factor stays within `limits`.
     """
 
     alpha: float = 0.2
     ratios: dict[str, float] = field(default_factory=dict)
+    max_jump: float = 4.0
+    limits: tuple[float, float] = (1e-3, 1e4)  # CPU-run tiny models are far slower than the card model
 
     @staticmethod
     def key(model: str, bucket: str) -> str:
         return f"{model}|{bucket}"
 
+    @staticmethod
+    def split(key: str) -> tuple[str, str]:
+        """(model, bucket) of a `key`."""
+        model, _, bucket = key.partition("|")
+        return model, bucket
+
     def factor(self, model: str, bucket: str) -> float:
         return self.ratios.get(self.key(model, bucket), 1.0)
 
     def observe(self, model: str, bucket: str, predicted_step: float, measured_step: float) -> float:
+        """Fold one measured step time into the factor of (model, bucket); returns the new factor."""
         if predicted_step <= 0 or measured_step <= 0:
             return self.factor(model, bucket)
         ratio = measured_step / predicted_step
         k = self.key(model, bucket)
         old = self.ratios.get(k)
-        self.ratios[k] = ratio if old is None else (1 - self.alpha) * old + self.alpha * ratio
+        if old is not None:
+            ratio = min(max(ratio, old / self.max_jump), old * self.max_jump)
+        new = ratio if old is None else (1 - self.alpha) * old + self.alpha * ratio
+        self.ratios[k] = min(max(new, self.limits[0]), self.limits[1])
         return self.ratios[k]

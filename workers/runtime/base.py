@@ -27,6 +27,7 @@ from typing import Any
 
 from genserver import config
 from genserver.registry import ModelSpec
+from genserver.storage import keys
 
 STAGES = ("encode", "denoise", "decode")  # = components.STAGES (kept here: base.py imports no torch)
 
@@ -112,8 +113,9 @@ class Family(ABC):
 
     @property
     def encoder_identity(self) -> str:
-        """Names the text encoder, so cached embeddings are shared only where valid."""
-        return f"{self.spec.family}:{self.spec.name}"
+        """Names the text encoder, so cached embeddings are shared only where valid (the API computes the
+        same name from the registry entry: genserver.storage.keys)."""
+        return keys.encoder_identity(self.spec.family, self.spec.name)
 
     @abstractmethod
     def encode(self, prompts: list[tuple[str, str]]) -> list[dict[str, Any]]:

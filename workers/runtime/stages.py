@@ -8,7 +8,6 @@ passes callbacks for the cancel check, the lease heartbeat and previews.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import io
 import time
 from collections.abc import Callable
@@ -17,7 +16,7 @@ from typing import Any
 
 import torch
 
-from genserver.storage import Storage
+from genserver.storage import Storage, keys
 
 from .base import DenoiseState, Family, GenerationRequest
 from .common import png_bytes
@@ -38,8 +37,8 @@ def checkpoint_key(job_id: str, step: int) -> str:
 
 
 def embeddings_key(family: Family, prompt: str, negative: str) -> str:
-    digest = hashlib.sha256(f"{family.encoder_identity}\0{prompt}\0{negative}".encode()).hexdigest()
-    return f"embeddings/{digest}.pt"
+    """The cache key of these prompts' embeddings (genserver.storage.keys: the API computes the same one)."""
+    return keys.embeddings_key(family.encoder_identity, prompt, negative)
 
 
 @dataclass(frozen=True)
@@ -103,6 +102,8 @@ class ChunkResult:
     checkpoint_bytes: int = 0  # the size of the checkpoint written (0 if none)
     checkpoint_seconds: float = 0.0  # how long writing it took (part of the chunk boundary)
     seconds: float = 0.0  # wall seconds of the chunk's steps for this job (its rows' share of a merged batch)
+    # `defer_write`: the checkpoint's bytes, for `write_checkpoint` to store
+    unwritten: bytes | None = dataclasses.field(default=None, repr=False)
 
 
 def run_chunk(
@@ -140,6 +141,7 @@ def run_merged_chunk(
     preview_every: int,
     should_stop: Callable[[DenoiseState, int], str],
     on_preview: Callable[[DenoiseState, str, int], None],
+    defer_write: bool = False,
 ) -> list[ChunkResult]:
     """Advance several jobs of one shape together (one batched model call per step), each in place.
 
@@ -148,6 +150,10 @@ def run_merged_chunk(
     At the end every job still in the batch saves its own checkpoint. Returns
     one result per state, in order. A merged batch reports no step time: its
     steps are not one job's, and must not teach the cost model.
+
+    `defer_write`: each checkpoint is serialised here (a snapshot: the state may
+    advance at once) but not stored; its result carries the bytes
+    (`unwritten`) and the key `write_checkpoint` will store them under.
     """
     results: dict[int, ChunkResult] = {}
     active = list(states)
@@ -174,7 +180,9 @@ def run_merged_chunk(
     for state in active:
         saving = time.perf_counter()
         data = _to_bytes(family.checkpoint(state))
-        key = storage.put(checkpoint_key(state.request.job_id, state.step), data)
+        key = checkpoint_key(state.request.job_id, state.step)
+        if not defer_write:
+            key = storage.put(key, data)
         steps_run = state.step - start_step
         solo = len(states) == 1
         results[id(state)] = ChunkResult(
@@ -185,8 +193,17 @@ def run_merged_chunk(
             len(data),
             time.perf_counter() - saving,
             elapsed * state.request.num_outputs / rows,
+            data if defer_write else None,
         )
     return [results[id(state)] for state in states]
+
+
+def write_checkpoint(storage: Storage, result: ChunkResult) -> ChunkResult:
+    """Store a deferred checkpoint (`run_merged_chunk(defer_write=True)`); the result as if written there."""
+    if result.unwritten is None:
+        return result
+    key = storage.put(result.checkpoint_key, result.unwritten)
+    return dataclasses.replace(result, checkpoint_key=key, unwritten=None)
 
 
 def save_checkpoint(family: Family, storage: Storage, state: DenoiseState) -> str:

@@ -160,6 +160,11 @@ class ModelInfoSerializer(serializers.Serializer):
     defaults = DefaultsSerializer()
     segment_frames = serializers.IntegerField()
     max_merge = serializers.IntegerField()
+    step_time_correction = serializers.DictField(
+        child=serializers.FloatField(),
+        help_text="the learned factor (measured / modelled step seconds) the ETAs of this model use, by shape "
+        "bucket (`family:log2(tokens)`); {} until a chunk of it was measured (simulated models never learn)",
+    )
 
 
 class QueueInfoSerializer(serializers.Serializer):

@@ -394,8 +394,12 @@ class JobSegmentView(APIView):
 class ModelListView(APIView):
     @extend_schema(responses={200: ModelInfoSerializer(many=True), **error_responses()})
     def get(self, request: Request) -> Response:
+        """The registry's models, each with the step-time factors the service learned for it so far."""
         reg = deployment.registry()
-        return Response([reg.get(name).public() for name in reg.names()])
+        learned = selectors.step_time_corrections()
+        return Response(
+            [reg.get(name).public() | {"step_time_correction": learned.get(name, {})} for name in reg.names()]
+        )
 
 
 class StaffOnlyWorkers(IsAdminUser):

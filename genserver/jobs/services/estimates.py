@@ -111,7 +111,8 @@ def learn_step_time(job: Job, measured_step_seconds: float) -> None:
     key = StepTimeCorrection.key(job.model, shape.bucket())
     try:
         r = redis_client()
-        correction = StepTimeCorrection(ratios={key: float(r.hget(CORRECTION_KEY, key) or 1.0)})
+        stored = r.hget(CORRECTION_KEY, key)  # none yet: the first measurement sets the factor
+        correction = StepTimeCorrection(ratios={key: float(stored)} if stored else {})
         uncorrected_step = (
             estimate_job_seconds(shape, deployment.registry().get(job.model).cost_points, settings.EFFECTIVE_TFLOPS)
             / job.steps

@@ -16,6 +16,7 @@ from genserver.jobs import broker, selectors
 from genserver.jobs.models import ACTIVE, DEFAULT_WEBHOOK_EVENTS, Job, JobStage, JobStatus
 from genserver.redis_client import CANCEL_KEY, client as redis_client
 from genserver.scheduling.admission import Decision, decide
+from genserver.storage import StorageError, default_storage, keys
 
 from . import observe
 from ._common import after_end, announce_on_commit, publish_or_leave_to_reaper
@@ -72,7 +73,10 @@ def replayed_job(owner: Any, idempotency_key: str, data: dict[str, Any]) -> Job 
 
 
 def submit_job(owner: Any, data: dict[str, Any], idempotency_key: str = "") -> Job:
-    """Admit and record a validated request, then publish its encode task.
+    """Admit and record a validated request, then publish its encode task, or, when the prompt's
+    embeddings are already stored (a retry, a re-run, the same prompt at another seed or size), its
+    first denoise chunk: the job is recorded `denoising`/`waiting` with its embeddings, as the encode
+    stage would have left it, and the encode worker never sees it.
 
     Writes nothing and raises NotAllowed (→ 403) when the owner's quota does not allow the model
     or lane (services/quotas.py), AdmissionRefused (→ 429) when the class is over its limit,
@@ -103,17 +107,35 @@ def submit_job(owner: Any, data: dict[str, Any], idempotency_key: str = "") -> J
         own = est.seconds * est.clock_scale / capacity.job_speedup(queue)  # as QueueSnapshot's ETA
         raise StartDeadlineRefused(start_within, decision.expected_wait_seconds, own)
     recorded = {k: v for k, v in data.items() if k != "seed_drawn"}
+    embeddings = stored_embeddings(spec, data["prompt"], data.get("negative_prompt", ""))
     with transaction.atomic():
         try:
             check_limits(owner, quota, charge)
         except QuotaExceeded as refused:
             metrics.count_submit(est.duration_class, _METRIC_REASON[refused.reason])
             raise
-        job = _record_job(owner, spec, data, est, queue, idempotency_key, fingerprint(recorded), charge)
+        job = _record_job(owner, spec, data, est, queue, idempotency_key, fingerprint(recorded), charge, embeddings)
         transaction.on_commit(lambda: metrics.count_submit(job.duration_class))
-        observe.transition(job.pk, "", JobStatus.QUEUED)
-        transaction.on_commit(lambda: publish_or_leave_to_reaper(broker.send_encode, job.id, job.priority))
+        observe.transition(job.pk, "", job.status)
+        if embeddings:
+            transaction.on_commit(lambda: metrics.count_embedding_cache(1, 0))  # a miss is counted by encode
+            transaction.on_commit(
+                lambda: publish_or_leave_to_reaper(broker.send_chunk, job.id, 0, job.queue, job.priority)
+            )
+        else:
+            transaction.on_commit(lambda: publish_or_leave_to_reaper(broker.send_encode, job.id, job.priority))
     return job
+
+
+def stored_embeddings(spec: Any, prompt: str, negative: str) -> str:
+    """The storage key of these prompts' embeddings under the model's text encoder when they are already
+    stored, else "" (the job goes through encode). A storage error reads as "not stored": encode retries it."""
+    key = keys.embeddings_key(keys.encoder_identity(spec.family, spec.name), prompt, negative)
+    try:
+        return key if default_storage().exists(key) else ""
+    except StorageError:
+        log.warning("could not look up cached embeddings %s; the job goes through encode", key, exc_info=True)
+        return ""
 
 
 def submit_or_replay(owner: Any, data: dict[str, Any], idempotency_key: str = "") -> tuple[Job, bool]:
@@ -139,8 +161,15 @@ def _record_job(
     idempotency_key: str,
     request_fingerprint: str,
     charge: float,
+    embeddings_key: str,
 ) -> Job:
+    """The job's row: `queued` for encode, or `denoising`/`waiting` for its first chunk when its
+    embeddings are stored (`embeddings_key`)."""
+    hit = bool(embeddings_key)
     return Job.objects.create(
+        status=JobStatus.DENOISING if hit else JobStatus.QUEUED,
+        stage=JobStage.WAITING if hit else JobStage.QUEUED,
+        embeddings_key=embeddings_key,
         owner=owner,
         model=spec.name,
         family=spec.family,
