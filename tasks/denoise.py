@@ -9,15 +9,6 @@ and the checkpoint restore. The order of work is the same as re-publishing
 every chunk; the checkpoint is still written at every boundary, so a crash
 loses at most one chunk. A task never runs past half the visibility timeout.
 
-Write-behind: where the card keeps the job, the boundary only snapshots the
-checkpoint (serialised in memory); the worker's writer thread stores it and
-then records it (the job service's `finish_chunk`) while the next chunk runs.
-The next boundary waits for that write first, so a crash loses at most the
-chunk being written and the one running; a failed write or record fails the
-attempt there, and the retry resumes from the last checkpoint recorded, which
-is always whole. Where the job leaves the card (it yields, ends, or stops),
-the write and the record happen at the boundary, as before.
-
 Merged work: when the job's model allows it (the registry's `max_merge`), the
 task also takes other jobs waiting with the same shape at the same step and
 runs them as one batch, one model call per step. Each member keeps its own
@@ -27,16 +18,14 @@ cancelled or loses its lease leaves the batch and the others go on.
 
 from __future__ import annotations
 
-import logging
 import time
 import traceback
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from celery import shared_task
 from celery.worker import state as worker_state
 from django.conf import settings
-from django.db import close_old_connections
 
 from genserver import config, deployment, metrics
 from genserver.jobs import broker, services
@@ -54,9 +43,6 @@ from .segments import SegmentCursor, job_id_of
 
 HEARTBEAT_EVERY_SECONDS = 1.0  # lease renewal + progress write; per step would hammer the DB on fast models
 _deleter = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-gc")
-# One per worker process: a kept job's checkpoint is stored and recorded here while its next chunk runs.
-_writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-writer")
-log = logging.getLogger(__name__)
 
 
 def _consumed_queues(job_queue: str) -> list[str]:
@@ -134,7 +120,6 @@ def _denoise(members: list[_Member], worker: str) -> str:
         services.record_preview(member.job.pk, worker, key, member.cursor.offset + step)
 
     family, store = family_of(lead, "denoise"), storage()
-    behind: Future[None] | None = None  # the previous boundary's checkpoint, being written and recorded
     try:
         for m in members:
             m.state = m.cursor.load_state(family, store, m.job.checkpoint_step, m.job.checkpoint_key)
@@ -147,69 +132,34 @@ def _denoise(members: list[_Member], worker: str) -> str:
                 preview_every=lead.preview_every,
                 should_stop=should_stop,
                 on_preview=on_preview,
-                defer_write=True,
             )
             boundary = time.perf_counter()
-            _settle(behind)  # raises if that write or its record failed: the attempt fails
-            behind = None
             stay = keep_card(max(m.cursor.offset + r.step for m, r in zip(running, results)))
-            kept: list[tuple[_Member, stages.ChunkResult, int]] = []
             for m, result in zip(running, results):
-                if m.outcome:  # its previous chunk's record found it taken over (superseded): it left there
-                    continue
                 if result.stopped == Outcome.STEPS_CHANGED:
                     m.outcome = _hand_back_for_new_total(m, worker, family, store)
                     continue
-                step = m.cursor.offset + result.step  # global over a long video's segments (next_state moves it)
-                if stay and not result.stopped:
-                    kept.append((m, result, step))  # written and recorded behind the next chunk
-                else:
-                    m.outcome = _record_chunk(m, stages.write_checkpoint(store, result), step, worker, stay, store)
+                m.outcome = _record_chunk(m, result, worker, stay, store)
                 if not m.outcome:
                     m.state = m.cursor.next_state(family, m.state)  # a segment's end: the next, from its seed
-            if kept:
-                behind = _writer.submit(_write_behind, kept, worker, store)
             saving = sum(r.checkpoint_seconds for r in results)
             metrics.observe(metrics.CHUNK_BOUNDARY, lead.model, saving + time.perf_counter() - boundary)
-        _settle(behind)  # every member left while its last write was in flight (its record superseded it)
     except Exception:  # noqa: BLE001 - recorded on each job, retried from its checkpoint
         error = traceback.format_exc()
-        _settle(behind, quiet=True)  # what it recorded stands; the attempt fails from there
         for m in members:
             if not m.outcome:  # still held here; the others were recorded and let go
                 m.outcome = services.fail_attempt(m.job.pk, worker, error)
     return members[0].outcome
 
 
-def _write_behind(kept: list[tuple[_Member, stages.ChunkResult, int]], worker: str, store) -> None:
-    """On the writer thread, while the card runs the next chunk: store each kept job's checkpoint, then
-    record it (the job service's row names a checkpoint only once it is whole, so a crash loses at most
-    the chunk being written). A member whose record finds it taken over leaves at the next boundary."""
-    close_old_connections()  # this thread's own database connection: drop it if it went stale
-    for member, result, step in kept:
-        member.outcome = _record_chunk(member, stages.write_checkpoint(store, result), step, worker, True, store)
-
-
-def _settle(behind: Future[None] | None, quiet: bool = False) -> None:
-    """Wait for the previous boundary's write-behind (the next boundary never overtakes it); its error
-    is raised here (the attempt fails), or only logged when `quiet` (the attempt already failed)."""
-    if behind is None:
-        return
-    try:
-        behind.result()
-    except Exception:
-        if not quiet:
-            raise
-        log.warning("a checkpoint written behind failed as the attempt failed", exc_info=True)
-
-
-def _record_chunk(member: _Member, result: stages.ChunkResult, step: int, worker: str, stay: bool, store) -> str:
-    """Record one job's chunk, done up to global `step`; "" while it stays in this task, else how it left."""
+def _record_chunk(member: _Member, result: stages.ChunkResult, worker: str, stay: bool, store) -> str:
+    """Record one job's chunk; "" while it stays in this task, else how it left."""
     job_id = member.job.pk
     if result.stopped:
         if result.stopped == Outcome.CANCELLED:
             services.finish_cancelled(job_id, worker)
         return result.stopped
+    step = member.cursor.offset + result.step  # global over a long video's segments
     if not services.finish_chunk(
         job_id, worker, step, result.checkpoint_key, result.step_seconds, keep_lease=stay, chunk_seconds=result.seconds
     ):

@@ -102,8 +102,6 @@ class ChunkResult:
     checkpoint_bytes: int = 0  # the size of the checkpoint written (0 if none)
     checkpoint_seconds: float = 0.0  # how long writing it took (part of the chunk boundary)
     seconds: float = 0.0  # wall seconds of the chunk's steps for this job (its rows' share of a merged batch)
-    # `defer_write`: the checkpoint's bytes, for `write_checkpoint` to store
-    unwritten: bytes | None = dataclasses.field(default=None, repr=False)
 
 
 def run_chunk(
@@ -141,7 +139,6 @@ def run_merged_chunk(
     preview_every: int,
     should_stop: Callable[[DenoiseState, int], str],
     on_preview: Callable[[DenoiseState, str, int], None],
-    defer_write: bool = False,
 ) -> list[ChunkResult]:
     """Advance several jobs of one shape together (one batched model call per step), each in place.
 
@@ -150,10 +147,6 @@ def run_merged_chunk(
     At the end every job still in the batch saves its own checkpoint. Returns
     one result per state, in order. A merged batch reports no step time: its
     steps are not one job's, and must not teach the cost model.
-
-    `defer_write`: each checkpoint is serialised here (a snapshot: the state may
-    advance at once) but not stored; its result carries the bytes
-    (`unwritten`) and the key `write_checkpoint` will store them under.
     """
     results: dict[int, ChunkResult] = {}
     active = list(states)
@@ -180,9 +173,7 @@ def run_merged_chunk(
     for state in active:
         saving = time.perf_counter()
         data = _to_bytes(family.checkpoint(state))
-        key = checkpoint_key(state.request.job_id, state.step)
-        if not defer_write:
-            key = storage.put(key, data)
+        key = storage.put(checkpoint_key(state.request.job_id, state.step), data)
         steps_run = state.step - start_step
         solo = len(states) == 1
         results[id(state)] = ChunkResult(
@@ -193,17 +184,8 @@ def run_merged_chunk(
             len(data),
             time.perf_counter() - saving,
             elapsed * state.request.num_outputs / rows,
-            data if defer_write else None,
         )
     return [results[id(state)] for state in states]
-
-
-def write_checkpoint(storage: Storage, result: ChunkResult) -> ChunkResult:
-    """Store a deferred checkpoint (`run_merged_chunk(defer_write=True)`); the result as if written there."""
-    if result.unwritten is None:
-        return result
-    key = storage.put(result.checkpoint_key, result.unwritten)
-    return dataclasses.replace(result, checkpoint_key=key, unwritten=None)
 
 
 def save_checkpoint(family: Family, storage: Storage, state: DenoiseState) -> str:

@@ -209,8 +209,7 @@ def finish_chunk(
         if chunk_seconds is None and step_seconds is not None:
             chunk_seconds = step_seconds * (step - job.checkpoint_step)
         job.card_seconds += (chunk_seconds or 0.0) * (spec.group_size if spec is not None else 1)
-        job.checkpoint_step = step
-        job.steps_done = max(job.steps_done, step)  # recorded behind the next chunk: its heartbeats may be ahead
+        job.checkpoint_step = job.steps_done = step
         job.checkpoint_key = checkpoint_key
         job.measured_step_seconds = step_seconds
         job.chunks_run += 1 if keep_lease else 0  # an in-process chunk counts like a claimed one
