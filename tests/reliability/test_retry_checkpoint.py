@@ -9,6 +9,9 @@ video is the one an uninterrupted run of the same request makes.
 
 from __future__ import annotations
 
+import os
+import signal
+
 import pytest
 from django.test import Client
 
@@ -30,18 +33,32 @@ BODY = {
 }
 
 
-def _fail_for_good(job_id):
-    """The job, once an attempt of its holder failed for the last time (None while nobody holds it)."""
+def _fail_mid_denoise(stack, job_id):
+    """Fail the job's attempt while its card holds it mid-denoise, as the worker reports an exception.
+
+    The card is frozen (SIGSTOP) while the row is read and the failure recorded, so the job cannot
+    finish its segment between the two; polling alone lost that race on a loaded machine.
+    """
+    card = stack.child("card0").process
+    while True:
+        row = wait_for(lambda: _held_mid_denoise(job_id), 90, what="the job held mid-denoise")
+        os.killpg(card.pid, signal.SIGSTOP)
+        try:
+            row = job_row(job_id)
+            if row.status == "denoising" and row.lease_owner and 5 <= row.checkpoint_step < row.steps:
+                services.fail_attempt(job_id, row.lease_owner, "RuntimeError: injected fault mid-denoise")
+                return job_row(job_id)
+        finally:
+            os.killpg(card.pid, signal.SIGCONT)
+
+
+def _held_mid_denoise(job_id):
     row = job_row(job_id)
-    if row.status == "failed":
-        return row
     if row.is_terminal:
         raise AssertionError(f"the job ended {row.status} before the fault: make it longer")
     if row.checkpoint_step >= row.steps:
         raise AssertionError(f"the job's first segment ended before the fault ({row.checkpoint_step} steps)")
-    if row.lease_owner and row.checkpoint_step:
-        services.fail_attempt(job_id, row.lease_owner, "RuntimeError: injected fault mid-denoise")
-    return None
+    return row if row.lease_owner and row.checkpoint_step >= 5 else None
 
 
 @pytest.mark.parametrize("frames", [9, 17], ids=["one-segment", "two-segments"])  # tiny-wan's segment_frames: 9
@@ -50,9 +67,9 @@ def test_a_failed_video_resumes_at_its_kept_checkpoint_when_the_admin_retries_it
 
     body = BODY | {"num_frames": frames}
     job_id = submit(api, **body).json()["id"]
-    wait_for(lambda: job_row(job_id).checkpoint_step >= 5, 90, what="five checkpointed steps")
     settings.MAX_ATTEMPTS = 1  # this process reports the failure: it is the last attempt
-    failed = wait_for(lambda: _fail_for_good(job_id), 30, what="the job failed mid-denoise")
+    failed = _fail_mid_denoise(stack, job_id)
+    assert failed.status == "failed", failed.status
     kept_step, kept_key = failed.checkpoint_step, failed.checkpoint_key
     assert 5 <= kept_step < failed.steps and failed.error.endswith("injected fault mid-denoise")
 

@@ -131,14 +131,16 @@ async def job_events(request: HttpRequest, job_id: Any) -> HttpResponse:
         log_tail = await conn.xrevrange(events.log_key(job_id), count=1)
         if log_tail and _text(log_tail[0][0]) == last_id:
             return HttpResponse(status=204)  # the client has the terminal event: stop reconnecting
-    response = StreamingHttpResponse(_stream(request, conn, job_id, current, last_id), content_type="text/event-stream")
+    response = StreamingHttpResponse(
+        _stream(request, conn, job_id, current, last_id, user), content_type="text/event-stream"
+    )
     response["Cache-Control"] = "no-cache"
     response["X-Accel-Buffering"] = "no"  # nginx: pass each event on at once
     return response
 
 
 async def _stream(
-    request: HttpRequest, conn: aioredis.Redis, job_id: Any, current: dict[str, Any], last_id: str
+    request: HttpRequest, conn: aioredis.Redis, job_id: Any, current: dict[str, Any], last_id: str, user: Any
 ) -> AsyncIterator[bytes]:
     log_key = events.log_key(job_id)
     pubsub = conn.pubsub()
@@ -155,6 +157,11 @@ async def _stream(
         if not last_id:
             newest = await conn.xrevrange(log_key, count=1)
             last_id = _text(newest[0][0]) if newest else "0-0"
+            # The job as it is now, read after the log's newest entry: an event is logged after its
+            # transition commits, so whatever came before `last_id` is in this row, and whatever comes
+            # after is replayed from the log below. (Read before, a terminal event logged in between was
+            # skipped, and the stream waited on a job that had ended.)
+            current = await sync_to_async(_visible_job)(user, job_id) or current
             yield f"retry: {RETRY_MS}\n".encode() + _frame(request, last_id, current)
             if current["status"] in events.TERMINAL_EVENTS:
                 return
