@@ -298,6 +298,12 @@ CHUNK_SECONDS = env_float("GENSERVER_CHUNK_SECONDS", 4.0, above=0)
 ADMIT_SHORT_SECONDS = env_float("GENSERVER_ADMIT_SHORT_SECONDS", 60.0, above=0)
 ADMIT_MEDIUM_SECONDS = env_float("GENSERVER_ADMIT_MEDIUM_SECONDS", 300.0, above=0)
 ADMIT_LONG_SECONDS = env_float("GENSERVER_ADMIT_LONG_SECONDS", 1800.0, above=0)
+# Fair share between users inside a class (genserver/scheduling/fairness.py): at most this many of a
+# user's jobs published and not yet started per denoise queue; a burst's other jobs are held and
+# published, best priority first, as the user's jobs start. 0 = off (first-come). Smaller: fairer
+# (another user's job waits behind fewer of the burst's); larger: a burst keeps more cards fed when its
+# jobs pay the encode hop before their first chunk. The default is measured (bench/fairness.py).
+FAIR_WINDOW = env_int("GENSERVER_FAIR_WINDOW", 2, minimum=0)
 
 # --- Pools -------------------------------------------------------------------------
 # GENSERVER_POOLS: inline JSON or a .json/.toml file; unset → generated from the

@@ -113,6 +113,10 @@ class Job(models.Model):
     stage = models.CharField(max_length=20, choices=JobStage.choices, default=JobStage.QUEUED)
     steps_done = models.PositiveIntegerField(default=0)
     cancel_requested = models.BooleanField(default=False)
+    held = models.BooleanField(
+        default=False,
+        help_text="held by its owner's fair window (GENSERVER_FAIR_WINDOW): recorded, not yet published",
+    )
     attempts = models.PositiveIntegerField(default=0, help_text="runs lost or failed so far")
     chunks_run = models.PositiveIntegerField(default=0, help_text="denoise chunks started, redone ones included")
     error = models.TextField(blank=True, default="")
@@ -173,6 +177,13 @@ class Job(models.Model):
                 name="job_waiting_order",
                 condition=models.Q(status__in=ACTIVE)
                 & ~(models.Q(status=JobStatus.DENOISING) & ~models.Q(lease_owner="")),
+            ),
+            # The jobs the fair window holds, per queue and owner in the order they are released
+            # (services/fairness.py), and what queue positions subtract (selectors.QueueSnapshot).
+            models.Index(
+                fields=["queue", "owner", "priority", "created_at"],
+                name="job_held",
+                condition=models.Q(held=True),
             ),
         ]
 

@@ -23,6 +23,7 @@ from genserver.redis_client import CORRECTION_KEY, WORKER_KEY, client as redis_c
 from genserver.scheduling.admission import WorkItem, expected_wait
 from genserver.scheduling.classes import CLASSES, priority_for
 from genserver.scheduling.cost import StepTimeCorrection
+from genserver.scheduling.fairness import held_jobs_ahead
 from genserver.scheduling.pools import PoolLayout, class_of, worker_from_queues
 
 
@@ -235,6 +236,8 @@ class QueueSnapshot:
 
     def __post_init__(self) -> None:
         self._peers: dict[Any, list[WaitingGroup]] = {}
+        self._ahead: dict[Any, list[WaitingGroup]] = {}
+        self._any_held: bool | None = None
 
     def prepare(self, jobs: Iterable[Job]) -> None:
         """Load what the positions and ETAs of these jobs (a page, or one job) need: per priority among
@@ -290,7 +293,65 @@ class QueueSnapshot:
         return ahead
 
     def _waiting_ahead(self, job: Job) -> list[WaitingGroup]:
-        return [g for g in self.groups if g.priority < job.priority] + self._same_priority_ahead(job)
+        if job.pk not in self._ahead:
+            plain = [g for g in self.groups if g.priority < job.priority] + self._same_priority_ahead(job)
+            self._ahead[job.pk] = self._fair(job, plain) if self._held_exist() else plain
+        return self._ahead[job.pk]
+
+    # The fair window (services/fairness.py) holds a burst's jobs unpublished: they are counted in the tally
+    # (real work, for admission), but a job another user published is not behind them, and a held job waits
+    # about round-robin behind the other users, not first-come. Only read while some job is held.
+    def _held_exist(self) -> bool:
+        if self._any_held is None:
+            self._any_held = Job.objects.filter(held=True, status__in=ACTIVE).exists()
+        return self._any_held
+
+    def _fair(self, job: Job, plain: list[WaitingGroup]) -> list[WaitingGroup]:
+        """`plain` (the waiting jobs ahead, first-come) without the held jobs that are not ahead of `job`
+        (another user's for a published job, every one for a held job), and for a held job the round-robin
+        share of the other users' jobs that go before it (scheduling.fairness.held_jobs_ahead)."""
+        key = _key(job)
+        ahead = Q(priority__lt=job.priority) | Q(priority=job.priority, created_at__lte=key)
+        held = Job.objects.filter(ahead, held=True, status__in=ACTIVE).exclude(pk=job.pk)
+        if not job.held:
+            held = held.exclude(owner_id=job.owner_id)
+        less = {
+            (g.queue, g.duration_class, g.priority): g
+            for g in _groups(
+                held.order_by()
+                .values("queue", "duration_class", "priority")
+                .annotate(n=Count("id"), seconds=Sum(_WALL_REMAINING))
+            )
+        }
+        out = []
+        for g in plain:
+            b = less.get((g.queue, g.duration_class, g.priority))
+            if b is None:
+                out.append(g)
+            elif g.count - b.count > 0:
+                out.append(replace(g, count=g.count - b.count, seconds=max(0.0, g.seconds - b.seconds)))
+        if job.held:
+            out += self._round_robin(job)
+        return out
+
+    def _round_robin(self, job: Job) -> list[WaitingGroup]:
+        """A held job's share of what waits before it: its owner's held jobs released first, and about one
+        job of every other user waiting in its queue per one of those (capped by what the others hold)."""
+        queue = job.queue or job.duration_class
+        same = Job.objects.filter(held=True, status__in=ACTIVE, queue=job.queue, priority__lte=job.priority)
+        own = same.filter(owner_id=job.owner_id).filter(Q(priority__lt=job.priority) | Q(created_at__lt=job.created_at))
+        own_ahead = own.aggregate(n=Count("id"), seconds=Sum(_WALL_REMAINING))
+        others = same.exclude(owner_id=job.owner_id).aggregate(n=Count("id"), seconds=Sum(_WALL_REMAINING))
+        users = (
+            Job.objects.filter(_WAITING, queue=job.queue).exclude(owner_id=job.owner_id).order_by().values("owner_id")
+        ).distinct().count() + 1
+        n_own, s_own = own_ahead["n"] or 0, float(own_ahead["seconds"] or 0.0)
+        n_others, s_others = others["n"] or 0, float(others["seconds"] or 0.0)
+        # Their published jobs are counted already; their turns beyond those come from what they hold.
+        from_held = min(held_jobs_ahead(n_own, users) - n_own, n_others)
+        seconds = s_own + (s_others * from_held / n_others if n_others else 0.0)
+        count = n_own + from_held
+        return [WaitingGroup(queue, job.duration_class, job.priority, count, seconds)] if count else []
 
     def queue_position(self, job: Job) -> int | None:
         """Jobs that will take a card before this one (0: it runs, or runs next). None once terminal."""

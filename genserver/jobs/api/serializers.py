@@ -246,6 +246,7 @@ class JobSerializer(serializers.ModelSerializer):
             "kind",
             "status",
             "stage",
+            "held",
             "progress",
             "queue_position",
             "eta_seconds",

@@ -1,6 +1,6 @@
 """What every part of the job service shares: leases, the end of a job, events, publishing and disk errors.
 
-A leaf: it imports no other part of the service but the leaves `observe` and `quotas`, so
+A leaf: it imports no other part of the service but the leaves `fairness`, `observe` and `quotas`, so
 segment_service.py and each module of this package import it directly.
 """
 
@@ -26,7 +26,7 @@ from genserver.jobs.models import TERMINAL, Job, JobStage, JobStatus
 from genserver.redis_client import CANCEL_KEY, client as redis_client
 from genserver.storage import default_storage
 
-from . import observe, quotas
+from . import fairness, observe, quotas
 
 log = logging.getLogger(__name__)
 
@@ -115,6 +115,19 @@ def after_end(job_id: JobId) -> None:
     if status in TERMINAL:
         events.publish(job_id, status)  # the stream's last event: open streams end on it
         webhooks.emit(job_id, status)
+    release_for(job_id)
+
+
+def release_for(job_id: JobId) -> None:
+    """The job left its owner's fair window (it started or ended): publish the owner's best held jobs of
+    its queue that now fit. A failure is logged: the reaper releases them on its next pass."""
+    row = Job.objects.filter(pk=job_id).values_list("owner_id", "queue").first()
+    if row is None:
+        return
+    try:
+        fairness.release_held(*row)
+    except Exception:  # the reaper's pass releases what this one could not
+        log.warning("could not release the held jobs after job %s", job_id, exc_info=True)
 
 
 def emit_on_commit(job_id: JobId, event: str, segment: int | None = None) -> None:

@@ -58,11 +58,12 @@ def reprioritise(job: Job, priority: int) -> Job:
             raise PriorityRefused(f"Job {job.pk} has ended ({ended}); there is nothing to re-prioritise.", "finished")
         locked.priority = priority
         fields = ["priority", "updated_at"]
-        if not locked.lease_owner:  # its message waits: it goes to the back of its new priority's list
+        waits = not locked.lease_owner and not locked.held  # a held job has no message: it just changes priority
+        if waits:  # its message waits: it goes to the back of its new priority's list
             locked.published_at = timezone.now()
             fields.append("published_at")
         locked.save(update_fields=fields)
-        if not locked.lease_owner:
+        if waits:
             transaction.on_commit(lambda: _republish(locked))
         announce_on_commit(locked.pk, "reprioritised")  # its queue position and ETA moved
         events.publish_queue_moved_on_commit(locked.queue)  # and those of the jobs it passed

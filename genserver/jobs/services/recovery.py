@@ -16,7 +16,7 @@ from genserver.jobs.models import ACTIVE, Job, JobStage, JobStatus
 from genserver.scheduling.pools import ALL_QUEUES, WEBHOOKS
 from genserver.storage import default_storage
 
-from . import observe
+from . import fairness, observe
 from ._common import JobId, Outcome, after_end, announce_on_commit, disk_full, end_if_cancelled
 
 log = logging.getLogger(__name__)
@@ -86,7 +86,10 @@ def reap_stale() -> dict[str, int]:
        and was published more than a lease ago, lost its message (a worker
        died between taking it and claiming the job, or between committing a
        chunk and publishing the next; or Redis lost its data). It is
-       re-published from the database; a duplicate would be harmless.
+       re-published from the database; a duplicate would be harmless. A job
+       the fair window holds has no message by design and is not one.
+    3. Held jobs whose owner's fair window has room are released (a worker
+       that died between a claim and its release would otherwise strand them).
     """
     now = timezone.now()
     stale = list(
@@ -102,7 +105,7 @@ def reap_stale() -> dict[str, int]:
             metrics.REAPER_ACTIONS.labels("failed_attempt").inc()
             log.warning("reaper: job %s held by %s → %s", pk, owner, outcome)
     quiet_since = now - timedelta(seconds=settings.LEASE_SECONDS)
-    orphans = list(Job.objects.filter(status__in=ACTIVE, lease_owner="", published_at__lt=quiet_since))
+    orphans = list(Job.objects.filter(status__in=ACTIVE, lease_owner="", held=False, published_at__lt=quiet_since))
     if orphans:
         # A waiting webhook delivery names the job too, but does not move it on.
         waiting = broker.broker_job_ids((set(ALL_QUEUES) | deployment.layout().all_queues()) - {WEBHOOKS})
@@ -114,6 +117,9 @@ def reap_stale() -> dict[str, int]:
                 republish(job)
                 metrics.REAPER_ACTIONS.labels("republished").inc()
                 outcomes[Outcome.REPUBLISHED] = outcomes.get(Outcome.REPUBLISHED, 0) + 1
+    released = fairness.release_all_with_room()  # a crash between a claim and its release strands nothing
+    if released:
+        outcomes["released"] = released
     for segment_outcome, n in segment_service.reap_segments(now).items():
         outcomes[f"segments {segment_outcome}"] = n
     return outcomes

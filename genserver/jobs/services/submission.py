@@ -18,7 +18,7 @@ from genserver.redis_client import CANCEL_KEY, client as redis_client
 from genserver.scheduling.admission import Decision, decide
 from genserver.storage import StorageError, default_storage, keys
 
-from . import observe
+from . import fairness, observe
 from ._common import after_end, announce_on_commit, publish_or_leave_to_reaper
 from .deadlines import StartDeadlineRefused, deadline_from
 from .estimates import Estimate, chunked_for_queue, estimate
@@ -114,10 +114,18 @@ def submit_job(owner: Any, data: dict[str, Any], idempotency_key: str = "") -> J
         except QuotaExceeded as refused:
             metrics.count_submit(est.duration_class, _METRIC_REASON[refused.reason])
             raise
-        job = _record_job(owner, spec, data, est, queue, idempotency_key, fingerprint(recorded), charge, embeddings)
+        # The owner's row is locked (check_limits): the user's submits count their window one at a time.
+        held = fairness.holds_new_job(owner.pk, queue)
+        if held:
+            embeddings = ""  # looked up again when it is released (they may be stored by then)
+        job = _record_job(
+            owner, spec, data, est, queue, idempotency_key, fingerprint(recorded), charge, embeddings, held
+        )
         transaction.on_commit(lambda: metrics.count_submit(job.duration_class))
         observe.transition(job.pk, "", job.status)
-        if embeddings:
+        if held:
+            pass  # published by fairness.release_held when one of the owner's jobs in the queue starts or ends
+        elif embeddings:
             transaction.on_commit(lambda: metrics.count_embedding_cache(1, 0))  # a miss is counted by encode
             transaction.on_commit(
                 lambda: publish_or_leave_to_reaper(broker.send_chunk, job.id, 0, job.queue, job.priority)
@@ -162,11 +170,13 @@ def _record_job(
     request_fingerprint: str,
     charge: float,
     embeddings_key: str,
+    held: bool = False,
 ) -> Job:
     """The job's row: `queued` for encode, or `denoising`/`waiting` for its first chunk when its
-    embeddings are stored (`embeddings_key`)."""
+    embeddings are stored (`embeddings_key`); `held` by its owner's fair window: `queued`, unpublished."""
     hit = bool(embeddings_key)
     return Job.objects.create(
+        held=held,
         status=JobStatus.DENOISING if hit else JobStatus.QUEUED,
         stage=JobStage.WAITING if hit else JobStage.QUEUED,
         embeddings_key=embeddings_key,
@@ -195,7 +205,7 @@ def _record_job(
         chunk_steps=est.chunk_steps,
         segment_frames=est.segment_frames,
         segment_count=est.segment_count,
-        published_at=timezone.now(),
+        published_at=None if held else timezone.now(),
         idempotency_key=idempotency_key,
         request_fingerprint=request_fingerprint,
         start_deadline=deadline_from(data.get("start_within")),

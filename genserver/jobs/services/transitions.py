@@ -19,7 +19,16 @@ from genserver.jobs.models import ACTIVE, Job, JobStage, JobStatus
 from genserver.scheduling.classes import priority_for
 
 from . import observe
-from ._common import JobId, after_end, announce_on_commit, emit_on_commit, end_if_cancelled, lease_free, lease_until
+from ._common import (
+    JobId,
+    after_end,
+    announce_on_commit,
+    emit_on_commit,
+    end_if_cancelled,
+    lease_free,
+    lease_until,
+    release_for,
+)
 from .deadlines import expire_if_overdue, not_overdue
 from .estimates import learn_step_time, rescale_to_total
 
@@ -32,7 +41,7 @@ def start_encoding(job_id: JobId, worker: str) -> Job | None:
     now = timezone.now()
     if expire_if_overdue(job_id, now):
         return None
-    free = Job.objects.filter(lease_free(now), not_overdue(now), pk=job_id, cancel_requested=False)
+    free = Job.objects.filter(lease_free(now), not_overdue(now), pk=job_id, cancel_requested=False, held=False)
     fields = dict(
         status=JobStatus.ENCODING, stage=JobStage.ENCODING, lease_owner=worker, lease_expires_at=lease_until()
     )
@@ -53,7 +62,7 @@ def claim_encode_batch(job: Job, worker: str, limit: int) -> list[Job]:
     if limit <= 0:
         return []
     candidates = (
-        Job.objects.filter(model=job.model, status=JobStatus.QUEUED, lease_owner="", cancel_requested=False)
+        Job.objects.filter(model=job.model, status=JobStatus.QUEUED, lease_owner="", cancel_requested=False, held=False)
         .exclude(pk=job.pk)
         .order_by("priority", "created_at")
         .values_list("pk", flat=True)[:limit]
@@ -91,6 +100,7 @@ def claim_chunk(job_id: JobId, worker: str, from_step: int) -> Job | None:
         status=JobStatus.DENOISING,
         checkpoint_step=from_step,
         cancel_requested=False,
+        held=False,
     ).update(
         stage=JobStage.DENOISING, lease_owner=worker, lease_expires_at=lease_until(), chunks_run=F("chunks_run") + 1
     )
@@ -99,6 +109,8 @@ def claim_chunk(job_id: JobId, worker: str, from_step: int) -> Job | None:
     job = Job.objects.get(pk=job_id)
     announce_on_commit(job_id, "denoising")
     events.publish_queue_moved_on_commit(job.queue)  # the jobs behind it moved up
+    if job.chunks_run == 1:  # its first chunk: it started, and leaves its owner's fair window
+        transaction.on_commit(lambda: release_for(job_id))
     return job
 
 
@@ -125,6 +137,7 @@ def claim_merge_partners(job: Job, worker: str, max_rows: int) -> list[Job]:
             lease_free(now),
             status=JobStatus.DENOISING,
             cancel_requested=False,
+            held=False,
             attempts=0,
             queue=job.queue,
             model=job.model,

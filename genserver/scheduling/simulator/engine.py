@@ -17,6 +17,7 @@ from typing import Literal
 from ..admission import WorkItem, decide, expected_wait
 from ..chunking import steps_per_chunk
 from ..classes import CLASSES, LONG, priority_for
+from ..fairness import FairWindow, next_held, release_key
 from ..pools import PoolLayout, class_of, group_speedup
 from .service_policy import SimConfig
 from .workload import KINDS, Request, pct, seed_workload
@@ -36,6 +37,11 @@ class _Job:
     priority: int  # of its current (or next) message
     steps_done: int = 0
     first_step: float | None = None
+    windowed: bool = False  # published and not yet started: counts in its user's fair window
+
+    @property
+    def fair_key(self) -> tuple[str, str]:
+        return (self.request.user, self.queue)
 
     @property
     def remaining_seconds(self) -> float:
@@ -63,6 +69,7 @@ class ClassResult:
     waits: list[float] = field(default_factory=list)  # arrival → first step
     delays: list[float] = field(default_factory=list)  # completion − arrival − service
     latencies: list[float] = field(default_factory=list)  # completion − arrival
+    ends: list[float] = field(default_factory=list)  # completion times
     accepted: int = 0
     refused: int = 0
 
@@ -83,6 +90,8 @@ class SimResult:
     max_long_cards: int  # most cards running long work at once
     cap_engaged_share: float  # share of events at which the overload cap was engaged
     lanes: dict[str, ClassResult] = field(default_factory=dict)  # per request lane ("" = none)
+    users: dict[str, ClassResult] = field(default_factory=dict)  # per request user ("" = none)
+    max_held: int = 0  # most jobs held by the fair window at once
 
     def summary(self, metric: Metric = "wait") -> dict[str, tuple[float, float]]:
         """{kind: (P50, P99)} of `metric`, like the seed's table."""
@@ -147,6 +156,11 @@ class _Simulation:
         self.jobs: dict[int, _Job] = {}  # accepted and unfinished, by id
         self.result = {k: ClassResult() for k in KINDS}
         self.lane_result: dict[str, ClassResult] = {}
+        self.user_result: dict[str, ClassResult] = {}
+        self.window = FairWindow(cfg.fair_window)
+        self.in_window: dict[tuple[str, str], int] = {}  # (user, queue) → jobs published, not started
+        self.held: dict[tuple[str, str], list[_Job]] = {}  # (user, queue) → jobs the window holds
+        self.held_count = self.max_held = 0
         self.switches = self.republished = self.in_process = self.max_long = 0
         self.events: list[tuple[float, int, int, int]] = []  # (time, order, seq, payload)
         self.seq = 0
@@ -216,6 +230,10 @@ class _Simulation:
             overhead += self.restore_seconds
         if job.first_step is None:
             job.first_step = now + overhead
+            if job.windowed:  # it started: its place in the window goes to the user's best held job
+                job.windowed = False
+                self.in_window[job.fair_key] -= 1
+                self._release(job.fair_key)
         last = job.steps_done + k >= job.steps
         duration = overhead + k * step_seconds + (0.0 if last else self.save_seconds)
         card.job, card.chunk_steps, card.last_model = job, k, job.model
@@ -249,6 +267,32 @@ class _Simulation:
             )
         return items
 
+    # -- the fair window -----------------------------------------------------------------
+
+    def _publish_new(self, job: _Job) -> None:
+        """A new job's first message, or a hold when its user's window for its queue is full."""
+        key = job.fair_key
+        if self.window.holds(self.in_window.get(key, 0), len(self.held.get(key, ()))):
+            self.held.setdefault(key, []).append(job)
+            self.held_count += 1
+            self.max_held = max(self.max_held, self.held_count)
+            return
+        self.in_window[key] = self.in_window.get(key, 0) + 1
+        job.windowed = self.window.enabled
+        self.broker.publish(job)
+
+    def _release(self, key: tuple[str, str]) -> None:
+        """Publish the user's best held jobs of the queue while its window has room."""
+        held = self.held.get(key)
+        while held and self.window.room(self.in_window.get(key, 0)) > 0:
+            job = next_held(held, key=lambda j: release_key(j.priority, j.request.arrival))
+            assert job is not None
+            held.remove(job)
+            self.held_count -= 1
+            self.in_window[key] = self.in_window.get(key, 0) + 1
+            job.windowed = True
+            self.broker.publish(job)
+
     # -- events --------------------------------------------------------------------------
 
     def _chunk_end(self, card: _Card, now: float) -> None:
@@ -263,10 +307,15 @@ class _Simulation:
             res.waits.append(job.first_step - job.request.arrival)
             res.delays.append(now - job.request.arrival - job.request.seconds)
             res.latencies.append(now - job.request.arrival)
-            lane = self.lane_result.setdefault(job.request.lane, ClassResult())
-            lane.waits.append(res.waits[-1])
-            lane.delays.append(res.delays[-1])
-            lane.latencies.append(res.latencies[-1])
+            res.ends.append(now)
+            for part in (
+                self.lane_result.setdefault(job.request.lane, ClassResult()),
+                self.user_result.setdefault(job.request.user, ClassResult()),
+            ):
+                part.waits.append(res.waits[-1])
+                part.delays.append(res.delays[-1])
+                part.latencies.append(res.latencies[-1])
+                part.ends.append(now)
             return
         job.priority = priority_for(job.duration_class, job.remaining_seconds, True, self.cfg.thresholds)
         if self.cfg.yield_on_demand:
@@ -303,7 +352,7 @@ class _Simulation:
             priority=priority,
         )
         self.jobs[job.id] = job
-        self.broker.publish(job)
+        self._publish_new(job)
 
     def run(self) -> SimResult:
         for index, r in enumerate(self.requests):
@@ -333,6 +382,8 @@ class _Simulation:
             max_long_cards=self.max_long,
             cap_engaged_share=self._engaged_hits / self._engaged_checks if self._engaged_checks else 0.0,
             lanes=self.lane_result,
+            users=self.user_result,
+            max_held=self.max_held,
         )
 
 

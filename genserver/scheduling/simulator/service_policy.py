@@ -70,6 +70,10 @@ class SimConfig:
         a synchronous save, half of `checkpoint_seconds`; 0: an asynchronous
         one). A yield costs a full save + restore. The order of work is the
         same as with re-publishing every chunk.
+    fair_window: the per-user publish window (scheduling/fairness.py, GENSERVER_FAIR_WINDOW live):
+        at most this many of a user's jobs published and not yet started per queue, the rest held
+        and published (best priority, then oldest) as the user's jobs start; 0: off, first-come.
+        The simulator has no encode hop: a release is published at the claim that frees the room.
     limits: admission limits (None: admit everything).
     steps: steps given to a request of each duration (seconds → steps).
     models: the model of each kind (a change of model on a card is a switch).
@@ -83,6 +87,7 @@ class SimConfig:
     long_cap_engage_seconds: float | None = None
     yield_on_demand: bool = False
     in_process_seconds: float | None = None
+    fair_window: int = 0
     thresholds: ClassThresholds = field(default_factory=ClassThresholds)
     limits: AdmissionLimits | None = field(default_factory=AdmissionLimits)
     steps: Mapping[float, int] = field(default_factory=lambda: dict(DEFAULT_STEPS))
@@ -95,6 +100,8 @@ class SimConfig:
             raise ValueError("checkpoint_seconds and switch_seconds must be >= 0")
         if self.in_process_seconds is not None and not 0 <= self.in_process_seconds <= self.checkpoint_seconds:
             raise ValueError("in_process_seconds must be within 0..checkpoint_seconds")
+        if self.fair_window < 0:
+            raise ValueError(f"fair_window must be >= 0 (0: off), got {self.fair_window}")
         if self.long_cap is not None and self.long_cap < 0:
             raise ValueError(f"long_cap must be >= 0, got {self.long_cap}")
 

@@ -26,6 +26,7 @@ class Request:
     kind: str  # IMAGE | VIDEO
     seconds: float  # expected (in the simulation also actual) denoising seconds
     lane: str = ""  # the lane it was submitted with ("interactive"), routed like the service does
+    user: str = ""  # who submitted it: the fair window (scheduling/fairness.py) is per user and queue
 
 
 def seed_workload(arrivals: int = 400, rate: float = 0.06, seed: int = 0) -> list[Request]:

@@ -1,0 +1,136 @@
+"""Fair share between users inside a class: hold a burst's jobs at submit, publish them as the user's jobs start.
+
+The policy (window size, when a job is held, which held job goes next) is
+`genserver.scheduling.fairness`, the same the simulator runs; this module
+applies it to the rows. A user's *window* in a denoise queue is their jobs
+there that are active, not held, and whose first chunk no card has claimed
+yet (`chunks_run` 0): published, not started. A held job is `queued` with
+`held` set and no message (`published_at` empty, so the reaper does not
+re-publish it). `release_held` publishes the user's best held jobs while their
+window has room: one compare-and-set `held` True → False each, then the same
+publish as submit (encode, or the first chunk when the prompt's embeddings are
+stored). It runs when a job's first chunk is claimed (`transitions.claim_chunk`),
+when a job ends (`_common.after_end`: cancelled, expired, failed or done), and
+from the reaper (`recovery.reap_stale`: a crash between a claim and its release
+strands nothing). Submits of one user are serialised by the owner-row lock that
+the quota check takes (`quotas.check_limits`), so the window is not overshot
+by concurrent submits; two releases racing can overshoot it by one at most
+(each counts, then flips its own row), which only costs a little fairness.
+
+A leaf like `_common` (it imports no other part of the service), so that
+`_common.after_end` can call it.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from django.conf import settings
+from django.db import transaction
+from django.db.models import Q
+from django.utils import timezone
+
+from genserver import deployment
+from genserver.jobs import broker, events
+from genserver.jobs.models import ACTIVE, Job, JobStage, JobStatus
+from genserver.registry import RegistryError
+from genserver.scheduling.fairness import FairWindow, release_key
+from genserver.storage import StorageError, default_storage, keys
+
+log = logging.getLogger(__name__)
+
+
+def window() -> FairWindow:
+    """The fair window as configured (GENSERVER_FAIR_WINDOW; 0: off)."""
+    return FairWindow(settings.FAIR_WINDOW)
+
+
+def _window_jobs(owner_id: Any, queue: str) -> Q:
+    """The user's jobs of the queue that are published and not yet started."""
+    return Q(owner_id=owner_id, queue=queue, status__in=ACTIVE, held=False, chunks_run=0)
+
+
+def in_window(owner_id: Any, queue: str) -> int:
+    return Job.objects.filter(_window_jobs(owner_id, queue)).count()
+
+
+def held_count(owner_id: Any, queue: str) -> int:
+    return Job.objects.filter(owner_id=owner_id, queue=queue, held=True, status__in=ACTIVE).count()
+
+
+def holds_new_job(owner_id: Any, queue: str) -> bool:
+    """Inside submit's transaction (after the owner's row is locked): whether the new job is held."""
+    policy = window()
+    if not policy.enabled:
+        return False
+    return policy.holds(in_window(owner_id, queue), held_count(owner_id, queue))
+
+
+def stored_embeddings_key(job: Job) -> str:
+    """The key of the job's prompt embeddings when they are stored now, else "" (it goes through encode)."""
+    try:
+        spec = deployment.registry().get(job.model)
+        key = keys.embeddings_key(keys.encoder_identity(spec.family, spec.name), job.prompt, job.negative_prompt)
+        return key if default_storage().exists(key) else ""
+    except (RegistryError, StorageError):
+        return ""
+
+
+def publish_new(job_id: Any, status: str, queue: str, priority: int) -> None:
+    """A new (or just released) job's first message: encode, or its first chunk when its embeddings are stored.
+    A broker that is down leaves it to the reaper (its `published_at` is set)."""
+    try:
+        if status == JobStatus.DENOISING:
+            broker.send_chunk(job_id, 0, queue, priority)
+        else:
+            broker.send_encode(job_id, priority)
+    except Exception:  # noqa: BLE001 - the row says published: the reaper re-publishes a missing message
+        log.warning("broker unavailable: released job %s is recorded and the reaper will publish it", job_id)
+
+
+def release_held(owner_id: Any, queue: str) -> int:
+    """Publish the user's best held jobs of the queue (lowest priority number, then oldest) while their window
+    has room. Returns how many it released. Safe to call at any time and from anywhere: with the window off,
+    every held job is released."""
+    policy = window()
+    released = 0
+    while True:
+        room = policy.room(in_window(owner_id, queue))
+        if room <= 0:
+            return released
+        candidates = list(
+            Job.objects.filter(owner_id=owner_id, queue=queue, held=True, status__in=ACTIVE, cancel_requested=False)
+            .order_by("priority", "created_at")
+            .values_list("pk", "priority", "created_at")[:8]
+        )
+        if not candidates:
+            return released
+        pk = min(candidates, key=lambda c: release_key(c[1], c[2]))[0]
+        if _release_one(pk):
+            released += 1
+
+
+def _release_one(pk: Any) -> bool:
+    """One compare-and-set held → published, then the publish once it commits. False when another release
+    (or a cancel) took the row first."""
+    job = Job.objects.filter(pk=pk, held=True, status__in=ACTIVE).first()
+    if job is None:
+        return False
+    fields: dict[str, Any] = {"held": False, "published_at": timezone.now()}
+    embeddings = stored_embeddings_key(job) if job.status == JobStatus.QUEUED else ""
+    if embeddings:  # as submit does on an embedding hit: the encode worker never sees it
+        fields.update(status=JobStatus.DENOISING, stage=JobStage.WAITING, embeddings_key=embeddings)
+    with transaction.atomic():
+        if not Job.objects.filter(pk=pk, held=True, status=job.status).update(**fields):
+            return False
+        status = fields.get("status", job.status)
+        transaction.on_commit(lambda: publish_new(pk, status, job.queue, job.priority))
+        events.publish_on_commit(pk, "released")  # its position and ETA changed
+    return True
+
+
+def release_all_with_room() -> int:
+    """The reaper's pass: every (user, queue) with held jobs releases what its window has room for."""
+    pairs = set(Job.objects.filter(held=True, status__in=ACTIVE).order_by().values_list("owner_id", "queue").distinct())
+    return sum(release_held(owner_id, queue) for owner_id, queue in pairs)

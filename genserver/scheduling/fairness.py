@@ -1,0 +1,81 @@
+"""Fair share between users inside a class: the per-user publish window, and which held job goes next.
+
+kombu pops each (queue, priority) Redis list first-in first-out, so a user who
+submits 300 images at once would put everybody else's image behind all 300.
+The service therefore keeps at most `window` of a user's jobs *published but
+not yet started* per denoise queue (published: its encode or first denoise
+message is in the broker; started: a card claimed its first chunk). A submit
+beyond the window is recorded but *held* (no message). When one of the user's
+window jobs starts, or ends without starting, the user's best held job of that
+queue is published (`release_key`: lowest priority number, then oldest). Another
+user's job is therefore published behind at most `window` messages of each
+other user at its priority, and served about round-robin between users; a
+held job is published at its own priority, so shortest-first between bands
+still holds.
+
+The live job service (genserver/jobs/services/fairness.py) and the simulator
+(simulator/engine.py) both decide with this module. Plain Python, no Django.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+# Two published-but-unstarted jobs per user and queue: measured in bench/fairness.py (docs/BENCHMARKS.md,
+# "Fair share"): another user's image then waits behind at most two of a burst's messages, and a
+# burst keeps every card fed when its jobs skip the encode hop (the claim releases the next one).
+DEFAULT_FAIR_WINDOW = 2
+
+BURST_FACTOR = 4
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class FairWindow:
+    """At most `size` of a user's jobs published and not yet started per queue (0: off, first-come)."""
+
+    size: int = DEFAULT_FAIR_WINDOW
+    burst: int = BURST_FACTOR
+
+    def __post_init__(self) -> None:
+        if self.size < 0:
+            raise ValueError(f"the fair window must be >= 0 (0: off), got {self.size}")
+
+    @property
+    def enabled(self) -> bool:
+        return self.size > 0
+
+    def holds(self, in_window: int, held: int = 0) -> bool:
+        """Whether a new job of a user with `in_window` jobs published and unstarted in its queue, and
+        `held` held there, is held: once the user has held jobs (FIFO within a user), or has
+        `burst` × `size` published and unstarted (a burst). A user below that is not held (see the module)."""
+        return self.enabled and in_window >= self.size and (held > 0 or in_window >= self.size * self.burst)
+
+    def room(self, in_window: int) -> int | float:
+        """How many held jobs may be published now for a user with `in_window` in the window (inf: off)."""
+        return max(0, self.size - in_window) if self.enabled else math.inf
+
+
+def release_key(priority: int, created: Any) -> tuple[int, Any]:
+    """The order held jobs leave a user's hold in: lowest priority number (shortest) first, then oldest."""
+    return (priority, created)
+
+
+def next_held(held: Iterable[T], key: Callable[[T], tuple[int, Any]]) -> T | None:
+    """The held job to publish next among one user's held jobs of one queue (`key`: its `release_key`)."""
+    return min(held, key=key, default=None)
+
+
+def held_jobs_ahead(own_ahead: int, users_waiting: int) -> int:
+    """About how many jobs will start before a held job, beyond the published ones ahead of it.
+
+    Round-robin: each of the owner's `own_ahead` held jobs released before it is matched by about
+    one job of every other user waiting in the queue (`users_waiting`, the owner included), and the
+    job itself waits one more round for the others.
+    """
+    others = max(0, users_waiting - 1)
+    return own_ahead + (own_ahead + 1) * others
