@@ -303,7 +303,7 @@ ADMIT_LONG_SECONDS = env_float("GENSERVER_ADMIT_LONG_SECONDS", 1800.0, above=0)
 # published, best priority first, as the user's jobs start. 0 = off (first-come). Smaller: fairer
 # (another user's job waits behind fewer of the burst's); larger: a burst keeps more cards fed when its
 # jobs pay the encode hop before their first chunk. The default is measured (bench/fairness.py).
-FAIR_WINDOW = env_int("GENSERVER_FAIR_WINDOW", 2, minimum=0)
+FAIR_WINDOW = env_int("GENSERVER_FAIR_WINDOW", 1, minimum=0)
 
 # --- Pools -------------------------------------------------------------------------
 # GENSERVER_POOLS: inline JSON or a .json/.toml file; unset → generated from the

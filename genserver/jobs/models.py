@@ -185,6 +185,12 @@ class Job(models.Model):
                 name="job_held",
                 condition=models.Q(held=True),
             ),
+            # A user's fair window in a queue: published, not started (a few rows per user at any depth).
+            models.Index(
+                fields=["owner", "queue"],
+                name="job_fair_window",
+                condition=models.Q(status__in=ACTIVE, held=False, chunks_run=0),
+            ),
         ]
 
     def __str__(self) -> str:

@@ -294,7 +294,10 @@ class QueueSnapshot:
 
     def _waiting_ahead(self, job: Job) -> list[WaitingGroup]:
         if job.pk not in self._ahead:
-            plain = [g for g in self.groups if g.priority < job.priority] + self._same_priority_ahead(job)
+            if job.held and not job.is_terminal:  # not published yet: everything published at its priority is ahead
+                plain = [g for g in self.groups if g.priority <= job.priority]
+            else:
+                plain = [g for g in self.groups if g.priority < job.priority] + self._same_priority_ahead(job)
             self._ahead[job.pk] = self._fair(job, plain) if self._held_exist() else plain
         return self._ahead[job.pk]
 
@@ -310,11 +313,11 @@ class QueueSnapshot:
         """`plain` (the waiting jobs ahead, first-come) without the held jobs that are not ahead of `job`
         (another user's for a published job, every one for a held job), and for a held job the round-robin
         share of the other users' jobs that go before it (scheduling.fairness.held_jobs_ahead)."""
-        key = _key(job)
-        ahead = Q(priority__lt=job.priority) | Q(priority=job.priority, created_at__lte=key)
-        held = Job.objects.filter(ahead, held=True, status__in=ACTIVE).exclude(pk=job.pk)
-        if not job.held:
-            held = held.exclude(owner_id=job.owner_id)
+        if job.held:  # every held job at its priority or better (itself included: the tally counts it)
+            held = Job.objects.filter(held=True, status__in=ACTIVE, priority__lte=job.priority)
+        else:  # the other users' held jobs that `plain` counts ahead of it
+            ahead = Q(priority__lt=job.priority) | Q(priority=job.priority, created_at__lte=_key(job))
+            held = Job.objects.filter(ahead, held=True, status__in=ACTIVE).exclude(owner_id=job.owner_id)
         less = {
             (g.queue, g.duration_class, g.priority): g
             for g in _groups(
@@ -342,9 +345,11 @@ class QueueSnapshot:
         own = same.filter(owner_id=job.owner_id).filter(Q(priority__lt=job.priority) | Q(created_at__lt=job.created_at))
         own_ahead = own.aggregate(n=Count("id"), seconds=Sum(_WALL_REMAINING))
         others = same.exclude(owner_id=job.owner_id).aggregate(n=Count("id"), seconds=Sum(_WALL_REMAINING))
-        users = (
-            Job.objects.filter(_WAITING, queue=job.queue).exclude(owner_id=job.owner_id).order_by().values("owner_id")
-        ).distinct().count() + 1
+        # The users with unstarted jobs in the queue, over the partial indexes job_fair_window and job_held.
+        unstarted = Job.objects.filter(queue=job.queue, status__in=ACTIVE).order_by()
+        owners = set(unstarted.filter(held=False, chunks_run=0).values_list("owner_id", flat=True).distinct())
+        owners |= set(unstarted.filter(held=True).values_list("owner_id", flat=True).distinct())
+        users = len(owners - {job.owner_id}) + 1
         n_own, s_own = own_ahead["n"] or 0, float(own_ahead["seconds"] or 0.0)
         n_others, s_others = others["n"] or 0, float(others["seconds"] or 0.0)
         # Their published jobs are counted already; their turns beyond those come from what they hold.

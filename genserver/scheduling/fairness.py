@@ -9,9 +9,17 @@ beyond the window is recorded but *held* (no message). When one of the user's
 window jobs starts, or ends without starting, the user's best held job of that
 queue is published (`release_key`: lowest priority number, then oldest). Another
 user's job is therefore published behind at most `window` messages of each
-other user at its priority, and served about round-robin between users; a
-held job is published at its own priority, so shortest-first between bands
-still holds.
+other user at its priority; a held job is published at its own priority, so
+shortest-first between bands still holds.
+
+Who is held: only a user with at least as many unstarted jobs in the queue as
+every other user waiting there (the heaviest; alone, any user beyond the
+window). A light user's jobs are published at once, however many of them
+wait: holding them too would share the cards job for job with the burst,
+which is less than a user of small jobs needs when the burst's jobs are
+bigger (B's 2-s images against A's 2-6-s ones get 35 % of the cards that
+way, and B asks for 50 %). Two bursts of equal size are both held, and
+served alternately.
 
 The live job service (genserver/jobs/services/fairness.py) and the simulator
 (simulator/engine.py) both decide with this module. Plain Python, no Django.
@@ -24,12 +32,11 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-# Two published-but-unstarted jobs per user and queue: measured in bench/fairness.py (docs/BENCHMARKS.md,
-# "Fair share"): another user's image then waits behind at most two of a burst's messages, and a
-# burst keeps every card fed when its jobs skip the encode hop (the claim releases the next one).
-DEFAULT_FAIR_WINDOW = 2
-
-BURST_FACTOR = 4
+# One published-but-unstarted job per user and queue: measured in bench/fairness.py (docs/BENCHMARKS.md,
+# "Fair share"): another user's image waits behind at most one of a burst's messages (B's latency P99
+# 1.9× alone in the simulator, 2.4× with a window of 2), and the burst still keeps every card fed (the
+# claim that starts one of its jobs releases the next).
+DEFAULT_FAIR_WINDOW = 1
 
 T = TypeVar("T")
 
@@ -39,7 +46,6 @@ class FairWindow:
     """At most `size` of a user's jobs published and not yet started per queue (0: off, first-come)."""
 
     size: int = DEFAULT_FAIR_WINDOW
-    burst: int = BURST_FACTOR
 
     def __post_init__(self) -> None:
         if self.size < 0:
@@ -49,11 +55,16 @@ class FairWindow:
     def enabled(self) -> bool:
         return self.size > 0
 
-    def holds(self, in_window: int, held: int = 0) -> bool:
-        """Whether a new job of a user with `in_window` jobs published and unstarted in its queue, and
-        `held` held there, is held: once the user has held jobs (FIFO within a user), or has
-        `burst` × `size` published and unstarted (a burst). A user below that is not held (see the module)."""
-        return self.enabled and in_window >= self.size and (held > 0 or in_window >= self.size * self.burst)
+    def holds(self, in_window: int, waiting: int, others_waiting: Iterable[int] = ()) -> bool:
+        """Whether a new job is held: its user has `in_window` jobs published and unstarted in its queue,
+        `waiting` unstarted there in all (held ones included), and the other users with unstarted jobs in
+        the queue have `others_waiting` each. Held once the window is full, unless some other user has
+        more waiting: a light user is never held behind a heavier one's burst (which would share the
+        cards job for job between them, too little for a user of small jobs), only the heaviest are."""
+        if not self.enabled or in_window < self.size:
+            return False
+        fewest = min(others_waiting, default=None)
+        return fewest is None or waiting >= fewest
 
     def room(self, in_window: int) -> int | float:
         """How many held jobs may be published now for a user with `in_window` in the window (inf: off)."""

@@ -13,7 +13,6 @@ from genserver.jobs import broker, services
 from genserver.jobs.models import Job, JobStatus
 from genserver.jobs.services import fairness
 from genserver.redis_client import client as redis_client
-from genserver.scheduling.fairness import FairWindow
 from tests.conftest import submit
 
 pytestmark = pytest.mark.django_db(transaction=True)  # the service publishes on commit
@@ -34,7 +33,7 @@ def _empty_broker():
 
 @pytest.fixture(autouse=True)
 def _window_of_one(settings):
-    """Window 1: a user's burst publishes FairWindow.burst jobs (4), then holds; one published at a time after."""
+    """Window 1: alone, a user has one job published and unstarted per queue, the rest held."""
     settings.FAIR_WINDOW = 1
     settings.MAX_JOBS_IN_FLIGHT = 0
     settings.SUBMIT_RATE_LIMIT = 0
@@ -67,89 +66,83 @@ def held(ids: list[str]) -> list[bool]:
 
 
 def test_a_burst_is_held_beyond_the_window_and_released_as_its_jobs_start(api):
-    ids = burst(api, 7)
-    window = FairWindow(1)
-    assert held(ids) == [False] * (window.size * window.burst) + [True] * 3
-    assert [published(i) for i in ids] == [True] * 4 + [False] * 3  # a held job has no message
-    assert Job.objects.get(pk=ids[5]).status == JobStatus.QUEUED
-    start(ids[0])
+    ids = burst(api, 4)
+    assert held(ids) == [False, True, True, True]
+    assert [published(i) for i in ids] == [True, False, False, False]  # a held job has no message
+    assert Job.objects.get(pk=ids[2]).status == JobStatus.QUEUED
+    start(ids[0])  # it started: the oldest held job goes
+    assert held(ids) == [False, False, True, True]
+    assert published(ids[1])
     start(ids[1])
-    start(ids[2])
-    assert held(ids)[4:] == [True, True, True]  # the window (1) still holds the fourth, unstarted
-    start(ids[3])  # the last of the window started: the oldest held job goes
-    assert held(ids)[4:] == [False, True, True]
-    assert published(ids[4])
-    start(ids[4])
-    assert held(ids)[5:] == [False, True]
+    assert held(ids)[2:] == [False, True]
 
 
 def test_held_jobs_go_best_priority_first_and_a_held_job_just_changes_priority(api, staff_api):
-    ids = burst(api, 6)
-    assert held(ids)[4:] == [True, True]
-    response = staff_api.post(f"/api/v1/jobs/{ids[5]}/priority/", data={"priority": 0}, content_type="application/json")
+    ids = burst(api, 3)
+    assert held(ids) == [False, True, True]
+    response = staff_api.post(f"/api/v1/jobs/{ids[2]}/priority/", data={"priority": 0}, content_type="application/json")
     assert response.status_code == 200, response.json()
-    assert not published(ids[5])  # no message to move: it stays held, at its new priority
-    for i in ids[:4]:
-        start(i)
-    assert held(ids)[4:] == [True, False]  # the newer one goes first: its priority is better
-    assert published(ids[5])
+    assert not published(ids[2])  # no message to move: it stays held, at its new priority
+    start(ids[0])
+    assert held(ids)[1:] == [True, False]  # the newer one goes first: its priority is better
+    assert published(ids[2])
 
 
 def test_another_user_is_not_held_behind_a_burst_and_is_not_counted_behind_it(api, make_user):
     ids = burst(api, 10)
     bob = make_user("bob")
-    mine = submit(bob, prompt="bob's one").json()
-    assert not mine["held"] and published(mine["id"])
-    # Six of alice's are held: bob's job waits behind her four published ones, not her ten.
-    assert mine["queue_position"] == 4
+    mine = [submit(bob, prompt=f"bob's {i}").json() for i in range(3)]
+    # bob has fewer waiting than alice: none of his is held, however many beyond the window.
+    assert [m["held"] for m in mine] == [False] * 3 and all(published(m["id"]) for m in mine)
+    # Nine of alice's are held: bob's first job waits behind her one published job, not her ten.
+    assert api.get(f"/api/v1/jobs/{ids[0]}/").json()["queue_position"] == 0
+    assert bob.get(f"/api/v1/jobs/{mine[0]['id']}/").json()["queue_position"] == 1
+    assert bob.get(f"/api/v1/jobs/{mine[2]['id']}/").json()["queue_position"] == 3
     # A held job of alice's waits round-robin: her held jobs before it, and bob's turn for each.
-    last = api.get(f"/api/v1/jobs/{ids[-1]}/").json()
-    assert last["held"] is True
-    assert last["queue_position"] >= mine["queue_position"] + 5  # her 4 published + her 5 held ahead, at least
-    assert last["eta_seconds"] > api.get(f"/api/v1/jobs/{ids[4]}/").json()["eta_seconds"]
+    second, last = (api.get(f"/api/v1/jobs/{i}/").json() for i in (ids[1], ids[-1]))
+    assert second["held"] is True and last["held"] is True
+    assert second["queue_position"] == 1 + 3  # her published one and bob's three
+    assert last["queue_position"] == 1 + 3 + 8  # and her eight held before it (bob holds nothing more)
+    assert last["eta_seconds"] > second["eta_seconds"]
 
 
 def test_a_cancel_of_an_unstarted_window_job_releases_the_next(api):
-    ids = burst(api, 5)
-    for i in ids[:3]:
-        start(i)
-    assert held(ids)[4] is True
-    api.post(f"/api/v1/jobs/{ids[3]}/cancel/")
-    assert Job.objects.get(pk=ids[3]).status == JobStatus.CANCELLED
-    assert held(ids)[4] is False and published(ids[4])
+    ids = burst(api, 2)
+    assert held(ids)[1] is True
+    api.post(f"/api/v1/jobs/{ids[0]}/cancel/")
+    assert Job.objects.get(pk=ids[0]).status == JobStatus.CANCELLED
+    assert held(ids)[1] is False and published(ids[1])
 
 
 def test_a_cancelled_held_job_ends_without_a_message(api):
-    ids = burst(api, 5)
-    response = api.post(f"/api/v1/jobs/{ids[4]}/cancel/")
+    ids = burst(api, 2)
+    response = api.post(f"/api/v1/jobs/{ids[1]}/cancel/")
     assert response.status_code == 202
-    job = Job.objects.get(pk=ids[4])
-    assert job.status == JobStatus.CANCELLED and not published(ids[4])
+    job = Job.objects.get(pk=ids[1])
+    assert job.status == JobStatus.CANCELLED and not published(ids[1])
+    assert not held(ids)[0]  # the published one is untouched
 
 
 def test_an_expired_window_job_releases_the_next_and_a_held_job_may_expire(api):
-    ids = burst(api, 4) + burst(api, 2, start_within=60)
-    for i in ids[:3]:
-        start(i)
+    ids = burst(api, 3, start_within=60)
     overdue = timezone.now() - timedelta(seconds=1)
-    Job.objects.filter(pk=ids[3]).update(start_deadline=overdue)
-    assert services.expire_overdue() == 1  # ids[3] (published, unstarted) ends...
-    assert Job.objects.get(pk=ids[3]).status == JobStatus.EXPIRED
-    assert held(ids)[4:] == [False, True]  # ...and ids[4] took its room
-    Job.objects.filter(pk=ids[5]).update(start_deadline=overdue)
+    Job.objects.filter(pk=ids[0]).update(start_deadline=overdue)
+    assert services.expire_overdue() == 1  # ids[0] (published, unstarted) ends...
+    assert Job.objects.get(pk=ids[0]).status == JobStatus.EXPIRED
+    assert held(ids)[1:] == [False, True]  # ...and ids[1] took its room
+    Job.objects.filter(pk=ids[2]).update(start_deadline=overdue)
     assert services.expire_overdue() == 1
-    assert Job.objects.get(pk=ids[5]).status == JobStatus.EXPIRED  # a held job expires too, never half-run
+    assert Job.objects.get(pk=ids[2]).status == JobStatus.EXPIRED  # a held job expires too, never half-run
 
 
-def test_the_reaper_releases_held_jobs_whose_owner_has_room_and_never_republishes_them(api, settings):
-    ids = burst(api, 6)
+def test_the_reaper_releases_held_jobs_whose_owner_has_room_and_never_republishes_them(api):
+    ids = burst(api, 3)
     # A worker that died between its claim and the release: the window is empty, two jobs still held.
-    Job.objects.filter(pk__in=ids[:4]).update(chunks_run=1, status=JobStatus.DENOISING, lease_owner=WORKER)
-    settings.LEASE_SECONDS = 0
+    Job.objects.filter(pk=ids[0]).update(chunks_run=1, status=JobStatus.DENOISING, lease_owner=WORKER)
     outcomes = services.reap_stale()
     assert outcomes.get("released") == 1
-    assert held(ids)[4:] == [False, True] and published(ids[4])
-    assert not published(ids[5])
+    assert held(ids)[1:] == [False, True] and published(ids[1])
+    assert not published(ids[2])
 
 
 def test_window_zero_holds_nothing(api, settings):
@@ -168,10 +161,9 @@ def test_admission_counts_held_jobs(api):
 
 
 def test_a_job_released_after_its_embeddings_are_stored_skips_encode(api, monkeypatch):
-    ids = burst(api, 5)
+    ids = burst(api, 2)
     monkeypatch.setattr(fairness, "stored_embeddings_key", lambda job: f"embeddings/{job.pk}")
-    for i in ids[:4]:
-        start(i)
-    job = Job.objects.get(pk=ids[4])
+    start(ids[0])
+    job = Job.objects.get(pk=ids[1])
     assert not job.held and job.status == JobStatus.DENOISING and job.embeddings_key
-    assert ids[4] in broker.broker_job_ids({job.queue}) and ids[4] not in broker.broker_job_ids({"encode"})
+    assert ids[1] in broker.broker_job_ids({job.queue}) and ids[1] not in broker.broker_job_ids({"encode"})

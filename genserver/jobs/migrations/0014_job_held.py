@@ -39,5 +39,15 @@ class Migration(migrations.Migration):
                 name="job_held",
             ),
         ),
+        migrations.AddIndex(
+            model_name="job",
+            index=models.Index(
+                condition=models.Q(
+                    ("chunks_run", 0), ("held", False), ("status__in", ("queued", "encoding", "denoising", "decoding"))
+                ),
+                fields=["owner", "queue"],
+                name="job_fair_window",
+            ),
+        ),
         migrations.RunPython(reinstall_on_sqlite, migrations.RunPython.noop),
     ]

@@ -98,6 +98,7 @@ def expire_if_overdue(job_id: JobId, now: datetime | None = None) -> bool:
         finished_at=now,
         lease_owner="",
         lease_expires_at=None,
+        held=False,  # a held job expires without ever being published
     )
     if not ended:
         return False

@@ -28,7 +28,7 @@ from typing import Any
 
 from django.conf import settings
 from django.db import transaction
-from django.db.models import Q
+from django.db.models import Count, Q
 from django.utils import timezone
 
 from genserver import deployment
@@ -55,8 +55,16 @@ def in_window(owner_id: Any, queue: str) -> int:
     return Job.objects.filter(_window_jobs(owner_id, queue)).count()
 
 
-def held_count(owner_id: Any, queue: str) -> int:
-    return Job.objects.filter(owner_id=owner_id, queue=queue, held=True, status__in=ACTIVE).count()
+def waiting_by_owner(queue: str) -> dict[Any, int]:
+    """Per user with unstarted jobs in the queue, how many (published and held): two grouped counts over
+    the partial indexes job_fair_window (published, a few per user) and job_held."""
+    counts: dict[Any, int] = {}
+    published = Job.objects.filter(queue=queue, status__in=ACTIVE, held=False, chunks_run=0)
+    held = Job.objects.filter(queue=queue, status__in=ACTIVE, held=True)
+    for rows in (published, held):
+        for owner_id, n in rows.order_by().values("owner_id").annotate(n=Count("id")).values_list("owner_id", "n"):
+            counts[owner_id] = counts.get(owner_id, 0) + n
+    return counts
 
 
 def holds_new_job(owner_id: Any, queue: str) -> bool:
@@ -64,7 +72,12 @@ def holds_new_job(owner_id: Any, queue: str) -> bool:
     policy = window()
     if not policy.enabled:
         return False
-    return policy.holds(in_window(owner_id, queue), held_count(owner_id, queue))
+    mine = in_window(owner_id, queue)
+    if mine < policy.size:
+        return False
+    waiting = waiting_by_owner(queue)
+    others = [n for owner, n in waiting.items() if owner != owner_id]
+    return policy.holds(mine, waiting.get(owner_id, 0), others)
 
 
 def stored_embeddings_key(job: Job) -> str:
@@ -96,15 +109,13 @@ def release_held(owner_id: Any, queue: str) -> int:
     policy = window()
     released = 0
     while True:
-        room = policy.room(in_window(owner_id, queue))
-        if room <= 0:
-            return released
+        # The held ones first (over job_held, almost always none): a first claim costs one small read then.
         candidates = list(
             Job.objects.filter(owner_id=owner_id, queue=queue, held=True, status__in=ACTIVE, cancel_requested=False)
             .order_by("priority", "created_at")
             .values_list("pk", "priority", "created_at")[:8]
         )
-        if not candidates:
+        if not candidates or policy.room(in_window(owner_id, queue)) <= 0:
             return released
         pk = min(candidates, key=lambda c: release_key(c[1], c[2]))[0]
         if _release_one(pk):

@@ -230,7 +230,12 @@ def cancel_job(job: Job) -> Job:
     Job.objects.filter(pk=job.pk, status__in=ACTIVE).update(cancel_requested=True)
     unheld = Q(lease_owner="") | Q(lease_expires_at__lt=now)
     ended = Job.objects.filter(unheld, pk=job.pk, status__in=ACTIVE).update(
-        status=JobStatus.CANCELLED, stage=JobStage.CANCELLED, finished_at=now, lease_owner="", lease_expires_at=None
+        status=JobStatus.CANCELLED,
+        stage=JobStage.CANCELLED,
+        finished_at=now,
+        lease_owner="",
+        lease_expires_at=None,
+        held=False,  # a held job ends without ever being published
     )
     if ended:
         observe.transition(job.pk, job.status, JobStatus.CANCELLED)

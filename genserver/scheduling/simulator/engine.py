@@ -272,7 +272,13 @@ class _Simulation:
     def _publish_new(self, job: _Job) -> None:
         """A new job's first message, or a hold when its user's window for its queue is full."""
         key = job.fair_key
-        if self.window.holds(self.in_window.get(key, 0), len(self.held.get(key, ()))):
+        others = [
+            self.in_window.get(k, 0) + len(self.held.get(k, ()))
+            for k in set(self.in_window) | set(self.held)
+            if k[1] == job.queue and k != key
+        ]
+        waiting = self.in_window.get(key, 0) + len(self.held.get(key, ()))
+        if self.window.holds(self.in_window.get(key, 0), waiting, [n for n in others if n > 0]):
             self.held.setdefault(key, []).append(job)
             self.held_count += 1
             self.max_held = max(self.max_held, self.held_count)
