@@ -43,7 +43,7 @@ class JobAdmin(admin.ModelAdmin):
         "created_at",
         "finished_at",
     )
-    list_filter = ("status", "duration_class", "model", "kind", "backend")
+    list_filter = ("status", "duration_class", "model", "kind", "backend", "held")
     search_fields = ("id", "prompt", "owner__username", "error")
     date_hierarchy = "created_at"
     actions = ("cancel_jobs", "retry_from_checkpoint", "move_to_front")
