@@ -3,6 +3,9 @@
 card0, the only card, stops consuming (tests/test_stack_merging.py's `card_paused`) while alice submits
 a burst and bob one job; when it takes work again, bob's job starts second (behind the one message of
 alice's that the window let through), not after her whole burst. With the window off, first-come.
+The window is set in this process, where submits hold jobs; the suite's workers run with it off
+(tests/settings.py), so a release publishes all of her held jobs at once, behind bob's: the order
+asserted is the submit side's, and tests/jobs/test_fairness.py checks the releases one by one.
 The assertions are on the order the jobs started, never on how long anything took.
 """
 
@@ -43,7 +46,9 @@ def _started_before(job_id: str, others: list[str]) -> int:
 
 
 def test_another_users_job_starts_behind_at_most_the_window_of_a_burst(stack, make_user, settings):
-    assert settings.FAIR_WINDOW == 1  # the shipped default
+    # The shipped default, where the API holds (this process). The suite's workers run first-come
+    # (tests/settings.py): the first claim of alice's releases all her held jobs at once, behind bob's.
+    settings.FAIR_WINDOW = 1
     alice, bob = make_user("alice"), make_user("bob")
     mine, theirs = _burst_then_one(stack, alice, bob)
     assert _started_before(theirs, mine) <= settings.FAIR_WINDOW + 1  # measured: 1 (the one she had published)
