@@ -22,6 +22,7 @@ work-conserving: no card idles while A has work, i.e. A's drain with B is
 from __future__ import annotations
 
 import argparse
+import importlib
 import random
 import sys
 from collections.abc import Sequence
@@ -47,16 +48,18 @@ B_DURATION = 900.0  # seconds of B's arrivals (past A's drain under every policy
 SEED = 0
 
 
-def user_a(n: int = BURST, at: float = BURST_AT, seed: int = SEED) -> list[Request]:
-    """A's burst: `n` of the seed's images (2, 3 or 6 s) at the same instant."""
+def user_a(n: int | None = None, at: float | None = None, seed: int = SEED) -> list[Request]:
+    """A's burst: `n` (BURST) of the seed's images (2, 3 or 6 s) at the same instant `at` (BURST_AT)."""
+    n, at = BURST if n is None else n, BURST_AT if at is None else at
     rng = random.Random(seed)
     return [Request(at, IMAGE, rng.choice(list(IMAGE_SECONDS)), user="A") for _ in range(n)]
 
 
 def user_b(
-    rate: float = B_RATE, duration: float = B_DURATION, seconds: float = B_SECONDS, seed: int = SEED
+    rate: float = B_RATE, duration: float | None = None, seconds: float = B_SECONDS, seed: int = SEED
 ) -> list[Request]:
-    """B's images: Poisson arrivals at `rate` per second for `duration` seconds."""
+    """B's images: Poisson arrivals at `rate` per second for `duration` (B_DURATION) seconds."""
+    duration = B_DURATION if duration is None else duration
     rng = random.Random(seed + 1)
     t, out = 0.0, []
     while True:
@@ -112,6 +115,7 @@ def simulate_scenarios(window: int = DEFAULT_FAIR_WINDOW, seed: int = SEED) -> d
     alone_a = run(a, window)
     _, _, ends = _user(alone_a, "A")
     rows["A alone"] = Row("A alone", None, None, max(ends) - BURST_AT, sum(r.seconds for r in a) / CARDS)
+    assert a[0].arrival == BURST_AT
     for name, fair in (("A + B, first-come (window 0)", 0), (f"A + B, fair (window {window})", window)):
         res = run(merged(a, b), fair)
         bw, bl, _ = _user(res, "B")
@@ -162,10 +166,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--window", type=int, default=DEFAULT_FAIR_WINDOW, help="the fair window measured")
     parser.add_argument("--windows", default="", help="also sweep these windows in the simulator, e.g. 1,2,4,8")
     parser.add_argument("--live", action="store_true", help="also run the two users on the live stack")
-    parser.add_argument("--scale", type=float, default=0.05, help="live: GENSERVER_TIME_SCALE")
+    parser.add_argument("--scale", type=float, default=0.1, help="live: GENSERVER_TIME_SCALE")
+    parser.add_argument("--burst", type=int, default=BURST, help="A's images at once")
+    parser.add_argument("--burst-at", type=float, default=BURST_AT, help="when A's burst arrives (s)")
+    parser.add_argument("--b-duration", type=float, default=B_DURATION, help="seconds of B's arrivals")
     args = parser.parse_args(argv)
+    # This module, and the same one imported by name (`python -m` runs it as __main__, bench.fairness_live
+    # imports bench.fairness): both read the scenario's sizes.
+    for this in {sys.modules[__name__], importlib.import_module("bench.fairness")}:
+        this.BURST, this.BURST_AT, this.B_DURATION = args.burst, args.burst_at, args.b_duration  # type: ignore[attr-defined]
     rows = simulate_scenarios(args.window)
-    print(table(rows, f"Simulator: {CARDS} cards, A {BURST} images at once, B one 2-s image a second"))
+    print(table(rows, f"Simulator: {CARDS} cards, A {BURST} images at once, B one 2-s image a second"), flush=True)
     print()
     print(verdict(rows, args.window))
     for w in [int(x) for x in args.windows.split(",") if x]:
