@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import http.client
+import os
 import subprocess
 import sys
 import threading
@@ -134,8 +135,8 @@ def _row(name: str, result: dict[str, list[dict]], scale: float) -> fairness.Row
     return fairness.Row(name, b_wait, b_lat, drain, bound)
 
 
-def run_live(window: int, scale: float) -> dict[str, fairness.Row]:
-    """B alone, A alone and A + B under `window`, then A + B first-come, on the live stack."""
+def run_live(window: int, scale: float, boots: Sequence[str] = ("fair", "fcfs")) -> dict[str, fairness.Row]:
+    """B alone, A alone and A + B under `window` (boot "fair"), then A + B first-come (boot "fcfs")."""
     base = {
         "GENSERVER_TIME_SCALE": str(scale),
         "GENSERVER_CPU_WORKERS": str(fairness.CARDS),
@@ -147,19 +148,30 @@ def run_live(window: int, scale: float) -> dict[str, fairness.Row]:
         "GENSERVER_ADMIT_LONG_SECONDS": "100000",
     }
     rows: dict[str, fairness.Row] = {}
-    with live_stack(base | {"GENSERVER_FAIR_WINDOW": str(window)}) as stack:
-        a, b = _as(stack, "bench-a"), _as(stack, "bench-b")
-        rows["B alone"] = _row("B alone", _run(None, b, scale, "alone"), scale)
-        rows["A alone"] = _row("A alone", _run(a, None, scale, "alone"), scale)
-        fair = _run(a, b, scale, "fair")
-    name = f"A + B, fair (window {window})"
-    rows[name] = _row(name, fair, scale)
-    print(fairness.table(rows, "Live, the fair boot (the first-come boot follows)"), flush=True)
-    with live_stack(base | {"GENSERVER_FAIR_WINDOW": "0"}) as stack:
-        a, b = _as(stack, "bench-a"), _as(stack, "bench-b")
-        name = "A + B, first-come (window 0)"
-        fcfs = _row(name, _run(a, b, scale, "fcfs"), scale)
-    fair_row = rows.pop(f"A + B, fair (window {window})")
-    rows[name] = fcfs
-    rows[fair_row.name] = fair_row
+    redis_url = os.environ.get("REDIS_URL")  # live_stack points this process at its broker: undone per boot
+    fair_name, fcfs_name = f"A + B, fair (window {window})", "A + B, first-come (window 0)"
+    if "fair" in boots:
+        with live_stack(base | {"GENSERVER_FAIR_WINDOW": str(window)}) as stack:
+            a, b = _as(stack, "bench-a"), _as(stack, "bench-b")
+            rows["B alone"] = _row("B alone", _run(None, b, scale, "alone"), scale)
+            rows["A alone"] = _row("A alone", _run(a, None, scale, "alone"), scale)
+            rows[fair_name] = _row(fair_name, _run(a, b, scale, "fair"), scale)
+        print(fairness.table(rows, "Live, the fair boot"), flush=True)
+        _restore("REDIS_URL", redis_url)
+    if "fcfs" in boots:
+        with live_stack(base | {"GENSERVER_FAIR_WINDOW": "0"}) as stack:
+            a, b = _as(stack, "bench-a"), _as(stack, "bench-b")
+            fcfs = _row(fcfs_name, _run(a, b, scale, "fcfs"), scale)
+        _restore("REDIS_URL", redis_url)
+        fair_row = rows.pop(fair_name, None)
+        rows[fcfs_name] = fcfs
+        if fair_row is not None:
+            rows[fair_name] = fair_row
     return rows
+
+
+def _restore(name: str, value: str | None) -> None:
+    if value is None:
+        os.environ.pop(name, None)
+    else:
+        os.environ[name] = value
