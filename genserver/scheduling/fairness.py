@@ -12,10 +12,10 @@ user's job is therefore published behind at most `window` messages of each
 other user at its priority; a held job is published at its own priority, so
 shortest-first between bands still holds.
 
-Who is held: only a user with at least as many unstarted jobs in the queue as
-every other user waiting there (the heaviest; alone, any user beyond the
-window). A light user's jobs are published at once, however many of them
-wait: holding them too would share the cards job for job with the burst,
+Who is held: every user beyond the window except the lightest, a user with
+fewer unstarted jobs in the queue than every other user waiting there (alone,
+a user is held beyond the window). The lightest user's jobs are published at
+once, however many of them wait: holding them too would share the cards job for job with the burst,
 which is less than a user of small jobs needs when the burst's jobs are
 bigger (B's 2-s images against A's 2-6-s ones get 35 % of the cards that
 way, and B asks for 50 %). Two bursts of equal size are both held, and
@@ -58,9 +58,9 @@ class FairWindow:
     def holds(self, in_window: int, waiting: int, others_waiting: Iterable[int] = ()) -> bool:
         """Whether a new job is held: its user has `in_window` jobs published and unstarted in its queue,
         `waiting` unstarted there in all (held ones included), and the other users with unstarted jobs in
-        the queue have `others_waiting` each. Held once the window is full, unless some other user has
-        more waiting: a light user is never held behind a heavier one's burst (which would share the
-        cards job for job between them, too little for a user of small jobs), only the heaviest are."""
+        the queue have `others_waiting` each. Held once the window is full, unless every other user has
+        more waiting: the lightest user is never held behind heavier ones' bursts (which would share the
+        cards job for job between them, too little for a user of small jobs)."""
         if not self.enabled or in_window < self.size:
             return False
         fewest = min(others_waiting, default=None)

@@ -9,7 +9,7 @@ from genserver.scheduling.fairness import DEFAULT_FAIR_WINDOW, FairWindow, held_
 from genserver.scheduling.simulator import IMAGE, Request, service_policy_config, simulate
 
 
-def test_the_window_holds_the_heaviest_user_not_a_light_one():
+def test_the_window_holds_a_burst_never_the_lightest_user():
     window = FairWindow(2)
     assert not window.holds(1, 1)  # room in the window
     assert window.holds(2, 2)  # alone beyond the window: held
