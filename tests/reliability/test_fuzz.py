@@ -62,9 +62,8 @@ def wsgi_request_cycle(settings):
 
     settings.SUBMIT_RATE_LIMIT = 0
     settings.MAX_JOBS_IN_FLIGHT = 0
-    # No worker runs here: a synchronous wait (OpenAI's endpoint, Prefer: wait) could only time out.
-    settings.OPENAI_WAIT_SECONDS = 0
-    settings.PREFER_WAIT_MAX_SECONDS = 0
+    # No worker runs here: a synchronous wait (OpenAI's endpoint, Prefer: wait) ends at once, with no live
+    # worker to run its job (selectors.wait_for_terminal).
     request_started.disconnect(close_old_connections)
     request_finished.disconnect(close_old_connections)
     yield
