@@ -298,6 +298,10 @@ CHUNK_SECONDS = env_float("GENSERVER_CHUNK_SECONDS", 4.0, above=0)
 ADMIT_SHORT_SECONDS = env_float("GENSERVER_ADMIT_SHORT_SECONDS", 60.0, above=0)
 ADMIT_MEDIUM_SECONDS = env_float("GENSERVER_ADMIT_MEDIUM_SECONDS", 300.0, above=0)
 ADMIT_LONG_SECONDS = env_float("GENSERVER_ADMIT_LONG_SECONDS", 1800.0, above=0)
+# Admission stretches a medium or long job's wait by the share of the cards that better classes took over
+# this many seconds of arrivals (they will preempt it while it waits). Longer is steadier; shorter follows
+# a burst sooner. 0: count the work ahead only (optimistic: a video may start after its limit).
+HEADWIND_WINDOW_SECONDS = env_float("GENSERVER_HEADWIND_WINDOW", 900.0, minimum=0)
 
 # --- Pools -------------------------------------------------------------------------
 # GENSERVER_POOLS: inline JSON or a .json/.toml file; unset → generated from the

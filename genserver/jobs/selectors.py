@@ -12,6 +12,7 @@ from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
+from django.conf import settings
 from django.db.models import Count, ExpressionWrapper, F, FloatField, Q, QuerySet, Sum, Value
 from django.db.models.functions import Coalesce, Greatest
 from django.utils import timezone
@@ -20,7 +21,7 @@ from genserver import deployment
 from genserver.jobs.broker import broker_depth
 from genserver.jobs.models import ACTIVE, ApiToken, Job, JobStatus, QueueTally
 from genserver.redis_client import CORRECTION_KEY, WORKER_KEY, client as redis_client
-from genserver.scheduling.admission import WorkItem, expected_wait
+from genserver.scheduling.admission import CALM, HIGHER_CLASSES, Headwind, WorkItem, expected_wait, headwind
 from genserver.scheduling.classes import CLASSES, priority_for
 from genserver.scheduling.cost import StepTimeCorrection
 from genserver.scheduling.pools import DECODE, ENCODE, PoolLayout, class_of, worker_from_queues
@@ -349,6 +350,25 @@ def live_workers() -> list[dict[str, Any]]:
     return sorted(found, key=lambda w: (w.get("node", ""), w.get("name", "")))
 
 
+def headwind_for(duration_class: str, queue: str, capacity: PoolLayout) -> Headwind:
+    """What stretches a new job's wait (admission.Headwind): the better classes' share of the cards serving
+    `queue`, from the work (wall seconds) accepted over the last GENSERVER_HEADWIND_WINDOW seconds. A short
+    job has no better class: no query. Boundaries add nothing here: a card continues in-process when nothing
+    waits ahead (yield on demand), and the learned step-time correction carries the in-process save."""
+    window = float(settings.HEADWIND_WINDOW_SECONDS)
+    better = HIGHER_CLASSES.get(duration_class, ())
+    if window <= 0 or not better:
+        return CALM
+    since = timezone.now() - timedelta(seconds=window)
+    rows = (
+        Job.objects.filter(created_at__gte=since, duration_class__in=better)
+        .values("duration_class")
+        .annotate(seconds=Sum(F("estimated_seconds") * F("clock_scale")))
+    )
+    recent = {row["duration_class"]: float(row["seconds"] or 0.0) for row in rows}
+    return headwind(recent, duration_class, window, capacity.card_equivalents(queue))
+
+
 def _devices(worker: dict[str, Any]) -> tuple[int, ...]:
     text = str(worker.get("devices", "") or "")
     return tuple(int(d) for d in text.split(",") if d.strip().isdigit())
@@ -444,7 +464,8 @@ def _queue_overview() -> list[dict[str, Any]]:
             "medium": thresholds.medium * 0.99,
             "long": thresholds.medium * 20,
         }[cls]
-        wait = expected_wait(cls, priority_for(cls, typical, False, thresholds), items, layout)
+        wind = headwind_for(cls, cls, layout)  # as admission decides
+        wait = expected_wait(cls, priority_for(cls, typical, False, thresholds), items, layout, wind)
         limit = limits.for_class(cls)
         entry: dict[str, Any] = {
             "name": cls,

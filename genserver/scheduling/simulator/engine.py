@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Literal
 
-from ..admission import WorkItem, decide, expected_wait
+from ..admission import CALM, Headwind, WorkItem, decide, expected_wait, headwind
 from ..chunking import steps_per_chunk
 from ..classes import CLASSES, LONG, priority_for
 from ..pools import PoolLayout, class_of, group_speedup
@@ -162,6 +162,7 @@ class _Simulation:
         self._engaged_cache: tuple[float, bool] | None = None
         self._engaged_checks = self._engaged_hits = 0
         self._capped_layout: PoolLayout | None = None
+        self.recent: deque[tuple[float, str, float]] = deque()  # accepted arrivals: (time, class, seconds)
 
     # -- the long cap --------------------------------------------------------------------
 
@@ -279,6 +280,22 @@ class _Simulation:
         self.republished += 1
         self.broker.publish(job)
 
+    def _headwind(self, cls: str, queue: str, layout: PoolLayout, now: float) -> Headwind:
+        """What admission stretches the work ahead by (SimConfig.headwind_window): the better classes'
+        arrivals over the window, and the boundary cost per second of work as this config pays it."""
+        window = self.cfg.headwind_window
+        if window is None:
+            return CALM
+        while self.recent and self.recent[0][0] < now - window:
+            self.recent.popleft()
+        recent: dict[str, float] = {}
+        for _, c, seconds in self.recent:
+            recent[c] = recent.get(c, 0.0) + seconds
+        # A boundary pays its save; a re-published one (not yield-on-demand) its restore too.
+        boundary = self.save_seconds + (0.0 if self.cfg.yield_on_demand else self.restore_seconds)
+        span = min(window, max(now, 1.0))  # the first arrivals: the rate over the time seen so far
+        return headwind(recent, cls, span, layout.card_equivalents(queue), boundary / self.cfg.chunk_seconds)
+
     def _arrival(self, index: int, now: float) -> None:
         cfg = self.cfg
         r = self.requests[index]
@@ -286,11 +303,14 @@ class _Simulation:
         priority = priority_for(cls, r.seconds, False, cfg.thresholds)
         queue = cfg.layout.queue_for(cls, cfg.models[r.kind], r.lane)
         if cfg.limits is not None:
-            decision = decide(queue, priority, self.work_items(now), self._admission_layout(now), cfg.limits)
+            layout = self._admission_layout(now)
+            wind = self._headwind(cls, queue, layout, now)
+            decision = decide(queue, priority, self.work_items(now), layout, cfg.limits, wind)
             if not decision.accepted:
                 self.result[r.kind].refused += 1
                 return
         self.result[r.kind].accepted += 1
+        self.recent.append((now, cls, r.seconds))
         steps = cfg.steps_for(r.seconds)
         job = _Job(
             id=index,

@@ -24,6 +24,9 @@ DEFAULT_SWITCH_SECONDS = 0.5
 # Our policy lends every card to video and caps long work at N−1 cards only under
 # overload: while a new long job's expected wait exceeds this share of its limit.
 OVERLOAD_ENGAGE_SHARE = 0.5
+# Admission's headwind (admission.Headwind) counts the better classes' work that arrived over this window:
+# longer is steadier, shorter follows a burst sooner. The live service uses GENSERVER_HEADWIND_WINDOW.
+HEADWIND_WINDOW_SECONDS = 900.0
 
 
 def mixed_layout(num_gpus: int = 4, image_only: int = 0) -> PoolLayout:
@@ -71,6 +74,8 @@ class SimConfig:
         one). A yield costs a full save + restore. The order of work is the
         same as with re-publishing every chunk.
     limits: admission limits (None: admit everything).
+    headwind_window: admission stretches the work ahead by the headwind (the better classes' arrivals over
+        this many seconds, and the boundary cost per second of work); None: it counts the work ahead only.
     steps: steps given to a request of each duration (seconds → steps).
     models: the model of each kind (a change of model on a card is a switch).
     """
@@ -85,6 +90,7 @@ class SimConfig:
     in_process_seconds: float | None = None
     thresholds: ClassThresholds = field(default_factory=ClassThresholds)
     limits: AdmissionLimits | None = field(default_factory=AdmissionLimits)
+    headwind_window: float | None = None
     steps: Mapping[float, int] = field(default_factory=lambda: dict(DEFAULT_STEPS))
     models: Mapping[str, str] = field(default_factory=lambda: dict(DEFAULT_MODELS))
 
@@ -123,6 +129,7 @@ def service_policy_config(num_gpus: int = 4, *, yield_on_demand: bool = False, *
         long_cap_engage_seconds=OVERLOAD_ENGAGE_SHARE * long_limit,
         yield_on_demand=yield_on_demand,
         in_process_seconds=0.0 if yield_on_demand else None,
+        headwind_window=HEADWIND_WINDOW_SECONDS,
     )
     params.update(overrides)
     return SimConfig(**params)
