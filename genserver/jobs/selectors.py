@@ -20,10 +20,11 @@ from django.utils import timezone
 from genserver import deployment
 from genserver.jobs.broker import broker_depth
 from genserver.jobs.models import ACTIVE, ApiToken, Job, JobStatus, QueueTally
-from genserver.redis_client import CORRECTION_KEY, WORKER_KEY, client as redis_client
+from genserver.redis_client import CORRECTION_KEY, LONG_CAP_KEY, WORKER_KEY, client as redis_client
 from genserver.scheduling.admission import CALM, HIGHER_CLASSES, Headwind, WorkItem, expected_wait, headwind
-from genserver.scheduling.classes import CLASSES, priority_for
+from genserver.scheduling.classes import CLASSES, LONG, priority_for
 from genserver.scheduling.cost import StepTimeCorrection
+from genserver.scheduling.overload import capped_layout
 from genserver.scheduling.pools import DECODE, ENCODE, PoolLayout, class_of, worker_from_queues
 
 
@@ -385,18 +386,24 @@ def capacity_of(workers: list[dict[str, Any]]) -> PoolLayout:
     return PoolLayout(tuple(specs), complete=False)
 
 
-def live_capacity(workers: list[dict[str, Any]] | None = None) -> PoolLayout:
+def live_capacity(workers: list[dict[str, Any]] | None = None, capped: bool = True) -> PoolLayout:
     """What admission, queue positions and ETAs count: the cards whose workers heartbeat now, on every
     node. A node that dies stops counting when its heartbeats expire (3 intervals, within the lease);
     a new node counts from its first heartbeat. With no worker reporting (before the first heartbeat,
     or Redis unreachable) the configured layout is the estimate, so the service keeps accepting work
-    for the nodes that are starting."""
+    for the nodes that are starting. While the overload cap holds (`capped`), the long class counts the
+    cards it may use only (scheduling/overload.py)."""
     if workers is None:
         try:
             workers = live_workers()
         except Exception:  # noqa: BLE001 - admission must answer when Redis is down: the layout estimates
             workers = []
-    return capacity_of(workers) if workers else deployment.layout()
+    capacity = capacity_of(workers) if workers else deployment.layout()
+    if capped:
+        state = long_cap_state()
+        if state.engaged:
+            return capped_layout(capacity, state.cap)
+    return capacity
 
 
 def nodes_overview(workers: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
@@ -430,6 +437,7 @@ QUEUE_SUMMARY_FIELDS = (
     "expected_wait_seconds",
     "wait_limit_seconds",
     "accepting",
+    "capped",
 )
 
 
@@ -454,6 +462,7 @@ def _queue_overview() -> list[dict[str, Any]]:
     except Exception:  # noqa: BLE001 - the overview must answer even when Redis is down
         workers = None
     layout = live_capacity(workers or [])
+    capped = long_cap_state().engaged
     result = []
     for cls in CLASSES:
         waiting = [g for g in groups if g.duration_class == cls]
@@ -482,6 +491,7 @@ def _queue_overview() -> list[dict[str, Any]]:
             "expected_wait_seconds": None if math.isinf(wait) else round(wait, 3),
             "wait_limit_seconds": limit,
             "accepting": wait <= limit,
+            "capped": cls == LONG and capped,
         }
         if workers is not None:
             entry["live_workers"] = [w["name"] for w in workers if cls in w.get("queues", [])]
@@ -491,6 +501,49 @@ def _queue_overview() -> list[dict[str, Any]]:
                 entry["broker_messages"] = None
         result.append(entry)
     return result
+
+
+# --- The overload cap (scheduling/overload.py; written by services/overload.py on every reaper tick) ------
+@dataclass(frozen=True)
+class LongCapState:
+    """The overload cap as beat last decided it (off when beat has not written it lately)."""
+
+    engaged: bool = False
+    cap: int = 0  # cards that may run long work while engaged
+    long_cards: int = 0  # live cards that take long work
+    long_wait_seconds: float = 0.0  # a new long job's expected wait, over every card, when decided
+    changed_at: str = ""  # when it last engaged or let go (ISO 8601)
+
+
+def long_cap_state() -> LongCapState:
+    try:
+        raw = redis_client().get(LONG_CAP_KEY)
+        return LongCapState(**json.loads(raw)) if raw else LongCapState()
+    except Exception:  # noqa: BLE001 - Redis down or a foreign value: fail open, every card takes long work
+        return LongCapState()
+
+
+def cards_running_long(exclude_worker: str = "") -> int:
+    """Workers (by lease owner) running a long job's chunk now, other than `exclude_worker`."""
+    return (
+        Job.objects.filter(duration_class=LONG, status=JobStatus.DENOISING, lease_expires_at__gt=timezone.now())
+        .exclude(lease_owner__in=["", exclude_worker])
+        .values("lease_owner")
+        .distinct()
+        .count()
+    )
+
+
+def must_leave_long(worker: str) -> bool:
+    """Whether `worker` must not run long work now: the cap holds and its share of cards is taken."""
+    state = long_cap_state()
+    return state.engaged and cards_running_long(exclude_worker=worker) >= state.cap
+
+
+def queue_and_priority(job_id: Any) -> tuple[str, int] | None:
+    """The job's queue and current priority (None: no such job)."""
+    row = Job.objects.filter(pk=job_id).values_list("queue", "priority").first()
+    return (row[0], row[1]) if row else None
 
 
 # --- Bounded waits (Prefer: wait, the OpenAI images endpoint) ------------------------

@@ -11,12 +11,13 @@ from __future__ import annotations
 import heapq
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Literal
 
-from ..admission import CALM, Headwind, WorkItem, decide, expected_wait, headwind
+from ..admission import CALM, AdmissionLimits, Headwind, WorkItem, decide, expected_wait, headwind
 from ..chunking import steps_per_chunk
 from ..classes import CLASSES, LONG, priority_for
+from ..overload import capped_layout
 from ..pools import PoolLayout, class_of, group_speedup
 from .service_policy import SimConfig
 from .workload import KINDS, Request, pct, seed_workload
@@ -160,6 +161,7 @@ class _Simulation:
             self.save_seconds = half
         self.restore_seconds = cfg.checkpoint_seconds - self.save_seconds
         self._engaged_cache: tuple[float, bool] | None = None
+        self._engaged = False  # the long cap's state (its policy has hysteresis)
         self._engaged_checks = self._engaged_hits = 0
         self._capped_layout: PoolLayout | None = None
         self.recent: deque[tuple[float, str, float]] = deque()  # accepted arrivals: (time, class, seconds)
@@ -173,14 +175,15 @@ class _Simulation:
         cfg = self.cfg
         if cfg.long_cap is None:
             return False
-        if cfg.long_cap_engage_seconds is None:
+        if cfg.long_cap_policy is None:
             return True
         if self._engaged_cache is not None and self._engaged_cache[0] == now:
             return self._engaged_cache[1]
         new_long = priority_for(LONG, cfg.thresholds.medium, False, cfg.thresholds)
-        engaged = expected_wait(LONG, new_long, self.work_items(now), cfg.layout) > cfg.long_cap_engage_seconds
-        self._engaged_cache = (now, engaged)
-        return engaged
+        wait = expected_wait(LONG, new_long, self.work_items(now), cfg.layout)
+        self._engaged = cfg.long_cap_policy.engaged(self._engaged, wait, (cfg.limits or AdmissionLimits()).long)
+        self._engaged_cache = (now, self._engaged)
+        return self._engaged
 
     def _long_blocked(self, card: _Card, now: float) -> bool:
         cap = self.cfg.long_cap
@@ -191,15 +194,7 @@ class _Simulation:
         if cfg.long_cap is None or not self._cap_engaged(now):
             return cfg.layout
         if self._capped_layout is None:
-            excess = sum(1 for c in self.cards if any(class_of(q) == LONG for q in c.queues)) - cfg.long_cap
-            workers = []
-            for worker in cfg.layout.workers:
-                if excess > 0 and worker.denoises and LONG in worker.queues:
-                    excess -= 1
-                    workers.append(replace(worker, queues=tuple(q for q in worker.queues if q != LONG)))
-                else:
-                    workers.append(worker)
-            self._capped_layout = PoolLayout(tuple(workers))
+            self._capped_layout = capped_layout(cfg.layout, cfg.long_cap)
         return self._capped_layout
 
     # -- cards and admission -------------------------------------------------------------
