@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from .classes import LONG
-from .pools import PoolLayout, class_of
+from .pools import PoolLayout, WorkerSpec, class_of
 
 
 @dataclass(frozen=True)
@@ -57,10 +57,10 @@ def capped_layout(layout: PoolLayout, cap: int) -> PoolLayout:
     `cap` no longer read long queues. Cards that also take other work give long up first (they still have
     something to do); one that reads long alone keeps it while the cap allows, else sits the cap out."""
 
-    def takes_long(worker) -> bool:
+    def takes_long(worker: WorkerSpec) -> bool:
         return worker.denoises and any(class_of(q) == LONG for q in worker.consumed_queues())
 
-    def others(worker) -> tuple[str, ...]:
+    def others(worker: WorkerSpec) -> tuple[str, ...]:
         return tuple(q for q in worker.queues if class_of(q) != LONG)
 
     excess = long_cards(layout) - cap
