@@ -83,7 +83,8 @@ def live_stack(env: dict[str, str], boot_timeout: float = 180) -> Iterator[LiveS
     """The stack with `env` on top of a private data dir, ports and broker.
 
     Once it is up, this process's REDIS_URL points at the same broker (for
-    Celery probes and event receivers) and Django is set up with it.
+    Celery probes and event receivers) and Django is set up with it. The
+    database is a private SQLite file unless `env` names a DATABASE_URL.
     """
     data_dir = tempfile.mkdtemp(prefix="genserver-bench-")
     port, flower = free_port(), free_port()
@@ -105,7 +106,8 @@ def live_stack(env: dict[str, str], boot_timeout: float = 180) -> Iterator[LiveS
     )
     if "REDIS_URL" not in redis_env:
         full.pop("REDIS_URL", None)
-    full.pop("DATABASE_URL", None)  # a private SQLite file: the benchmark never touches a shared database
+    if "DATABASE_URL" not in env:
+        full.pop("DATABASE_URL", None)  # a private SQLite file: the benchmark never touches a shared database
     log = open(Path(data_dir) / "stack.log", "w")
     proc = subprocess.Popen(
         [sys.executable, "-m", "workers.stack"],
@@ -130,9 +132,15 @@ def live_stack(env: dict[str, str], boot_timeout: float = 180) -> Iterator[LiveS
         raise RuntimeError(f"the stack did not come up; see {data_dir}/stack.log")
     stack = LiveStack(f"http://127.0.0.1:{port}", token, full, proc)
     os.environ.update(
-        {k: full[k] for k in ("GENSERVER_DATA_DIR", "GENSERVER_REGISTRY", "GENSERVER_TIME_SCALE") if k in full}
+        {
+            k: full[k]
+            for k in ("GENSERVER_DATA_DIR", "GENSERVER_REGISTRY", "GENSERVER_TIME_SCALE", "DATABASE_URL")
+            if k in full
+        }
         | {"REDIS_URL": redis_url}
     )
+    if "DATABASE_URL" not in full:
+        os.environ.pop("DATABASE_URL", None)  # this process reads the stack's database too
     os.environ.setdefault("DJANGO_SETTINGS_MODULE", "genserver.settings")
     import django
 
