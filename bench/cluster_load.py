@@ -1,10 +1,10 @@
 """What one job costs Redis and the database, end to end, on the real stack (for docs/DEPLOY.md).
 
-    python -m bench.cluster_load [--idle 20] [--polls 20] [--database-url postgres://...]
+    python -m bench.cluster_load [--idle 20] [--polls 20] [--database-url postgres://...] [--time-scale 0.02]
 
 Starts the real service (`python -m workers.stack`, bench/livestack.py: API,
 encode/decode workers, 2 CPU "cards", beat; simulated backend at
-GENSERVER_TIME_SCALE=0.02) on a private bundled Redis, which counts every
+GENSERVER_TIME_SCALE=0.02 unless `--time-scale` says) on a private bundled Redis, which counts every
 command it serves (INFO commandstats), and on the database `--database-url`
 (PostgreSQL, as in production; without it a private SQLite file). Every process
 of the stack counts the SQL statements it runs (bench/sqlcount/sitecustomize.py,
@@ -21,6 +21,13 @@ them. On PostgreSQL the database's own count of transactions
    the submit (the API during the POST), the polls, encode, the card workers
    (every chunk), decode, beat;
 3. `--polls` GETs of the finished job: the statements one poll costs.
+
+What a job costs per chunk and stage does not depend on the clock, but the
+lease renewals do: a card renews (and records progress) at most once a second,
+between steps, and decode renews every second. At the default ×0.02 clock a
+video's 6 s steps last 0.12 s and renew only at their chunk's start;
+`--time-scale 1` runs the jobs at the cost model's real speed (about 6 minutes
+for the video) and counts what production sends.
 
 The database must be one the benchmark may write to (it migrates it and adds
 jobs, users and tokens); it is not emptied.
@@ -146,10 +153,11 @@ def main() -> None:
     parser.add_argument("--idle", type=float, default=20.0, help="seconds of the idle window")
     parser.add_argument("--polls", type=int, default=20, help="GETs of a finished job, for one poll's cost")
     parser.add_argument("--database-url", help="the stack's database (PostgreSQL); default: a private SQLite file")
+    parser.add_argument("--time-scale", default="0.02", help="GENSERVER_TIME_SCALE of the simulated work")
     args = parser.parse_args()
     sql_dir = Path(tempfile.mkdtemp(prefix="genserver-sqlcount-"))
     env = {
-        "GENSERVER_TIME_SCALE": "0.02",
+        "GENSERVER_TIME_SCALE": args.time_scale,
         "GENSERVER_CPU_WORKERS": "2",
         "GENSERVER_REAPER_INTERVAL": "5",
         "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT / "bench" / "sqlcount"), os.environ.get("PYTHONPATH")])),
@@ -159,7 +167,10 @@ def main() -> None:
         env["DATABASE_URL"] = args.database_url
     with live_stack(env, boot_timeout=600) as stack:
         counters = Counters(sql_dir)
-        print(f"database: {counters.pg.vendor if counters.pg else 'sqlite'}; SQL counted per process in {sql_dir}")
+        print(
+            f"database: {counters.pg.vendor if counters.pg else 'sqlite'}; clock ×{args.time_scale}; "
+            f"SQL counted per process in {sql_dir}"
+        )
         time.sleep(args.idle)
         idle_s, idle_calls, idle_roles, _, idle_xacts = counters.read()
         idle_xact_rate = idle_xacts / (idle_s + PG_STATS_DELAY)  # the transactions' window ends after the delay
@@ -202,9 +213,13 @@ def main() -> None:
         counters.reset()
         for _ in range(args.polls):
             stack.request("GET", f"/api/v1/jobs/{finished[-1]}/")
-        roles = counters.sql.read()[0]
+        seconds, calls, roles, _, _ = counters.read()
         per_poll = roles["api"] / args.polls
-        print(f"\none poll (GET /api/v1/jobs/{{id}}/ of a finished job): {per_poll:.1f} SQL statements")
+        redis_per_poll = (sum(calls.values()) - idle_redis * seconds) / args.polls
+        print(
+            f"\none poll (GET /api/v1/jobs/{{id}}/ of a finished job): {per_poll:.1f} SQL statements, "
+            f"{redis_per_poll:.1f} Redis commands (net of idle)"
+        )
 
 
 if __name__ == "__main__":
