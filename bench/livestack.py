@@ -142,35 +142,34 @@ def live_stack(env: dict[str, str], boot_timeout: float = 180) -> Iterator[LiveS
         text=True,
         start_new_session=True,
     )
-    token = ""
-    deadline = time.monotonic() + boot_timeout
-    assert proc.stdout is not None
-    for line in proc.stdout:
-        match = re.search(r"Token\s+(gs_[0-9A-Za-z]+)", line)  # services/tokens.py: gs_ + prefix + secret
-        if match:
-            token = match.group(1)
-        if "Ctrl-C stops everything" in line or time.monotonic() > deadline:
-            break
-    if not token:
-        os.killpg(proc.pid, signal.SIGTERM)
-        raise RuntimeError(f"the stack did not come up; see {data_dir}/stack.log")
-    stack = LiveStack(f"http://127.0.0.1:{port}", token, full, proc)
-    os.environ.update(
-        {
-            k: full[k]
-            for k in ("GENSERVER_DATA_DIR", "GENSERVER_REGISTRY", "GENSERVER_TIME_SCALE", "DATABASE_URL")
-            if k in full
-        }
-        | {"REDIS_URL": redis_url}
-    )
-    if "DATABASE_URL" not in full:
-        os.environ.pop("DATABASE_URL", None)  # this process reads the stack's database too
-    os.environ.setdefault("DJANGO_SETTINGS_MODULE", "genserver.settings")
-    import django
+    try:  # from here on, whatever happens (a failed boot, Ctrl-C while waiting) stops the stack
+        token = ""
+        deadline = time.monotonic() + boot_timeout
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            match = re.search(r"Token\s+(gs_[0-9A-Za-z]+)", line)  # services/tokens.py: gs_ + prefix + secret
+            if match:
+                token = match.group(1)
+            if "Ctrl-C stops everything" in line or time.monotonic() > deadline:
+                break
+        if not token:
+            raise RuntimeError(f"the stack did not come up; see {data_dir}/stack.log")
+        stack = LiveStack(f"http://127.0.0.1:{port}", token, full, proc)
+        os.environ.update(
+            {
+                k: full[k]
+                for k in ("GENSERVER_DATA_DIR", "GENSERVER_REGISTRY", "GENSERVER_TIME_SCALE", "DATABASE_URL")
+                if k in full
+            }
+            | {"REDIS_URL": redis_url}
+        )
+        if "DATABASE_URL" not in full:
+            os.environ.pop("DATABASE_URL", None)  # this process reads the stack's database too
+        os.environ.setdefault("DJANGO_SETTINGS_MODULE", "genserver.settings")
+        import django
 
-    django.setup()
-    wait_for_workers(stack)
-    try:
+        django.setup()
+        wait_for_workers(stack)
         yield stack
     finally:
         os.killpg(proc.pid, signal.SIGTERM)
