@@ -242,6 +242,21 @@ def main() -> None:
         supervisor.stop()
         raise
     api = f"http://127.0.0.1:{port}"
+    try:
+        print_banner(api, flower_address, flower_port, flower_logins, metrics_dir, token)
+    except BaseException:  # stdout gone (the process reading it died): stop what started instead of orphaning it
+        supervisor.stop()
+        raise
+    supervisor.run_forever()
+    sys.exit(0)
+
+
+def print_banner(
+    api: str, flower_address: str, flower_port: int, flower_logins: str, metrics_dir: Path, token: str
+) -> None:
+    """The URLs, how to reach Flower and /metrics, and the demo token: what `make up` prints once it is up."""
+    from django.conf import settings
+
     print(
         f"""
 genserver is up.
@@ -263,8 +278,6 @@ Ctrl-C stops everything.
 """,
         flush=True,
     )
-    supervisor.run_forever()
-    sys.exit(0)
 
 
 if __name__ == "__main__":
