@@ -48,9 +48,12 @@ def _setup() -> None:
     if not os.environ.get("REDIS_URL"):
         # A submit publishes its first message: without a broker each one would time out on a refused
         # connection and take the broker-unavailable path, and that is what the figures would measure.
-        from bench.livestack import bundled_redis
+        import atexit
 
-        os.environ["REDIS_URL"] = bundled_redis()
+        from workers.bundled_redis import start_throwaway_redis
+
+        redis_server, os.environ["REDIS_URL"] = start_throwaway_redis()
+        atexit.register(redis_server.terminate)
     os.environ.setdefault("DJANGO_SETTINGS_MODULE", "genserver.settings")
     import django
 

