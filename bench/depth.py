@@ -3,18 +3,18 @@
     python -m bench.depth [--sizes 0,250,1000,2500,5000,10000] [--samples 25] [--rounds 3]
 
 Through the API (Django's test client, in process: what is measured is the view, its queries and its
-serialisation, not the network), on the configured database (DATABASE_URL: PostgreSQL for the
-figures). The per-user limits and the admission limits are lifted; the queue is filled with queued
-jobs and no worker runs, so nothing leaves it. The fill records jobs the way the job service does:
-each size's new jobs are copies of jobs the service admitted through the API (one per simulated
-model, so the classes, queues and priorities mix as in a real burst), each with its own id and
-submit time, owned by another user (the queue is everyone's; the measured user lists their own
-jobs). That keeps a 10,000-job fill at seconds, where submitting them one by one would take as
-long as the cost being measured grows. At each size it prints the P50 of each request, its ratio
-to the empty queue's and the database queries it made; the sweep runs --rounds times (the machine is
-shared: a burst of other work lands on one round) and each figure is the median over the rounds. It
-deletes what it recorded (the jobs of its users, `bench-depth` and `bench-depth-others`) at the start
-and at the end.
+serialisation, not the network), on the configured database (DATABASE_URL: PostgreSQL for the figures)
+and broker (REDIS_URL; unset: a private bundled Redis for the run, as `make up` would have; the messages
+the submits publish are never consumed). The per-user limits and the admission limits are lifted; the
+queue is filled with queued jobs and no worker runs, so nothing leaves it. The fill records jobs the way
+the job service does: each size's new jobs are copies of jobs the service admitted through the API (one
+per simulated model, so the classes, queues and priorities mix as in a real burst), each with its own id
+and submit time, owned by another user (the queue is everyone's; the measured user lists their own jobs).
+That keeps a 10,000-job fill at seconds, where submitting them one by one would take as long as the cost
+being measured grows. At each size it prints the P50 of each request, its ratio to the empty queue's and
+the database queries it made; the sweep runs --rounds times (the machine is shared: a burst of other work
+lands on one round) and each figure is the median over the rounds. It deletes what it recorded (the jobs
+of its users, `bench-depth` and `bench-depth-others`) at the start and at the end.
 """
 
 from __future__ import annotations
@@ -45,6 +45,15 @@ LIFTED = {
 def _setup() -> None:
     for name, value in LIFTED.items():
         os.environ[name] = value  # before Django reads its settings
+    if not os.environ.get("REDIS_URL"):
+        # A submit publishes its first message: without a broker each one would time out on a refused
+        # connection and take the broker-unavailable path, and that is what the figures would measure.
+        import atexit
+
+        from workers.bundled_redis import start_throwaway_redis
+
+        redis_server, os.environ["REDIS_URL"] = start_throwaway_redis()
+        atexit.register(redis_server.terminate)
     os.environ.setdefault("DJANGO_SETTINGS_MODULE", "genserver.settings")
     import django
 

@@ -12,7 +12,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -24,13 +23,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from workers.bundled_redis import free_port
+
 ROOT = Path(__file__).resolve().parent.parent
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @dataclass
@@ -83,7 +78,8 @@ def live_stack(env: dict[str, str], boot_timeout: float = 180) -> Iterator[LiveS
     """The stack with `env` on top of a private data dir, ports and broker.
 
     Once it is up, this process's REDIS_URL points at the same broker (for
-    Celery probes and event receivers) and Django is set up with it.
+    Celery probes and event receivers) and Django is set up with it. The
+    database is a private SQLite file unless `env` names a DATABASE_URL.
     """
     data_dir = tempfile.mkdtemp(prefix="genserver-bench-")
     port, flower = free_port(), free_port()
@@ -105,7 +101,8 @@ def live_stack(env: dict[str, str], boot_timeout: float = 180) -> Iterator[LiveS
     )
     if "REDIS_URL" not in redis_env:
         full.pop("REDIS_URL", None)
-    full.pop("DATABASE_URL", None)  # a private SQLite file: the benchmark never touches a shared database
+    if "DATABASE_URL" not in env:
+        full.pop("DATABASE_URL", None)  # a private SQLite file: the benchmark never touches a shared database
     log = open(Path(data_dir) / "stack.log", "w")
     proc = subprocess.Popen(
         [sys.executable, "-m", "workers.stack"],
@@ -116,29 +113,34 @@ def live_stack(env: dict[str, str], boot_timeout: float = 180) -> Iterator[LiveS
         text=True,
         start_new_session=True,
     )
-    token = ""
-    deadline = time.monotonic() + boot_timeout
-    assert proc.stdout is not None
-    for line in proc.stdout:
-        match = re.search(r"Token\s+(gs_[0-9A-Za-z]+)", line)  # services/tokens.py: gs_ + prefix + secret
-        if match:
-            token = match.group(1)
-        if "Ctrl-C stops everything" in line or time.monotonic() > deadline:
-            break
-    if not token:
-        os.killpg(proc.pid, signal.SIGTERM)
-        raise RuntimeError(f"the stack did not come up; see {data_dir}/stack.log")
-    stack = LiveStack(f"http://127.0.0.1:{port}", token, full, proc)
-    os.environ.update(
-        {k: full[k] for k in ("GENSERVER_DATA_DIR", "GENSERVER_REGISTRY", "GENSERVER_TIME_SCALE") if k in full}
-        | {"REDIS_URL": redis_url}
-    )
-    os.environ.setdefault("DJANGO_SETTINGS_MODULE", "genserver.settings")
-    import django
+    try:  # from here on, whatever happens (a failed boot, Ctrl-C while waiting) stops the stack
+        token = ""
+        deadline = time.monotonic() + boot_timeout
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            match = re.search(r"Token\s+(gs_[0-9A-Za-z]+)", line)  # services/tokens.py: gs_ + prefix + secret
+            if match:
+                token = match.group(1)
+            if "Ctrl-C stops everything" in line or time.monotonic() > deadline:
+                break
+        if not token:
+            raise RuntimeError(f"the stack did not come up; see {data_dir}/stack.log")
+        stack = LiveStack(f"http://127.0.0.1:{port}", token, full, proc)
+        os.environ.update(
+            {
+                k: full[k]
+                for k in ("GENSERVER_DATA_DIR", "GENSERVER_REGISTRY", "GENSERVER_TIME_SCALE", "DATABASE_URL")
+                if k in full
+            }
+            | {"REDIS_URL": redis_url}
+        )
+        if "DATABASE_URL" not in full:
+            os.environ.pop("DATABASE_URL", None)  # this process reads the stack's database too
+        os.environ.setdefault("DJANGO_SETTINGS_MODULE", "genserver.settings")
+        import django
 
-    django.setup()
-    wait_for_workers(stack)
-    try:
+        django.setup()
+        wait_for_workers(stack)
         yield stack
     finally:
         os.killpg(proc.pid, signal.SIGTERM)

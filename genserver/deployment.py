@@ -9,6 +9,7 @@ from django.conf import settings
 from genserver.registry import Registry, load_registry
 from genserver.scheduling.admission import AdmissionLimits
 from genserver.scheduling.classes import ClassThresholds
+from genserver.scheduling.overload import LongCapPolicy
 from genserver.scheduling.pools import PoolLayout, detect_gpus, load_layout
 
 
@@ -27,6 +28,13 @@ def limits() -> AdmissionLimits:
     return AdmissionLimits(
         short=settings.ADMIT_SHORT_SECONDS, medium=settings.ADMIT_MEDIUM_SECONDS, long=settings.ADMIT_LONG_SECONDS
     )
+
+
+def long_cap_policy() -> LongCapPolicy | None:
+    """The overload cap's rule (GENSERVER_LONG_CAP_ENGAGE / _RELEASE); None when it is off."""
+    if not settings.LONG_CAP_ENGAGE_SHARE:
+        return None
+    return LongCapPolicy(settings.LONG_CAP_ENGAGE_SHARE, settings.LONG_CAP_RELEASE_SHARE)
 
 
 def num_gpus() -> int:

@@ -414,8 +414,11 @@ def serve(port: int, address: str = "127.0.0.1", token: str | None = None) -> No
                 self.end_headers()
                 self.wfile.write(b"Send Authorization: Bearer <GENSERVER_METRICS_TOKEN>.\n")
                 return
-            body = scrape(cluster=False) if self.path.split("?")[0] == "/metrics" else b""
-            self.send_response(200 if body else 404)
+            # A node whose workers have written nothing yet has an empty scrape: still a 200 (Prometheus reads it
+            # as up, with no series), only another path is a 404.
+            found = self.path.split("?")[0] == "/metrics"
+            body = scrape(cluster=False) if found else b""
+            self.send_response(200 if found else 404)
             self.send_header("Content-Type", CONTENT_TYPE)
             self.end_headers()
             self.wfile.write(body)

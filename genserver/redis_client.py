@@ -11,6 +11,7 @@ CANCEL_KEY = "genserver:cancel:{job_id}"
 STEPS_KEY = "genserver:steps:{job_id}"  # the job's latest total; a worker running another total stops
 CORRECTION_KEY = "genserver:step-correction"
 WORKER_KEY = "genserver:worker:{name}"
+LONG_CAP_KEY = "genserver:long-cap"  # the overload cap's state, written by beat (services/overload.py)
 
 
 @lru_cache(maxsize=1)

@@ -304,6 +304,20 @@ ADMIT_LONG_SECONDS = env_float("GENSERVER_ADMIT_LONG_SECONDS", 1800.0, above=0)
 # (another user's job waits behind fewer of the burst's); larger: a burst keeps more cards fed when its
 # jobs pay the encode hop before their first chunk. The default is measured (bench/fairness.py).
 FAIR_WINDOW = env_int("GENSERVER_FAIR_WINDOW", 1, minimum=0)
+# Admission stretches a medium or long job's wait by the share of the cards that better classes took over
+# this many seconds of arrivals (they will preempt it while it waits). Longer is steadier; shorter follows
+# a burst sooner. 0: count the work ahead only (optimistic: a video may start after its limit).
+HEADWIND_WINDOW_SECONDS = env_float("GENSERVER_HEADWIND_WINDOW", 900.0, minimum=0)
+# The overload cap (scheduling/overload.py): while a new long job's expected wait is above ENGAGE × the long
+# limit, at most N−1 of the N cards that take long work run it, until the wait falls below RELEASE × the
+# limit. Lower ENGAGE protects images earlier in a video backlog and slows videos sooner; 0 turns it off.
+LONG_CAP_ENGAGE_SHARE = env_float("GENSERVER_LONG_CAP_ENGAGE", 0.5, minimum=0)
+LONG_CAP_RELEASE_SHARE = env_float(
+    "GENSERVER_LONG_CAP_RELEASE",
+    min(0.4, LONG_CAP_ENGAGE_SHARE or 0.4),
+    above=0,
+    maximum=LONG_CAP_ENGAGE_SHARE or None,  # at most ENGAGE (when on)
+)
 
 # --- Pools -------------------------------------------------------------------------
 # GENSERVER_POOLS: inline JSON or a .json/.toml file; unset → generated from the

@@ -28,13 +28,14 @@ from celery.worker import state as worker_state
 from django.conf import settings
 
 from genserver import config, deployment, metrics
-from genserver.jobs import broker, services
+from genserver.jobs import broker, selectors, services
 from genserver.jobs.models import Job
 from genserver.jobs.services import Outcome
 from genserver.metrics import count_merged_batch
 from genserver.redis_client import CANCEL_KEY, STEPS_KEY, client as redis_client
-from genserver.scheduling.classes import CLASSES, priority_for
+from genserver.scheduling.classes import CLASSES, LONG, priority_for
 from genserver.scheduling.pools import class_of
+from workers import long_cap
 from workers.runtime import stages
 from workers.runtime.base import DenoiseState
 
@@ -70,6 +71,8 @@ class _Member:
 @shared_task(name=broker.CHUNK_TASK.name, bind=True)
 def run_chunk(self, job_id: str, from_step: int) -> str:
     worker = worker_id(self)
+    if _held_back_by_the_long_cap(self, job_id, from_step, worker):
+        return Outcome.SKIPPED
     if not preload(job_id, "denoise"):
         return Outcome.SKIPPED
     job = services.claim_chunk(job_id, worker, from_step)
@@ -80,6 +83,18 @@ def run_chunk(self, job_id: str, from_step: int) -> str:
         count_merged_batch(1 + len(partners))
     members = [_Member(j, CANCEL_KEY.format(job_id=j.pk), time.monotonic(), j.checkpoint_key) for j in [job, *partners]]
     return _denoise(members, worker)
+
+
+def _held_back_by_the_long_cap(task, job_id: str, from_step: int, worker: str) -> bool:
+    """A long chunk met at the overload cap goes back to its queue (unclaimed, at its priority) and this
+    worker stops reading long queues until the cap lets it (workers/long_cap.py)."""
+    found = selectors.queue_and_priority(job_id)
+    if found is None or class_of(found[0]) != LONG or not selectors.must_leave_long(worker):
+        return False
+    queue, priority = found
+    broker.send_chunk(job_id, from_step, queue, priority)
+    long_cap.pause(task.app, task.request.hostname, _consumed_queues(queue))
+    return True
 
 
 def _denoise(members: list[_Member], worker: str) -> str:
@@ -111,6 +126,8 @@ def _denoise(members: list[_Member], worker: str) -> str:
             return False
         if worker_state.should_stop is not None:  # SIGTERM/Ctrl-C: Celery's warm shutdown began
             return False
+        if class_of(lead.queue) == LONG and selectors.must_leave_long(worker):
+            return False  # the overload cap: this card yields its long job (and takes no more for now)
         remaining = lead.estimated_seconds * (lead.total_steps - step) / lead.total_steps
         continuation = priority_for(lead.duration_class, remaining, True, deployment.thresholds())
         return not broker.waiting_at_or_before(_consumed_queues(lead.queue), continuation)

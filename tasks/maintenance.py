@@ -9,12 +9,14 @@ from genserver.jobs import broker, services
 
 @shared_task(name=broker.REAP_TASK.name)
 def reap() -> dict[str, int]:
-    """End the queued jobs whose start deadline passed (`expired`), then re-publish every job whose worker
-    stopped renewing its lease, from its last checkpoint."""
+    """End the queued jobs whose start deadline passed (`expired`), re-publish every job whose worker
+    stopped renewing its lease, from its last checkpoint, and decide the overload cap."""
     expired = services.expire_overdue()
     outcomes = services.reap_stale()
     if expired:
         outcomes["expired"] = expired
+    if services.update_long_cap().engaged:
+        outcomes["long_cap_engaged"] = 1
     return outcomes
 
 

@@ -15,7 +15,9 @@ from tests.support.api import submit  # noqa: F401 - re-exported: tests import t
 from tests.support.isolation import settle_stack
 from tests.support.s3 import MotoServer
 from tests.support.waits import job_row, wait_for  # noqa: F401 - re-exported
-from workers.local_workers import LocalWorkers
+from workers.local_workers import LocalWorkers, wait_until_live
+
+LIVE_SECONDS = 90.0  # a worker restarted by the supervisor imports Django and torch first: slow on 2 busy cores
 
 
 @pytest.fixture(scope="session")
@@ -81,7 +83,11 @@ def stack(_stack_on_backend, request) -> LocalWorkers:
     if "storage_backend" in request.fixturenames:
         backend = request.getfixturevalue("storage_backend")
         env = request.getfixturevalue("storage_env")
-    return _stack_on_backend.on(backend, env)
+    workers = _stack_on_backend.on(backend, env)
+    # Every worker heartbeats before the test submits: admission counts live cards only, and a drill before
+    # this test may have flushed Redis (the liveness keys with it) or killed a worker that is restarting.
+    wait_until_live(workers.names, LIVE_SECONDS, poll=workers.supervisor.poll, interval=0.1)
+    return workers
 
 
 # --- Storage backends (issue 12): the local directory, and S3 through moto's server over HTTP ----------

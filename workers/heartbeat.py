@@ -30,8 +30,9 @@ def timing() -> tuple[float, float]:
     return interval, min(interval * 3, lease)
 
 
-def _beat(name: str, queues: list[str]) -> None:
+def _beat(name: str, queues: list[str], app=None) -> None:
     from genserver.redis_client import WORKER_KEY, client
+    from workers import long_cap
     from workers.runtime.cache import loaded_models
 
     worker, _, node = name.partition("@")
@@ -52,6 +53,11 @@ def _beat(name: str, queues: list[str]) -> None:
             client().set(WORKER_KEY.format(name=name), payload, px=int(ttl * 1000))
         except Exception:
             log.debug("worker heartbeat failed", exc_info=True)
+        if app is not None:
+            try:
+                long_cap.resume_if_allowed(app, name, f"{name}:{os.getpid()}")  # the lease owner's name
+            except Exception:
+                log.warning("could not take long work up again after the overload cap", exc_info=True)
         _stop.wait(interval)
 
 
@@ -75,7 +81,8 @@ def start_heartbeat(sender=None, **kwargs) -> None:
     if "@" not in hostname:  # a worker started by hand without --hostname: qualify it with this node
         hostname = f"{hostname}@{config.node()}"
     queues = sorted(sender.app.amqp.queues.consume_from) if sender is not None else []
-    threading.Thread(target=_beat, args=(hostname, queues), daemon=True, name="genserver-heartbeat").start()
+    app = sender.app if sender is not None else None
+    threading.Thread(target=_beat, args=(hostname, queues, app), daemon=True, name="genserver-heartbeat").start()
 
 
 @worker_shutdown.connect

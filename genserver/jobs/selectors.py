@@ -12,6 +12,7 @@ from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
+from django.conf import settings
 from django.db.models import Count, ExpressionWrapper, F, FloatField, Q, QuerySet, Sum, Value
 from django.db.models.functions import Coalesce, Greatest
 from django.utils import timezone
@@ -19,12 +20,13 @@ from django.utils import timezone
 from genserver import deployment
 from genserver.jobs.broker import broker_depth
 from genserver.jobs.models import ACTIVE, ApiToken, Job, JobStatus, QueueTally
-from genserver.redis_client import CORRECTION_KEY, WORKER_KEY, client as redis_client
-from genserver.scheduling.admission import WorkItem, expected_wait
-from genserver.scheduling.classes import CLASSES, priority_for
+from genserver.redis_client import CORRECTION_KEY, LONG_CAP_KEY, WORKER_KEY, client as redis_client
+from genserver.scheduling.admission import CALM, HIGHER_CLASSES, Headwind, WorkItem, expected_wait, headwind
+from genserver.scheduling.classes import CLASSES, LONG, priority_for
 from genserver.scheduling.cost import StepTimeCorrection
 from genserver.scheduling.fairness import held_jobs_ahead
-from genserver.scheduling.pools import PoolLayout, class_of, worker_from_queues
+from genserver.scheduling.overload import capped_layout
+from genserver.scheduling.pools import DECODE, ENCODE, PoolLayout, class_of, worker_from_queues
 
 
 def jobs_visible_to(user: Any) -> QuerySet[Job]:
@@ -415,6 +417,25 @@ def live_workers() -> list[dict[str, Any]]:
     return sorted(found, key=lambda w: (w.get("node", ""), w.get("name", "")))
 
 
+def headwind_for(duration_class: str, queue: str, capacity: PoolLayout) -> Headwind:
+    """What stretches a new job's wait (admission.Headwind): the better classes' share of the cards serving
+    `queue`, from the work (wall seconds) accepted over the last GENSERVER_HEADWIND_WINDOW seconds. A short
+    job has no better class: no query. Boundaries add nothing here: a card continues in-process when nothing
+    waits ahead (yield on demand), and the learned step-time correction carries the in-process save."""
+    window = float(settings.HEADWIND_WINDOW_SECONDS)
+    better = HIGHER_CLASSES.get(duration_class, ())
+    if window <= 0 or not better:
+        return CALM
+    since = timezone.now() - timedelta(seconds=window)
+    rows = (
+        Job.objects.filter(created_at__gte=since, duration_class__in=better)
+        .values("duration_class")
+        .annotate(seconds=Sum(F("estimated_seconds") * F("clock_scale")))
+    )
+    recent = {row["duration_class"]: float(row["seconds"] or 0.0) for row in rows}
+    return headwind(recent, duration_class, window, capacity.card_equivalents(queue))
+
+
 def _devices(worker: dict[str, Any]) -> tuple[int, ...]:
     text = str(worker.get("devices", "") or "")
     return tuple(int(d) for d in text.split(",") if d.strip().isdigit())
@@ -431,18 +452,24 @@ def capacity_of(workers: list[dict[str, Any]]) -> PoolLayout:
     return PoolLayout(tuple(specs), complete=False)
 
 
-def live_capacity(workers: list[dict[str, Any]] | None = None) -> PoolLayout:
+def live_capacity(workers: list[dict[str, Any]] | None = None, capped: bool = True) -> PoolLayout:
     """What admission, queue positions and ETAs count: the cards whose workers heartbeat now, on every
     node. A node that dies stops counting when its heartbeats expire (3 intervals, within the lease);
     a new node counts from its first heartbeat. With no worker reporting (before the first heartbeat,
     or Redis unreachable) the configured layout is the estimate, so the service keeps accepting work
-    for the nodes that are starting."""
+    for the nodes that are starting. While the overload cap holds (`capped`), the long class counts the
+    cards it may use only (scheduling/overload.py)."""
     if workers is None:
         try:
             workers = live_workers()
         except Exception:  # noqa: BLE001 - admission must answer when Redis is down: the layout estimates
             workers = []
-    return capacity_of(workers) if workers else deployment.layout()
+    capacity = capacity_of(workers) if workers else deployment.layout()
+    if capped:
+        state = long_cap_state()
+        if state.engaged:
+            return capped_layout(capacity, state.cap)
+    return capacity
 
 
 def nodes_overview(workers: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
@@ -476,6 +503,7 @@ QUEUE_SUMMARY_FIELDS = (
     "expected_wait_seconds",
     "wait_limit_seconds",
     "accepting",
+    "capped",
 )
 
 
@@ -500,6 +528,7 @@ def _queue_overview() -> list[dict[str, Any]]:
     except Exception:  # noqa: BLE001 - the overview must answer even when Redis is down
         workers = None
     layout = live_capacity(workers or [])
+    capped = long_cap_state().engaged
     result = []
     for cls in CLASSES:
         waiting = [g for g in groups if g.duration_class == cls]
@@ -510,7 +539,8 @@ def _queue_overview() -> list[dict[str, Any]]:
             "medium": thresholds.medium * 0.99,
             "long": thresholds.medium * 20,
         }[cls]
-        wait = expected_wait(cls, priority_for(cls, typical, False, thresholds), items, layout)
+        wind = headwind_for(cls, cls, layout)  # as admission decides
+        wait = expected_wait(cls, priority_for(cls, typical, False, thresholds), items, layout, wind)
         limit = limits.for_class(cls)
         entry: dict[str, Any] = {
             "name": cls,
@@ -527,6 +557,7 @@ def _queue_overview() -> list[dict[str, Any]]:
             "expected_wait_seconds": None if math.isinf(wait) else round(wait, 3),
             "wait_limit_seconds": limit,
             "accepting": wait <= limit,
+            "capped": cls == LONG and capped,
         }
         if workers is not None:
             entry["live_workers"] = [w["name"] for w in workers if cls in w.get("queues", [])]
@@ -538,25 +569,100 @@ def _queue_overview() -> list[dict[str, Any]]:
     return result
 
 
+# --- The overload cap (scheduling/overload.py; written by services/overload.py on every reaper tick) ------
+@dataclass(frozen=True)
+class LongCapState:
+    """The overload cap as beat last decided it (off when beat has not written it lately)."""
+
+    engaged: bool = False
+    cap: int = 0  # cards that may run long work while engaged
+    long_cards: int = 0  # live cards that take long work
+    long_wait_seconds: float = 0.0  # a new long job's expected wait, over every card, when decided
+    changed_at: str = ""  # when it last engaged or let go (ISO 8601)
+
+
+def long_cap_state() -> LongCapState:
+    try:
+        raw = redis_client().get(LONG_CAP_KEY)
+        return LongCapState(**json.loads(raw)) if raw else LongCapState()
+    except Exception:  # noqa: BLE001 - Redis down or a foreign value: fail open, every card takes long work
+        return LongCapState()
+
+
+def cards_running_long(exclude_worker: str = "") -> int:
+    """Workers (by lease owner) running a long job's chunk now, other than `exclude_worker`."""
+    return (
+        Job.objects.filter(duration_class=LONG, status=JobStatus.DENOISING, lease_expires_at__gt=timezone.now())
+        .exclude(lease_owner__in=["", exclude_worker])
+        .values("lease_owner")
+        .distinct()
+        .count()
+    )
+
+
+def must_leave_long(worker: str) -> bool:
+    """Whether `worker` must not run long work now: the cap holds and its share of cards is taken."""
+    state = long_cap_state()
+    return state.engaged and cards_running_long(exclude_worker=worker) >= state.cap
+
+
+def queue_and_priority(job_id: Any) -> tuple[str, int] | None:
+    """The job's queue and current priority (None: no such job)."""
+    row = Job.objects.filter(pk=job_id).values_list("queue", "priority").first()
+    return (row[0], row[1]) if row else None
+
+
 # --- Bounded waits (Prefer: wait, the OpenAI images endpoint) ------------------------
 WAIT_POLL_FIRST_SECONDS = 0.05  # short work ends within a few polls
 WAIT_POLL_MAX_SECONDS = 0.5  # one indexed primary-key read per waiter at most twice a second
 
 
+WAIT_SERVED_CHECK_SECONDS = 1.0  # how often a waiter checks that some live worker can still run its job
+
+
+def _queue_it_waits_on(job: Job) -> str:
+    """The queue whose worker runs the job's next stage."""
+    if job.status == JobStatus.QUEUED:
+        return ENCODE
+    if job.status == JobStatus.DECODING:
+        return DECODE
+    return job.queue
+
+
+def nobody_serves(job: Job) -> bool:
+    """No live worker (on any node) consumes the queue of the job's next stage: waiting for it is in vain
+    until one starts. Redis unreachable counts as served (the wait stays bounded by its deadline)."""
+    try:
+        workers = live_workers()
+    except Exception:  # noqa: BLE001 - a wait is no place to fail a request for Redis
+        return False
+    wanted = _queue_it_waits_on(job)
+    return not any(wanted in spec.consumed_queues() for spec in capacity_of(workers).workers)
+
+
 def wait_for_terminal(job_id: Any, seconds: float) -> Job:
-    """The job's row once it is terminal, or as it is when `seconds` have passed (never longer).
+    """The job's row once it is terminal, or as it is when `seconds` have passed (never longer), or as soon
+    as no live worker serves the stage it waits for (nothing could end it: the caller answers at once).
 
     Polls the row by primary key with a growing interval: a job that ends in a
     fraction of a second answers that quickly, a long wait costs one small read
-    every WAIT_POLL_MAX_SECONDS.
+    every WAIT_POLL_MAX_SECONDS, and a look at the workers' heartbeats every
+    WAIT_SERVED_CHECK_SECONDS.
     """
-    deadline = time.monotonic() + max(0.0, seconds)
+    start = time.monotonic()
+    deadline = start + max(0.0, seconds)
     interval = WAIT_POLL_FIRST_SECONDS
+    next_check = start
     while True:
         job = Job.objects.get(pk=job_id)
-        left = deadline - time.monotonic()
+        now = time.monotonic()
+        left = deadline - now
         if job.is_terminal or left <= 0:
             return job
+        if now >= next_check:
+            if nobody_serves(job):
+                return job
+            next_check = now + WAIT_SERVED_CHECK_SECONDS
         time.sleep(min(interval, left))
         interval = min(interval * 2, WAIT_POLL_MAX_SECONDS)
 

@@ -7,6 +7,12 @@ divided by the number of those cards, a group of k cards counting as
 priorities, a short job only waits for short work while a long job waits for
 everything: under overload the long class crosses its limit first, so video
 is refused while images are still accepted.
+
+Two things slow the work ahead of a job beyond its own seconds (`Headwind`):
+higher-priority work that arrives while it waits (a short job preempts a
+long one at every chunk boundary), and the card time paid at chunk
+boundaries. Without them a long job's estimate is optimistic and an accepted
+video can start after its class's limit.
 """
 
 from __future__ import annotations
@@ -28,6 +34,46 @@ class WorkItem:
     remaining_seconds: float  # expected work left
     running: bool = False
     chunk_remaining_seconds: float = 0.0  # a running job holds its card until its chunk ends
+
+
+@dataclass(frozen=True)
+class Headwind:
+    """What slows the work ahead of a job beyond its seconds.
+
+    higher_share: the share of the serving cards' time that work of better classes, arriving while the job
+        waits, will take (their recent arrival rate × service seconds / cards), in [0, MAX_HIGHER_SHARE].
+    boundary_overhead: card seconds paid at chunk boundaries per second of work (save + restore / chunk).
+    """
+
+    higher_share: float = 0.0
+    boundary_overhead: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.higher_share <= MAX_HIGHER_SHARE or self.boundary_overhead < 0:
+            raise ValueError(f"a headwind needs 0 <= higher_share <= {MAX_HIGHER_SHARE} and boundary_overhead >= 0")
+
+    def stretch(self) -> float:
+        """Wall seconds per second of work ahead, per card."""
+        return (1.0 + self.boundary_overhead) / (1.0 - self.higher_share)
+
+
+# Better classes are never counted as taking more than this share of the cards: at saturation the estimate
+# stays finite (× 10) and admission refuses on the long limit instead of dividing by zero.
+MAX_HIGHER_SHARE = 0.9
+CALM = Headwind()
+HIGHER_CLASSES: dict[str, tuple[str, ...]] = {SHORT: (), MEDIUM: (SHORT,), LONG: (SHORT, MEDIUM)}
+
+
+def headwind(
+    recent_seconds: dict[str, float], duration_class: str, window_seconds: float, cards: float, boundary: float = 0.0
+) -> Headwind:
+    """The headwind of a job of `duration_class`: `recent_seconds` is the work (single-card seconds) of each
+    class that arrived in the last `window_seconds`; `cards` the card-equivalents serving the job's queue;
+    `boundary` the boundary overhead (checkpoint seconds / chunk seconds)."""
+    if window_seconds <= 0 or cards <= 0:
+        return Headwind(0.0, boundary)
+    arriving = sum(recent_seconds.get(c, 0.0) for c in HIGHER_CLASSES[duration_class])
+    return Headwind(min(MAX_HIGHER_SHARE, arriving / window_seconds / cards), boundary)
 
 
 @dataclass(frozen=True)
@@ -85,21 +131,29 @@ def work_ahead(queue: str, priority: int, items: Iterable[WorkItem], layout: Poo
     return total, sum(mine.values())
 
 
-def expected_wait(queue: str, priority: int, items: Iterable[WorkItem], layout: PoolLayout) -> float:
+def expected_wait(
+    queue: str, priority: int, items: Iterable[WorkItem], layout: PoolLayout, wind: Headwind = CALM
+) -> float:
     """Wall seconds before a new job at `priority` on `queue` starts: the single-card seconds ahead
-    of it divided by the card-equivalents serving it (a group of k counts group_speedup(k))."""
+    of it divided by the card-equivalents serving it (a group of k counts group_speedup(k)), stretched
+    by the headwind (boundaries, and the cards' share that better classes will take meanwhile)."""
     ahead, cards = work_ahead(queue, priority, items, layout)
-    return math.inf if cards == 0 else ahead / cards
+    return math.inf if cards == 0 else ahead / cards * wind.stretch()
 
 
 def decide(
-    queue: str, priority: int, items: Iterable[WorkItem], layout: PoolLayout, limits: AdmissionLimits
+    queue: str,
+    priority: int,
+    items: Iterable[WorkItem],
+    layout: PoolLayout,
+    limits: AdmissionLimits,
+    wind: Headwind = CALM,
 ) -> Decision:
     """Accept or refuse a new job for `queue` (its class, or "class.model") at `priority`."""
     duration_class = class_of(queue)
     if duration_class not in CLASSES:
         raise ValueError(f"unknown duration class {duration_class!r}")
-    wait = expected_wait(queue, priority, items, layout)
+    wait = expected_wait(queue, priority, items, layout, wind)
     limit = limits.for_class(duration_class)
     if wait <= limit:
         return Decision(True, wait, limit)

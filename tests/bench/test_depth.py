@@ -58,3 +58,21 @@ def test_the_fill_queues_exactly_the_asked_number_of_jobs_with_distinct_submit_t
     assert set(Job.objects.filter(status__in=ACTIVE).values_list("owner", flat=True)) == {bench.others.pk}
     bench.clear()
     assert not Job.objects.filter(owner__in=(bench.user, bench.others)).exists()
+
+
+def test_without_redis_url_the_command_gets_a_broker_of_its_own(monkeypatch):
+    """`python -m bench.depth` with REDIS_URL unset (docs/BENCHMARKS.md): its submits reach a broker
+    instead of timing out on a refused connection."""
+    import os
+
+    import redis
+
+    from bench import depth
+
+    monkeypatch.delenv("REDIS_URL")
+    monkeypatch.setattr("django.setup", lambda: None)  # this process is set up already
+    monkeypatch.setattr("django.core.management.call_command", lambda *args, **kwargs: None)
+    for name in depth.LIFTED:
+        monkeypatch.setenv(name, os.environ.get(name, ""))  # restored after the test
+    depth._setup()
+    assert redis.Redis.from_url(os.environ["REDIS_URL"]).ping()

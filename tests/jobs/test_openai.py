@@ -175,3 +175,14 @@ def test_a_job_that_outlasts_the_wait_is_named_so_the_client_can_poll_it(api, se
     assert str(job.pk) in body["error"]["message"]
     assert response["Location"].endswith(f"/api/v1/jobs/{job.pk}/")
     assert api.get(response["Location"]).status_code == 200
+
+
+@pytest.mark.django_db
+def test_a_retry_with_the_same_idempotency_key_answers_the_first_job_and_says_so(api, settings):
+    settings.OPENAI_WAIT_SECONDS = 0  # no workers here: the job stays queued
+    body = {"model": "tiny-sd", "prompt": "a fox", "size": "64x64"}
+    first = post(api, body, HTTP_IDEMPOTENCY_KEY="retry-1")
+    again = post(api, body, HTTP_IDEMPOTENCY_KEY="retry-1")
+    assert first.status_code == again.status_code == 202, again.content
+    assert again.json()["job_id"] == first.json()["job_id"] and Job.objects.count() == 1
+    assert "Idempotent-Replayed" not in first and again["Idempotent-Replayed"] == "true"

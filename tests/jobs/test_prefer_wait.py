@@ -72,3 +72,34 @@ def test_waits_are_off_when_the_cap_is_zero(api, settings):
     settings.PREFER_WAIT_MAX_SECONDS = 0
     response = submit_waiting(api, "wait=10")
     assert response.status_code == 201 and "Preference-Applied" not in response
+
+
+CARD = {"name": "card0@n1", "queues": ["short", "medium", "long"]}
+
+
+@pytest.mark.django_db
+@pytest.mark.parametrize(
+    "live, waits",
+    [
+        ([], False),  # no worker at all (admission estimates from the configured layout)
+        ([CARD], False),  # a card, but no encode worker to run the queued job's next stage
+        ([CARD, {"name": "encode@n1", "queues": ["encode", "control", "webhooks"]}], True),  # its encode can run
+    ],
+)
+def test_a_wait_ends_at_once_when_no_live_worker_runs_the_jobs_next_stage(api, settings, monkeypatch, live, waits):
+    from genserver.jobs import selectors
+
+    settings.PREFER_WAIT_MAX_SECONDS = 60
+    slept: list[float] = []
+
+    def sleep(seconds: float) -> None:
+        slept.append(seconds)
+        if len(slept) >= 3:  # enough to show it waits; the job would stay queued for the whole minute
+            monkeypatch.setattr(selectors.time, "monotonic", lambda: float("inf"))
+
+    monkeypatch.setattr(selectors, "live_workers", lambda: live)
+    monkeypatch.setattr(selectors.time, "sleep", sleep)
+    response = submit_waiting(api, "wait=60")
+    assert response.status_code == 201 and "Preference-Applied" not in response
+    assert response.json()["status"] == "queued"
+    assert bool(slept) is waits, slept

@@ -10,8 +10,8 @@ from django.utils import timezone
 
 from genserver.jobs import segment_service, services
 from genserver.jobs.models import Job, JobSegment, JobStatus, SegmentStatus
-from tests.reliability.conftest import make_job
 from tests.support.broker import capture_sends
+from tests.support.jobs import make_job
 
 pytestmark = pytest.mark.django_db
 
@@ -44,21 +44,7 @@ def video(django_user_model):
     owner = django_user_model.objects.create_user("seg-owner")
     return make_job(
         owner,
-        model="wan-sim",
-        family="wan",
-        kind="video",
-        width=832,
-        height=480,
-        num_frames=241,
-        steps=20,
-        seed=9,
-        estimated_seconds=est.seconds,
-        duration_class=est.duration_class,
-        queue=est.duration_class,
-        priority=est.priority,
-        chunk_steps=est.chunk_steps,
-        segment_frames=81,
-        segment_count=3,
+        LONG | {"seed": 9},
         status=JobStatus.DENOISING,
         embeddings_key="e",
         lease_owner="card",

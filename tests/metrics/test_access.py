@@ -109,3 +109,28 @@ def test_a_worker_node_serves_its_own_processes_without_the_cluster_part():
     text = wait_for(body, what="the node exporter to answer")
     assert 'genserver_reaper_actions_total{action="republished"}' in text
     assert "genserver_jobs" not in text and "genserver_queue_depth" not in text  # the API exports those
+
+
+def test_a_worker_node_with_nothing_written_yet_answers_an_empty_scrape(monkeypatch):
+    """A node's exporter started before its workers (the order docs/METRICS.md gives) is up, not a 404."""
+    import threading
+    import urllib.error
+    import urllib.request
+
+    from genserver import metrics
+
+    monkeypatch.setattr(metrics, "scrape", lambda cluster=True: b"")  # an empty multiprocess directory
+    port = _free_port()
+    threading.Thread(target=metrics.serve, args=(port, "127.0.0.1", ""), daemon=True).start()
+
+    def answer(path: str) -> tuple[int, bytes] | None:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=2) as response:
+                return response.status, response.read()
+        except urllib.error.HTTPError as refused:
+            return refused.code, b""
+        except OSError:
+            return None  # not listening yet
+
+    assert wait_for(lambda: answer("/metrics"), what="the node exporter to answer") == (200, b"")
+    assert answer("/other") == (404, b"")

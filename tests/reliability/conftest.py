@@ -31,42 +31,6 @@ def django_api(client) -> Any:
     return call
 
 
-def make_job(owner, **fields):
-    """A Job row written directly (no message published, so no worker takes it): sdxl-sim 512², 20 steps."""
-    from genserver.jobs import services
-    from genserver.jobs.models import Job
-
-    data = {
-        "model": "sdxl-sim",
-        "width": 512,
-        "height": 512,
-        "num_frames": 1,
-        "steps": 20,
-        "guidance_scale": 5.0,
-        "num_outputs": 1,
-    }
-    est = services.estimate(data)
-    values = dict(
-        owner=owner,
-        model="sdxl-sim",
-        family="unet",
-        kind="image",
-        backend="simulated",
-        prompt="p",
-        width=512,
-        height=512,
-        steps=20,
-        guidance_scale=5.0,
-        seed=1,
-        estimated_seconds=est.seconds,
-        duration_class=est.duration_class,
-        queue=est.duration_class,
-        priority=est.priority,
-        chunk_steps=est.chunk_steps,
-    )
-    return Job.objects.create(**(values | fields))
-
-
 def revive(stack) -> None:
     """Restart every worker the drills killed, at once (the kills are ours, not a crash loop)."""
     from bench.chaos import revive as revive_now

@@ -15,6 +15,7 @@ import pytest
 
 from bench import chaos_probe
 from tests.support.api import submit
+from tests.support.jobs import make_job
 from tests.support.waits import finished, job_row, settled, wait_for
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.stack]
@@ -138,42 +139,11 @@ def test_concurrent_claims_of_one_stage_let_exactly_one_run(make_user, stage):
     from django.db import connection
 
     from genserver.jobs import services
-    from genserver.jobs.models import Job, JobStatus
+    from genserver.jobs.models import JobStatus
 
     owner = make_user("claims").user
-    data = {
-        "model": "wan-sim",
-        "width": 832,
-        "height": 480,
-        "num_frames": 81,
-        "steps": 20,
-        "guidance_scale": 5.0,
-        "num_outputs": 1,
-    }
-    est = services.estimate(data)
     status = {"chunk": JobStatus.DENOISING, "decode": JobStatus.DECODING, "encode": JobStatus.QUEUED}[stage]
-    job = Job.objects.create(
-        owner=owner,
-        model="wan-sim",
-        family="wan",
-        kind="video",
-        backend="simulated",
-        prompt="race",
-        width=832,
-        height=480,
-        num_frames=81,
-        steps=20,
-        guidance_scale=5.0,
-        seed=1,
-        estimated_seconds=est.seconds,
-        clock_scale=est.clock_scale,
-        duration_class=est.duration_class,
-        queue=est.duration_class,
-        priority=est.priority,
-        chunk_steps=est.chunk_steps,
-        status=status,
-        checkpoint_step=0,
-    )
+    job = make_job(owner, VIDEO | {"prompt": "race"}, status=status, checkpoint_step=0)
     take = {
         "chunk": lambda worker: services.claim_chunk(job.pk, worker, 0),
         "decode": lambda worker: services.start_decoding(job.pk, worker),

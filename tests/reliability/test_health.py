@@ -12,7 +12,7 @@ from django.utils import timezone
 
 from genserver.jobs.models import JobStatus
 from genserver.scheduling.pools import ALL_QUEUES
-from tests.reliability.conftest import make_job
+from tests.support.jobs import make_job
 
 pytestmark = pytest.mark.django_db
 

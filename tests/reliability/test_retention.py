@@ -31,8 +31,8 @@ from genserver.jobs import services
 from genserver.jobs.models import Job, JobStatus
 from genserver.storage import default_storage
 from tests.conftest import job_row, submit, wait_for
-from tests.reliability.conftest import make_job
 from tests.support.broker import capture_sends
+from tests.support.jobs import make_job
 
 pytestmark = pytest.mark.django_db
 

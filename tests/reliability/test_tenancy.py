@@ -31,7 +31,7 @@ from rest_framework.test import APIClient
 from genserver.jobs.models import Job
 from genserver.storage import default_storage
 from tests.conftest import submit
-from tests.reliability.conftest import make_job
+from tests.support.jobs import make_job
 
 pytestmark = pytest.mark.django_db
 

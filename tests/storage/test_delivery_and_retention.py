@@ -18,7 +18,7 @@ from django.utils import timezone
 from genserver.jobs import services
 from genserver.jobs.models import Job, JobStatus
 from genserver.storage import default_storage
-from tests.reliability.conftest import make_job
+from tests.support.jobs import make_job
 from tests.support.waits import job_row, wait_for
 
 pytestmark = pytest.mark.django_db

@@ -12,21 +12,16 @@ the test session's environment (its database, Redis and storage). The
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import time
 import urllib.request
 from pathlib import Path
 
+from workers.bundled_redis import free_port
+
 ROOT = Path(__file__).resolve().parents[2]
 BOOT_SECONDS = 60.0  # Django's import and app setup on a busy 2-core machine
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 class AsgiServer:

@@ -14,7 +14,6 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import urllib.error
@@ -22,6 +21,7 @@ import urllib.request
 from pathlib import Path
 
 from tests.support.waits import wait_for
+from workers.bundled_redis import free_port
 
 BOOT_SECONDS = 60.0  # moto imports Flask and every service model: seconds on a busy machine
 # moto accepts any credentials; boto3 needs some, and a region, to sign requests.
@@ -30,13 +30,6 @@ TEST_CREDENTIALS = {
     "AWS_SECRET_ACCESS_KEY": "testing",
     "AWS_DEFAULT_REGION": "us-east-1",
 }
-
-
-def free_port() -> int:
-    """A loopback port nothing listens on now (the server binds it right after)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _moto_server_argv(port: int) -> list[str]:

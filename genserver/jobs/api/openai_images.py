@@ -296,7 +296,7 @@ class ImageGenerationView(OpenAIView):
                 "invalid_value",
             )
         try:
-            job, _ = services.submit_or_replay(request.user, native.validated_data, key)
+            job, replayed = services.submit_or_replay(request.user, native.validated_data, key)
         except services.IdempotencyConflict as conflict:
             return openai_error(422, str(conflict), "invalid_request_error", "Idempotency-Key", "idempotency_conflict")
         except services.QuotaExceeded as full:
@@ -328,7 +328,10 @@ class ImageGenerationView(OpenAIView):
             )
         # 3. Wait for it (bounded), then answer the images or what became of the job.
         job = selectors.wait_for_terminal(job.pk, settings.OPENAI_WAIT_SECONDS)
-        return self._answer(request, job, incoming.validated_data["response_format"])
+        response = self._answer(request, job, incoming.validated_data["response_format"])
+        if replayed:  # the first request's job, as on POST /api/v1/jobs/: a retry made no new one
+            response["Idempotent-Replayed"] = "true"
+        return response
 
     def _answer(self, request: Request, job: Job, response_format: str) -> Response:
         created = int(job.created_at.timestamp())

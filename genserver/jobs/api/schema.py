@@ -181,6 +181,10 @@ class QueueInfoSerializer(serializers.Serializer):
     expected_wait_seconds = serializers.FloatField(allow_null=True, help_text="null: no worker serves the class")
     wait_limit_seconds = serializers.FloatField()
     accepting = serializers.BooleanField()
+    capped = serializers.BooleanField(
+        help_text="the overload cap holds: under a long backlog at most N-1 cards run long work, and `cards` "
+        "counts those (long class only; always false for the others)"
+    )
     workers = serializers.ListField(
         child=serializers.CharField(), required=False, help_text="staff only: workers of the layout serving it"
     )

@@ -11,8 +11,9 @@ idempotency, cancel), `deadlines` (the start deadline: a refused quote,
 the end `expired`), `priority` (staff re-prioritise within a class), `estimates` (cost and the online step-time
 correction), `steps` (step changes midway), `transitions` (the worker's
 claims, heartbeats, chunks and decode), `recovery` (failed attempts, the
-reaper, the admin's retry), `retention`; `_common` holds what they and
-segment_service.py share. Callers use the names re-exported here.
+reaper, the admin's retry), `overload` (the long cap, decided on every
+reaper tick), `retention`; `_common` holds what they and segment_service.py
+share. Callers use the names re-exported here.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from __future__ import annotations
 from ._common import Outcome, disk_full, publish_or_leave_to_reaper
 from .deadlines import StartDeadlineRefused, expire_if_overdue, expire_overdue
 from .estimates import Estimate, estimate
+from .overload import update_long_cap
 from .priority import PriorityRefused, priority_bounds, reprioritise
 from .quotas import InFlightLimitReached, NotAllowed, QuotaExceeded, settle
 from .recovery import fail_attempt, reap_stale, retry_failed
@@ -95,4 +97,5 @@ __all__ = [
     "submit_job",
     "submit_or_replay",
     "sweep_embeddings",
+    "update_long_cap",
 ]

@@ -107,13 +107,9 @@ def _admit_added_work(job: Job, added_seconds: float) -> None:
     """Admission for the work an extension adds: decided as for a new job of that many seconds in the
     job's class and queue (work ahead of it, over the cards serving it, against the class limit)."""
     priority = priority_for(job.duration_class, added_seconds, False, deployment.thresholds())
-    decision = decide(
-        job.queue or job.duration_class,
-        priority,
-        selectors.backlog_items(),
-        selectors.live_capacity(),
-        deployment.limits(),
-    )
+    queue, capacity = job.queue or job.duration_class, selectors.live_capacity()
+    wind = selectors.headwind_for(job.duration_class, queue, capacity)
+    decision = decide(queue, priority, selectors.backlog_items(), capacity, deployment.limits(), wind)
     if not decision.accepted:
         raise AdmissionRefused(decision, job.duration_class)
 

@@ -97,7 +97,8 @@ def submit_job(owner: Any, data: dict[str, Any], idempotency_key: str = "") -> J
     queue = deployment.layout().queue_for(est.duration_class, spec.name, data.get("lane", ""))
     est = chunked_for_queue(est, queue, data["steps"])
     capacity = selectors.live_capacity()  # the cards alive now, on every node
-    decision = decide(queue, est.priority, selectors.backlog_items(), capacity, deployment.limits())
+    wind = selectors.headwind_for(est.duration_class, queue, capacity)  # better classes will preempt it
+    decision = decide(queue, est.priority, selectors.backlog_items(), capacity, deployment.limits(), wind)
     if not decision.accepted:
         metrics.count_submit(est.duration_class, "wait_limit")
         raise AdmissionRefused(decision, est.duration_class)

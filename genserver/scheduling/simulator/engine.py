@@ -11,13 +11,14 @@ from __future__ import annotations
 import heapq
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Literal
 
-from ..admission import WorkItem, decide, expected_wait
+from ..admission import CALM, AdmissionLimits, Headwind, WorkItem, decide, expected_wait, headwind
 from ..chunking import steps_per_chunk
 from ..classes import CLASSES, LONG, priority_for
 from ..fairness import FairWindow, next_held, release_key
+from ..overload import capped_layout
 from ..pools import PoolLayout, class_of, group_speedup
 from .service_policy import SimConfig
 from .workload import KINDS, Request, pct, seed_workload
@@ -174,8 +175,10 @@ class _Simulation:
             self.save_seconds = half
         self.restore_seconds = cfg.checkpoint_seconds - self.save_seconds
         self._engaged_cache: tuple[float, bool] | None = None
+        self._engaged = False  # the long cap's state (its policy has hysteresis)
         self._engaged_checks = self._engaged_hits = 0
         self._capped_layout: PoolLayout | None = None
+        self.recent: deque[tuple[float, str, float]] = deque()  # accepted arrivals: (time, class, seconds)
 
     # -- the long cap --------------------------------------------------------------------
 
@@ -186,14 +189,15 @@ class _Simulation:
         cfg = self.cfg
         if cfg.long_cap is None:
             return False
-        if cfg.long_cap_engage_seconds is None:
+        if cfg.long_cap_policy is None:
             return True
         if self._engaged_cache is not None and self._engaged_cache[0] == now:
             return self._engaged_cache[1]
         new_long = priority_for(LONG, cfg.thresholds.medium, False, cfg.thresholds)
-        engaged = expected_wait(LONG, new_long, self.work_items(now), cfg.layout) > cfg.long_cap_engage_seconds
-        self._engaged_cache = (now, engaged)
-        return engaged
+        wait = expected_wait(LONG, new_long, self.work_items(now), cfg.layout)
+        self._engaged = cfg.long_cap_policy.engaged(self._engaged, wait, (cfg.limits or AdmissionLimits()).long)
+        self._engaged_cache = (now, self._engaged)
+        return self._engaged
 
     def _long_blocked(self, card: _Card, now: float) -> bool:
         cap = self.cfg.long_cap
@@ -204,15 +208,7 @@ class _Simulation:
         if cfg.long_cap is None or not self._cap_engaged(now):
             return cfg.layout
         if self._capped_layout is None:
-            excess = sum(1 for c in self.cards if any(class_of(q) == LONG for q in c.queues)) - cfg.long_cap
-            workers = []
-            for worker in cfg.layout.workers:
-                if excess > 0 and worker.denoises and LONG in worker.queues:
-                    excess -= 1
-                    workers.append(replace(worker, queues=tuple(q for q in worker.queues if q != LONG)))
-                else:
-                    workers.append(worker)
-            self._capped_layout = PoolLayout(tuple(workers))
+            self._capped_layout = capped_layout(cfg.layout, cfg.long_cap)
         return self._capped_layout
 
     # -- cards and admission -------------------------------------------------------------
@@ -334,6 +330,22 @@ class _Simulation:
         self.republished += 1
         self.broker.publish(job)
 
+    def _headwind(self, cls: str, queue: str, layout: PoolLayout, now: float) -> Headwind:
+        """What admission stretches the work ahead by (SimConfig.headwind_window): the better classes'
+        arrivals over the window, and the boundary cost per second of work as this config pays it."""
+        window = self.cfg.headwind_window
+        if window is None:
+            return CALM
+        while self.recent and self.recent[0][0] < now - window:
+            self.recent.popleft()
+        recent: dict[str, float] = {}
+        for _, c, seconds in self.recent:
+            recent[c] = recent.get(c, 0.0) + seconds
+        # A boundary pays its save; a re-published one (not yield-on-demand) its restore too.
+        boundary = self.save_seconds + (0.0 if self.cfg.yield_on_demand else self.restore_seconds)
+        span = min(window, max(now, 1.0))  # the first arrivals: the rate over the time seen so far
+        return headwind(recent, cls, span, layout.card_equivalents(queue), boundary / self.cfg.chunk_seconds)
+
     def _arrival(self, index: int, now: float) -> None:
         cfg = self.cfg
         r = self.requests[index]
@@ -341,11 +353,14 @@ class _Simulation:
         priority = priority_for(cls, r.seconds, False, cfg.thresholds)
         queue = cfg.layout.queue_for(cls, cfg.models[r.kind], r.lane)
         if cfg.limits is not None:
-            decision = decide(queue, priority, self.work_items(now), self._admission_layout(now), cfg.limits)
+            layout = self._admission_layout(now)
+            wind = self._headwind(cls, queue, layout, now)
+            decision = decide(queue, priority, self.work_items(now), layout, cfg.limits, wind)
             if not decision.accepted:
                 self.result[r.kind].refused += 1
                 return
         self.result[r.kind].accepted += 1
+        self.recent.append((now, cls, r.seconds))
         steps = cfg.steps_for(r.seconds)
         job = _Job(
             id=index,

@@ -9,6 +9,7 @@ from typing import Any
 from ..admission import AdmissionLimits
 from ..chunking import DEFAULT_CHUNK_SECONDS
 from ..classes import LONG, MEDIUM, SHORT, ClassThresholds
+from ..overload import LongCapPolicy
 from ..pools import CONTROL, DECODE, ENCODE, PoolLayout, WorkerSpec, default_layout
 from .workload import DEFAULT_MODELS, DEFAULT_STEPS
 
@@ -22,8 +23,12 @@ from .workload import DEFAULT_MODELS, DEFAULT_STEPS
 DEFAULT_CHECKPOINT_SECONDS = 0.2
 DEFAULT_SWITCH_SECONDS = 0.5
 # Our policy lends every card to video and caps long work at N−1 cards only under
-# overload: while a new long job's expected wait exceeds this share of its limit.
-OVERLOAD_ENGAGE_SHARE = 0.5
+# overload: while a new long job's expected wait exceeds this share of its limit
+# (overload.LongCapPolicy, which lets go below a lower share).
+OVERLOAD_ENGAGE_SHARE = LongCapPolicy().engage_share
+# Admission's headwind (admission.Headwind) counts the better classes' work that arrived over this window:
+# longer is steadier, shorter follows a burst sooner. The live service uses GENSERVER_HEADWIND_WINDOW.
+HEADWIND_WINDOW_SECONDS = 900.0
 
 
 def mixed_layout(num_gpus: int = 4, image_only: int = 0) -> PoolLayout:
@@ -57,10 +62,12 @@ class SimConfig:
         previous chunk's (a card's first chunk is free: warm start).
     long_cap: at most this many cards run long-class chunks at once (None: no
         cap); a card at the cap does not take from the long queue.
-    long_cap_engage_seconds: engage the cap only while a new long job's expected
-        wait (admission's estimate over the full layout) exceeds this (None: the
-        cap always holds). While engaged, admission sees the layout without
-        `long` on the cards beyond the cap: the capacity a long job can count on.
+    long_cap_policy: engage the cap only while a new long job's expected wait
+        (admission's estimate over the full layout) is above its engage share of
+        the long limit, until it falls below its release share (None: the cap
+        always holds). While engaged, admission sees the layout without `long` on
+        the cards beyond the cap (overload.capped_layout): the capacity a long
+        job can count on.
     yield_on_demand: a proposed refinement of the denoise task, not what the
         service does today. At a chunk boundary the worker looks at the broker
         and re-publishes (yields) only if a message it would take before its
@@ -75,6 +82,8 @@ class SimConfig:
         and published (best priority, then oldest) as the user's jobs start; 0: off, first-come.
         The simulator has no encode hop: a release is published at the claim that frees the room.
     limits: admission limits (None: admit everything).
+    headwind_window: admission stretches the work ahead by the headwind (the better classes' arrivals over
+        this many seconds, and the boundary cost per second of work); None: it counts the work ahead only.
     steps: steps given to a request of each duration (seconds → steps).
     models: the model of each kind (a change of model on a card is a switch).
     """
@@ -84,12 +93,13 @@ class SimConfig:
     checkpoint_seconds: float = DEFAULT_CHECKPOINT_SECONDS
     switch_seconds: float = DEFAULT_SWITCH_SECONDS
     long_cap: int | None = None
-    long_cap_engage_seconds: float | None = None
+    long_cap_policy: LongCapPolicy | None = None
     yield_on_demand: bool = False
     in_process_seconds: float | None = None
     fair_window: int = 0
     thresholds: ClassThresholds = field(default_factory=ClassThresholds)
     limits: AdmissionLimits | None = field(default_factory=AdmissionLimits)
+    headwind_window: float | None = None
     steps: Mapping[float, int] = field(default_factory=lambda: dict(DEFAULT_STEPS))
     models: Mapping[str, str] = field(default_factory=lambda: dict(DEFAULT_MODELS))
 
@@ -121,15 +131,14 @@ def service_policy_config(num_gpus: int = 4, *, yield_on_demand: bool = False, *
     most N−1 cards run long work. `yield_on_demand` adds the proposed
     denoise-task refinement with an asynchronous in-process save.
     """
-    limits = overrides.get("limits", AdmissionLimits())
-    long_limit = limits.long if limits is not None else AdmissionLimits().long
     params: dict[str, Any] = dict(
         layout=mixed_layout(num_gpus, 0),
         chunk_seconds=DEFAULT_CHUNK_SECONDS,
         long_cap=max(1, num_gpus - 1),
-        long_cap_engage_seconds=OVERLOAD_ENGAGE_SHARE * long_limit,
+        long_cap_policy=LongCapPolicy(),
         yield_on_demand=yield_on_demand,
         in_process_seconds=0.0 if yield_on_demand else None,
+        headwind_window=HEADWIND_WINDOW_SECONDS,
     )
     params.update(overrides)
     return SimConfig(**params)
