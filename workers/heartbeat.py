@@ -3,7 +3,7 @@
 The key and the payload's `name` are the worker's Celery hostname, `gpu0@NODE`
 (GENSERVER_NODE qualifies it, workers/launcher.py), so two nodes' `gpu0` are two
 workers. The payload says what capacity the worker is: its node, pool entry,
-queues and cards (genserver/jobs/selectors.py: live_capacity counts them).
+queues and cards (genserver/jobs/selectors/capacity.py: live_capacity counts them).
 """
 
 from __future__ import annotations

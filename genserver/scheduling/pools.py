@@ -101,7 +101,7 @@ class WorkerSpec:
 @dataclass(frozen=True)
 class PoolLayout:
     workers: tuple[WorkerSpec, ...] = field(default_factory=tuple)
-    # False for the capacity that is alive now (genserver/jobs/selectors.py: live_capacity): a dead
+    # False for the capacity that is alive now (genserver/jobs/selectors/capacity.py: live_capacity): a dead
     # node may leave a class without a card, which admission answers with 429, not a config error.
     complete: bool = field(default=True, compare=False)
 

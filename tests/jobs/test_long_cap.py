@@ -33,7 +33,7 @@ LIVE = [
 
 @pytest.fixture
 def two_cards(monkeypatch, settings):
-    monkeypatch.setattr(selectors, "live_workers", lambda: LIVE)
+    monkeypatch.setattr(selectors.capacity, "live_workers", lambda: LIVE)
     client().delete(LONG_CAP_KEY)
     yield
     client().delete(LONG_CAP_KEY)
@@ -93,6 +93,6 @@ def test_one_card_is_never_capped_and_the_cap_can_be_turned_off(make_user, two_c
     settings.LONG_CAP_ENGAGE_SHARE = 0
     assert not services.update_long_cap().engaged
     settings.LONG_CAP_ENGAGE_SHARE = 0.5
-    monkeypatch.setattr(selectors, "live_workers", lambda: [LIVE[0], *LIVE[2:]])
+    monkeypatch.setattr(selectors.capacity, "live_workers", lambda: [LIVE[0], *LIVE[2:]])
     state = services.update_long_cap()
     assert not state.engaged and state.long_cards == 1  # capping the only card would stop video altogether

@@ -95,10 +95,10 @@ def test_a_wait_ends_at_once_when_no_live_worker_runs_the_jobs_next_stage(api, s
     def sleep(seconds: float) -> None:
         slept.append(seconds)
         if len(slept) >= 3:  # enough to show it waits; the job would stay queued for the whole minute
-            monkeypatch.setattr(selectors.time, "monotonic", lambda: float("inf"))
+            monkeypatch.setattr(selectors.waits.time, "monotonic", lambda: float("inf"))
 
-    monkeypatch.setattr(selectors, "live_workers", lambda: live)
-    monkeypatch.setattr(selectors.time, "sleep", sleep)
+    monkeypatch.setattr(selectors.capacity, "live_workers", lambda: live)
+    monkeypatch.setattr(selectors.waits.time, "sleep", sleep)
     response = submit_waiting(api, "wait=60")
     assert response.status_code == 201 and "Preference-Applied" not in response
     assert response.json()["status"] == "queued"

@@ -166,7 +166,7 @@ def test_positions_etas_and_backlog_equal_the_full_scan_under_random_transitions
     django_user_model, settings, monkeypatch, seed, submits, near_end
 ):
     rng = random.Random(seed)  # every later choice from the seed: a failure replays
-    monkeypatch.setattr(selectors, "NEAR_END", near_end)
+    monkeypatch.setattr(selectors.positions, "NEAR_END", near_end)
     settings.MAX_JOBS_IN_FLIGHT = 0
     # One owner's 16 submits would be a burst the fair window holds, and the positions of held jobs (and of
     # jobs behind them) are the round-robin's, not this first-come scan's: tests/jobs/test_fairness.py.

@@ -1,0 +1,385 @@
+"""The queue picture at any depth: waiting sums per (queue, class, priority), running jobs, and each
+job's position, ETA and quote (QueueSnapshot)."""
+
+from __future__ import annotations
+
+import math
+from bisect import bisect_right
+from collections.abc import Iterable
+from dataclasses import dataclass, field, replace
+from datetime import datetime, timedelta
+from typing import Any
+
+from django.db.models import Count, ExpressionWrapper, F, FloatField, Q, Sum, Value
+from django.db.models.functions import Coalesce, Greatest
+from django.utils import timezone
+
+from genserver.jobs.models import ACTIVE, Job, JobStatus, QueueTally
+from genserver.scheduling.admission import WorkItem, expected_wait
+from genserver.scheduling.fairness import held_jobs_ahead
+from genserver.scheduling.pools import PoolLayout
+
+from .capacity import (
+    live_capacity,
+)
+
+
+def _is_running(job: Job) -> bool:
+    return bool(job.lease_owner) and job.status in (JobStatus.DENOISING,)
+
+
+def _chunk_remaining(job: Job) -> float:
+    step_seconds = job.estimated_seconds / job.total_steps if job.steps else 0.0
+    done_in_chunk = max(0, job.steps_done - job.checkpoint_step)
+    return max(0, job.chunk_steps - done_in_chunk) * step_seconds
+
+
+def _work_item(job: Job, wall: bool) -> WorkItem:
+    scale = job.clock_scale if wall else 1.0
+    return WorkItem(
+        queue=job.queue or job.duration_class,
+        priority=job.priority,
+        remaining_seconds=job.remaining_seconds * scale,
+        running=_is_running(job),
+        chunk_remaining_seconds=_chunk_remaining(job) * scale,
+    )
+
+
+# --- The queue picture at any depth --------------------------------------------------
+# A running job holds a card (lease_owner set while denoising): there are at most as many as the cards
+# (and their merged batches), so they are loaded one by one. Every other active job waits, and waiting
+# jobs are only ever counted and summed: per (queue, class, priority) in QueueTally, which triggers on
+# the job table keep in the same transaction as every write (migration 0013), and per job, for the part
+# of its own priority that waits around it, in the database over the partial index of waiting jobs
+# (migration 0012). A request reads a few tally rows, not the rows of the whole queue.
+_RUNNING = Q(status=JobStatus.DENOISING) & ~Q(lease_owner="")
+_WAITING = Q(status__in=ACTIVE) & ~_RUNNING
+# Wall seconds of work left (Job.remaining_seconds × clock_scale), as the database computes it.
+_WALL_REMAINING = ExpressionWrapper(
+    F("estimated_seconds")
+    * Greatest(Value(0), F("steps") * F("segment_count") - F("steps_done"))
+    / (F("steps") * F("segment_count"))
+    * F("clock_scale"),
+    output_field=FloatField(),
+)
+# The order a job waits in at its priority: when its next task was published (else submitted).
+_WAIT_KEY = Coalesce(F("published_at"), F("created_at"))
+# A job's place among its priority's waiting jobs is counted from the nearer end when fewer than this
+# many wait on that side (QueueSnapshot.prepare), else summed in the database.
+NEAR_END = 500
+
+_RUNNING_FIELDS = (
+    "id",
+    "status",
+    "duration_class",
+    "queue",
+    "priority",
+    "estimated_seconds",
+    "clock_scale",
+    "steps",
+    "steps_done",
+    "checkpoint_step",
+    "chunk_steps",
+    "lease_owner",
+    "segment_count",
+)
+
+
+def _key(job: Job) -> Any:
+    """Where a waiting job stands at its priority: when its next task was published (else submitted)."""
+    return job.published_at or job.created_at
+
+
+@dataclass(frozen=True)
+class WaitingGroup:
+    """The waiting jobs of one queue, class and priority: how many, and their wall seconds of work."""
+
+    queue: str  # the broker queue (the class for a row recorded without one)
+    duration_class: str
+    priority: int
+    count: int
+    seconds: float
+
+    def item(self) -> WorkItem:
+        return WorkItem(queue=self.queue, priority=self.priority, remaining_seconds=self.seconds)
+
+
+def _groups(rows: Iterable[dict[str, Any]]) -> list[WaitingGroup]:
+    return [
+        WaitingGroup(
+            r["queue"] or r["duration_class"], r["duration_class"], r["priority"], r["n"], float(r["seconds"] or 0.0)
+        )
+        for r in rows
+    ]
+
+
+def waiting_groups() -> list[WaitingGroup]:
+    """Every waiting job, counted and summed per (queue, class, priority): the tally's few rows."""
+    rows = QueueTally.objects.filter(count__gt=0).values("queue", "duration_class", "priority", "count", "seconds")
+    return _groups({**r, "n": r["count"]} for r in rows)
+
+
+def _waiting_sums(priority: int, wait_key: Q) -> list[WaitingGroup]:
+    rows = (
+        Job.objects.filter(_WAITING, priority=priority)
+        .annotate(wait_key=_WAIT_KEY)
+        .filter(wait_key)
+        .order_by()
+        .values("queue", "duration_class", "priority")
+        .annotate(n=Count("id"), seconds=Sum(_WALL_REMAINING))
+    )
+    return _groups(rows)
+
+
+def running_jobs() -> list[Job]:
+    """The jobs a card holds now (at most the cards, and the jobs merged into their batches)."""
+    return list(Job.objects.filter(_RUNNING).only(*_RUNNING_FIELDS))
+
+
+def backlog_items() -> list[WorkItem]:
+    """The active jobs as admission sees them, in wall seconds (work × clock_scale): the clock of the
+    estimates and ETAs the API shows and of the admission limits. Each running job is an item; the
+    waiting ones are one item per (queue, priority), their work summed (admission adds work linearly,
+    so the answer is the same as with one item per job)."""
+    return [*(g.item() for g in waiting_groups()), *(_work_item(j, wall=True) for j in running_jobs())]
+
+
+@dataclass
+class _Neighbours:
+    """Up to NEAR_END waiting jobs of one priority read from one end of its order (the front: oldest
+    first; the back: newest first), to answer many jobs of a page at once."""
+
+    priority: int
+    keys: list[Any]  # the rows' wait keys, ascending
+    pks: list[Any]
+    groups: list[tuple[str, str]]  # each row's (queue, class)
+    walls: list[float]
+    complete: bool  # fewer than NEAR_END: every row on that side was read
+
+    @classmethod
+    def read(cls, priority: int, side: Q, ascending: bool) -> _Neighbours:
+        # In the index's order (job_waiting_order): a planner guessing many rows on that side would
+        # otherwise scan the table to stop at NEAR_END.
+        order = ("priority", "wait_key") if ascending else ("-priority", "-wait_key")
+        rows = list(
+            Job.objects.filter(_WAITING, priority=priority)
+            .annotate(wait_key=_WAIT_KEY, wall=_WALL_REMAINING)
+            .filter(side)
+            .order_by(*order)
+            .values_list("wait_key", "pk", "queue", "duration_class", "wall")[:NEAR_END]
+        )
+        if not ascending:
+            rows.reverse()
+        return cls(
+            priority,
+            [r[0] for r in rows],
+            [r[1] for r in rows],
+            [(r[2] or r[3], r[3]) for r in rows],
+            [float(r[4] or 0.0) for r in rows],
+            len(rows) < NEAR_END,
+        )
+
+    def _sums(self, lo: int, hi: int, skip: Any = None) -> list[WaitingGroup]:
+        sums: dict[tuple[str, str], tuple[int, float]] = {}
+        for i in range(lo, hi):
+            if self.pks[i] != skip:
+                count, seconds = sums.get(self.groups[i], (0, 0.0))
+                sums[self.groups[i]] = (count + 1, seconds + self.walls[i])
+        return [WaitingGroup(q, c, self.priority, n, sec) for (q, c), (n, sec) in sums.items()]
+
+    def ahead_of(self, job: Job) -> list[WaitingGroup] | None:
+        """The rows at or before the job's key, itself excluded; None when the front read stops before
+        them all (its last row does not come after the job)."""
+        key = _key(job)
+        if not self.complete and not (self.keys and self.keys[-1] > key):
+            return None
+        return self._sums(0, bisect_right(self.keys, key), skip=job.pk)
+
+    def behind(self, job: Job) -> list[WaitingGroup] | None:
+        """The rows after the job's key; None when the back read stops before them all."""
+        key = _key(job)
+        if not self.complete and not (self.keys and self.keys[0] <= key):
+            return None
+        return self._sums(bisect_right(self.keys, key), len(self.keys))
+
+
+@dataclass
+class QueueSnapshot:
+    """The queue's picture loaded once per request (the waiting jobs' sums per priority from the tally,
+    the running jobs, the live cards), answering position and ETA for the jobs a response shows. What a
+    waiting job adds is the part of its own priority ahead of it, read from the nearer end for all the
+    jobs of a page at once (`prepare`: at most two indexed reads of NEAR_END rows per priority)."""
+
+    groups: list[WaitingGroup]
+    running: list[Job]
+    layout: PoolLayout
+    taken_at: datetime = field(default_factory=timezone.now)  # the clock of its quotes
+    taken_at: datetime = field(default_factory=timezone.now)  # the clock of its quotes
+
+    @classmethod
+    def load(cls) -> QueueSnapshot:
+        return cls(waiting_groups(), running_jobs(), live_capacity())
+
+    def __post_init__(self) -> None:
+        self._peers: dict[Any, list[WaitingGroup]] = {}
+        self._ahead: dict[Any, list[WaitingGroup]] = {}
+        self._any_held: bool | None = None
+
+    def prepare(self, jobs: Iterable[Job]) -> None:
+        """Load what the positions and ETAs of these jobs (a page, or one job) need: per priority among
+        them, the NEAR_END waiting jobs at the back of it and, for the jobs with more behind them, the
+        NEAR_END at its front: at most two indexed reads. A job with fewer than NEAR_END behind is its
+        priority's tally less those behind it; else one with fewer than NEAR_END ahead counts them from
+        the front ones; a job with more on both sides (the middle of a very deep queue) is summed on its
+        own (`_same_priority_ahead`)."""
+        waiting = [j for j in jobs if self._waits(j) and j.pk not in self._peers]
+        for priority in sorted({j.priority for j in waiting}):
+            mine = sorted((j for j in waiting if j.priority == priority), key=_key)
+            # The back first: the jobs a response shows are mostly recent ones (a submit's, a page's).
+            back = _Neighbours.read(priority, Q(wait_key__gt=_key(mine[0])), ascending=False)
+            rest = []
+            for job in mine:
+                behind = back.behind(job)
+                if behind is None:
+                    rest.append(job)
+                else:
+                    self._peers[job.pk] = self._all_but(job, behind)
+            if not rest:
+                continue
+            front = _Neighbours.read(priority, Q(wait_key__lte=_key(rest[-1])), ascending=True)
+            for job in rest:
+                ahead = front.ahead_of(job)
+                if ahead is not None:
+                    self._peers[job.pk] = ahead
+
+    def _waits(self, job: Job) -> bool:
+        return not job.is_terminal and not _is_running(job) and job.status != JobStatus.DECODING
+
+    def _same_priority_ahead(self, job: Job) -> list[WaitingGroup]:
+        """The waiting jobs at the job's priority that wait at least as long as it (itself excluded)."""
+        self.prepare([job])
+        if job.pk not in self._peers:  # NEAR_END or more on both sides: sum those ahead
+            self._peers[job.pk] = _waiting_sums(job.priority, Q(wait_key__lte=_key(job)) & ~Q(pk=job.pk))
+        return self._peers[job.pk]
+
+    def _all_but(self, job: Job, behind: list[WaitingGroup]) -> list[WaitingGroup]:
+        """The job's priority's groups less the jobs behind it and the job itself: those ahead of it."""
+        less = {(g.queue, g.duration_class): g for g in behind}
+        mine = (job.queue or job.duration_class, job.duration_class)
+        own = job.remaining_seconds * job.clock_scale
+        ahead = []
+        for g in self.groups:
+            if g.priority != job.priority:
+                continue
+            b = less.get((g.queue, g.duration_class))
+            count = g.count - (b.count if b else 0) - (1 if (g.queue, g.duration_class) == mine else 0)
+            seconds = g.seconds - (b.seconds if b else 0.0) - (own if (g.queue, g.duration_class) == mine else 0.0)
+            if count > 0:
+                ahead.append(replace(g, count=count, seconds=max(0.0, seconds)))
+        return ahead
+
+    def _waiting_ahead(self, job: Job) -> list[WaitingGroup]:
+        if job.pk not in self._ahead:
+            if job.held and not job.is_terminal:  # not published yet: everything published at its priority is ahead
+                plain = [g for g in self.groups if g.priority <= job.priority]
+            else:
+                plain = [g for g in self.groups if g.priority < job.priority] + self._same_priority_ahead(job)
+            self._ahead[job.pk] = self._fair(job, plain) if self._held_exist() else plain
+        return self._ahead[job.pk]
+
+    # The fair window (services/fairness.py) holds a burst's jobs unpublished: they are counted in the tally
+    # (real work, for admission), but a job another user published is not behind them, and a held job waits
+    # about round-robin behind the other users, not first-come. Only read while some job is held.
+    def _held_exist(self) -> bool:
+        if self._any_held is None:
+            self._any_held = Job.objects.filter(held=True, status__in=ACTIVE).exists()
+        return self._any_held
+
+    def _fair(self, job: Job, plain: list[WaitingGroup]) -> list[WaitingGroup]:
+        """`plain` (the waiting jobs ahead, first-come) without the held jobs that are not ahead of `job`
+        (another user's for a published job, every one for a held job), and for a held job the round-robin
+        share of the other users' jobs that go before it (scheduling.fairness.held_jobs_ahead)."""
+        if job.held:  # every held job at its priority or better (itself included: the tally counts it)
+            held = Job.objects.filter(held=True, status__in=ACTIVE, priority__lte=job.priority)
+        else:  # the other users' held jobs that `plain` counts ahead of it
+            ahead = Q(priority__lt=job.priority) | Q(priority=job.priority, created_at__lte=_key(job))
+            held = Job.objects.filter(ahead, held=True, status__in=ACTIVE).exclude(owner_id=job.owner_id)
+        less = {
+            (g.queue, g.duration_class, g.priority): g
+            for g in _groups(
+                held.order_by()
+                .values("queue", "duration_class", "priority")
+                .annotate(n=Count("id"), seconds=Sum(_WALL_REMAINING))
+            )
+        }
+        out = []
+        for g in plain:
+            b = less.get((g.queue, g.duration_class, g.priority))
+            if b is None:
+                out.append(g)
+            elif g.count - b.count > 0:
+                out.append(replace(g, count=g.count - b.count, seconds=max(0.0, g.seconds - b.seconds)))
+        if job.held:
+            out += self._round_robin(job)
+        return out
+
+    def _round_robin(self, job: Job) -> list[WaitingGroup]:
+        """A held job's share of what waits before it: its owner's held jobs released first, and about one
+        job of every other user waiting in its queue per one of those (capped by what the others hold)."""
+        queue = job.queue or job.duration_class
+        same = Job.objects.filter(held=True, status__in=ACTIVE, queue=job.queue, priority__lte=job.priority)
+        own = same.filter(owner_id=job.owner_id).filter(Q(priority__lt=job.priority) | Q(created_at__lt=job.created_at))
+        own_ahead = own.aggregate(n=Count("id"), seconds=Sum(_WALL_REMAINING))
+        others = same.exclude(owner_id=job.owner_id).aggregate(n=Count("id"), seconds=Sum(_WALL_REMAINING))
+        # The users with unstarted jobs in the queue, over the partial indexes job_fair_window and job_held.
+        unstarted = Job.objects.filter(queue=job.queue, status__in=ACTIVE).order_by()
+        owners = set(unstarted.filter(held=False, chunks_run=0).values_list("owner_id", flat=True).distinct())
+        owners |= set(unstarted.filter(held=True).values_list("owner_id", flat=True).distinct())
+        users = len(owners - {job.owner_id}) + 1
+        n_own, s_own = own_ahead["n"] or 0, float(own_ahead["seconds"] or 0.0)
+        n_others, s_others = others["n"] or 0, float(others["seconds"] or 0.0)
+        # Their published jobs are counted already; their turns beyond those come from what they hold.
+        from_held = min(held_jobs_ahead(n_own, users) - n_own, n_others)
+        seconds = s_own + (s_others * from_held / n_others if n_others else 0.0)
+        count = n_own + from_held
+        return [WaitingGroup(queue, job.duration_class, job.priority, count, seconds)] if count else []
+
+    def queue_position(self, job: Job) -> int | None:
+        """Jobs that will take a card before this one (0: it runs, or runs next). None once terminal."""
+        if job.is_terminal:
+            return None
+        if _is_running(job) or job.status == JobStatus.DECODING:
+            return 0
+        mine = {w.name for w in self.layout.workers if (job.queue or job.duration_class) in w.consumed_queues()}
+        shared = {q for w in self.layout.workers if w.name in mine for q in w.consumed_queues()}
+        return sum(g.count for g in self._waiting_ahead(job) if g.queue in shared)
+
+    def _wait_and_own(self, job: Job) -> tuple[float, float] | None:
+        """(wall seconds until it takes a card, wall seconds of its own work left); None once terminal."""
+        if job.is_terminal:
+            return None
+        # A job on a queue only card groups read runs group_speedup(k) times faster than one card.
+        own = job.remaining_seconds * job.clock_scale / self.layout.job_speedup(job.queue or job.duration_class)
+        if _is_running(job) or job.status == JobStatus.DECODING:
+            return 0.0, own
+        items = [g.item() for g in self._waiting_ahead(job)]
+        items += [_work_item(o, wall=True) for o in self.running if o.pk != job.pk]
+        return expected_wait(job.queue or job.duration_class, job.priority, items, self.layout), own
+
+    def eta_seconds(self, job: Job) -> float | None:
+        """Expected wall seconds until the job finishes denoising. None once terminal."""
+        parts = self._wait_and_own(job)
+        if parts is None or math.isinf(parts[0]):
+            return None
+        return round(parts[0] + parts[1], 3)
+
+    def quote(self, job: Job) -> tuple[datetime | None, datetime | None]:
+        """(expected_start_at, expected_finish_at): when its first denoising step is expected (the moment it
+        took it, once it did) and when its denoising ends, from the numbers of `eta_seconds` on this
+        snapshot's clock. (None, None) once terminal, or while no live card serves its queue."""
+        parts = self._wait_and_own(job)
+        eta = self.eta_seconds(job)
+        if parts is None or eta is None:
+            return None, None
+        start = job.started_at or self.taken_at + timedelta(seconds=round(parts[0], 3))
+        return start, self.taken_at + timedelta(seconds=eta)

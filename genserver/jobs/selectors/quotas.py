@@ -1,0 +1,184 @@
+"""Quotas (issue 17): a user's effective quota and their usage of it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+from django.conf import settings
+from django.db.models import F, QuerySet, Sum
+from django.utils import timezone
+
+from genserver import deployment
+from genserver.jobs.models import ACTIVE, Job
+
+
+# --- Quotas (issue 17): a user's effective quota and their usage of it -----------------------------
+@dataclass(frozen=True)
+class EffectiveQuota:
+    """The limits that apply to one user (0: no limit; an empty tuple: every model / lane)."""
+
+    source: str  # "user" (their own row), "groups: a, b" (combined), or "default" (settings)
+    max_jobs_in_flight: int
+    submits_per_minute: int  # per SUBMIT_RATE_WINDOW seconds (60 by default)
+    card_seconds_per_day: float
+    models: tuple[str, ...] = ()
+    lanes: tuple[str, ...] = ()
+
+    def allows_model(self, model: str) -> bool:
+        return not self.models or model in self.models
+
+    def allows_lane(self, lane: str) -> bool:
+        """A job without a lane is always allowed; a lane must be listed when lanes are restricted."""
+        return not lane or not self.lanes or lane in self.lanes
+
+
+def _quota_of_row(row: Any) -> EffectiveQuota:
+    """A Quota row's limits, its blank ones taken from the settings."""
+
+    def pick(value: Any, default: Any) -> Any:
+        return default if value is None else value
+
+    return EffectiveQuota(
+        source="",
+        max_jobs_in_flight=pick(row.max_jobs_in_flight, settings.MAX_JOBS_IN_FLIGHT),
+        submits_per_minute=pick(row.submits_per_minute, settings.SUBMIT_RATE_LIMIT),
+        card_seconds_per_day=float(pick(row.card_seconds_per_day, settings.QUOTA_CARD_SECONDS_PER_DAY)),
+        models=tuple(sorted(set(row.allowed_models or ()))),
+        lanes=tuple(sorted(set(row.allowed_lanes or ()))),
+    )
+
+
+def _most_generous(values: list[Any]) -> Any:
+    """0 (no limit) wins; otherwise the largest."""
+    return 0 if any(v == 0 for v in values) else max(values)
+
+
+def _widest(lists: list[tuple[str, ...]]) -> tuple[str, ...]:
+    """An empty list (all) wins; otherwise the union."""
+    return () if any(not names for names in lists) else tuple(sorted(set().union(*lists)))
+
+
+def effective_quota(user: Any) -> EffectiveQuota:
+    """The user's own Quota row; else their groups' rows, each limit the most generous of them (no limit
+    beats any number, the union of allowed models and lanes, an empty list beats any list); else the
+    defaults from settings (GENSERVER_MAX_JOBS_IN_FLIGHT, GENSERVER_SUBMIT_RATE_LIMIT,
+    GENSERVER_QUOTA_CARD_SECONDS_PER_DAY, every model and lane)."""
+
+    from genserver.jobs.models import Quota
+
+    own = Quota.objects.filter(user_id=user.pk).first()
+    if own is not None:
+        return replace(_quota_of_row(own), source="user")
+    rows = list(Quota.objects.filter(group__user__pk=user.pk).select_related("group").order_by("group__name"))
+    if rows:
+        each = [_quota_of_row(row) for row in rows]
+        return EffectiveQuota(
+            source="groups: " + ", ".join(row.group.name for row in rows),
+            max_jobs_in_flight=_most_generous([q.max_jobs_in_flight for q in each]),
+            submits_per_minute=_most_generous([q.submits_per_minute for q in each]),
+            card_seconds_per_day=_most_generous([q.card_seconds_per_day for q in each]),
+            models=_widest([q.models for q in each]),
+            lanes=_widest([q.lanes for q in each]),
+        )
+    return EffectiveQuota(
+        source="default",
+        max_jobs_in_flight=settings.MAX_JOBS_IN_FLIGHT,
+        submits_per_minute=settings.SUBMIT_RATE_LIMIT,
+        card_seconds_per_day=settings.QUOTA_CARD_SECONDS_PER_DAY,
+    )
+
+
+def next_utc_midnight(now: datetime) -> datetime:
+    """When the daily card-seconds quota resets: the next 00:00 UTC."""
+    today = now.astimezone(UTC).replace(hour=0, minute=0, second=0, microsecond=0)
+    return today + timedelta(days=1)
+
+
+@dataclass(frozen=True)
+class Usage:
+    """A user's counts against their quota at `now`."""
+
+    now: datetime
+    in_flight: int  # unfinished jobs whose cancel was not asked
+    submits_in_window: int  # accepted submits in the last SUBMIT_RATE_WINDOW seconds
+    oldest_submit_in_window: datetime | None
+    window_seconds: float
+    card_seconds_today: float  # the day's jobs' charges (estimates of those running, measured of those ended)
+
+    @property
+    def submits_reset_at(self) -> datetime | None:
+        """When the oldest submit of the window leaves it (a place frees up); None when the window is empty."""
+        if self.oldest_submit_in_window is None:
+            return None
+        return self.oldest_submit_in_window + timedelta(seconds=self.window_seconds)
+
+    @property
+    def day_resets_at(self) -> datetime:
+        return next_utc_midnight(self.now)
+
+
+def charged_card_seconds() -> Any:
+    """A job's charge against the daily quota, as an expression: its measured card time once it ended
+    (the same moment as its status changes, before `quotas.settle` writes it down), else its estimate."""
+    from django.db.models import Case, When
+
+    from genserver.jobs.models import TERMINAL
+
+    return Case(When(status__in=TERMINAL, then=F("card_seconds")), default=F("charged_card_seconds"))
+
+
+def in_flight_jobs(user: Any) -> QuerySet[Job]:
+    """The user's jobs that count against their jobs-in-flight limit (a cancel asked no longer counts)."""
+    return Job.objects.filter(owner_id=user.pk, status__in=ACTIVE, cancel_requested=False)
+
+
+def usage_of(user: Any, now: datetime | None = None) -> Usage:
+    """The user's in-flight jobs, submits in the rate window and card-seconds charged today (UTC)."""
+
+    now = now or timezone.now()
+    window = settings.SUBMIT_RATE_WINDOW
+    recent = Job.objects.filter(owner_id=user.pk, created_at__gte=now - timedelta(seconds=window))
+    day_start = next_utc_midnight(now) - timedelta(days=1)
+    charged = Job.objects.filter(owner_id=user.pk, created_at__gte=day_start).aggregate(
+        total=Sum(charged_card_seconds())
+    )["total"]
+    return Usage(
+        now=now,
+        in_flight=in_flight_jobs(user).count(),
+        submits_in_window=recent.count(),
+        oldest_submit_in_window=recent.order_by("created_at").values_list("created_at", flat=True).first(),
+        window_seconds=window,
+        card_seconds_today=float(charged or 0.0),
+    )
+
+
+def _limit(limit: float, used: float, resets_at: datetime | None) -> dict[str, Any]:
+    unlimited = limit == 0
+    return {
+        "limit": None if unlimited else limit,
+        "used": used,
+        "remaining": None if unlimited else max(0, limit - used),
+        "resets_at": resets_at,
+    }
+
+
+def usage_report(user: Any, now: datetime | None = None) -> dict[str, Any]:
+    """GET /api/v1/usage/: the user's counts, their quota's limits (None: no limit), what remains, and
+    when each resets (jobs in flight: as they end; submits: the oldest leaving the window; card-seconds:
+    00:00 UTC)."""
+    quota, usage = effective_quota(user), usage_of(user, now)
+    names = deployment.registry().names()
+    return {
+        "user": user.get_username(),
+        "quota": quota.source,
+        "jobs_in_flight": _limit(quota.max_jobs_in_flight, usage.in_flight, None),
+        "submits_per_minute": _limit(quota.submits_per_minute, usage.submits_in_window, usage.submits_reset_at)
+        | {"window_seconds": usage.window_seconds},
+        "card_seconds_per_day": _limit(
+            quota.card_seconds_per_day, round(usage.card_seconds_today, 3), usage.day_resets_at
+        ),
+        "allowed_models": [n for n in names if quota.allows_model(n)],
+        "allowed_lanes": list(quota.lanes) if quota.lanes else None,
+    }
