@@ -6,6 +6,9 @@ under GENSERVER_DATA_DIR. Each variable is read through a strict helper of
 `genserver.config` (Django-free, shared with the runtime and the launcher): a
 malformed or out-of-range value raises `SettingsError` naming the variable and
 what it accepts, so `manage.py`, `make up` and `make workers` stop with one line.
+
+Over 400 lines on purpose: every setting lives in this one module, each with the comment that says what it
+trades (tests/test_configuration.py compares it with docs/CONFIGURATION.md).
 """
 
 from __future__ import annotations

@@ -1,4 +1,9 @@
-"""One thin view per endpoint: parse, call a service or selector, render."""
+"""One thin view per endpoint: parse, call a service or selector, render.
+
+Over 400 lines because it holds every native endpoint's view (about twenty) and their small shared
+helpers (the job context, Prefer: wait); each view is a few lines, and splitting them by endpoint would
+scatter the helpers. The other APIs have their own modules (openai_images, events, tokens).
+"""
 
 from __future__ import annotations
 

@@ -4,6 +4,9 @@ It calls the scheduling core the service uses: `ClassThresholds.classify` for
 the duration class (= queue), `priority_for` for every message's priority,
 `chunking.steps_per_chunk` for the chunk length, the `PoolLayout` for which card
 consumes which queues in which order, and `admission.decide` on every arrival.
+
+Over 400 lines because it is one event loop (`_Simulation`) whose handlers share its state; the policy
+it models lives in the scheduling core it calls, and the parameters in service_policy.py.
 """
 
 from __future__ import annotations
