@@ -65,4 +65,13 @@ def test_recent_images_make_admission_refuse_a_video_it_would_take_on_the_work_a
     assert queues["long"]["accepting"] is False  # the queue picture reasons as admission does
 
     settings.HEADWIND_WINDOW_SECONDS = 0  # off: the work ahead alone, and the same video is accepted
-    assert submit(api, **VIDEO_81, prompt="behind the images").status_code == 201
+    accepted = submit(api, **VIDEO_81, prompt="behind the images")
+    assert accepted.status_code == 201, accepted.content
+    own = accepted.json()["estimated_seconds"]
+    assert api.get(f"/api/v1/jobs/{accepted.json()['id']}/").json()["eta_seconds"] == pytest.approx(
+        backlog + own, abs=0.01
+    )
+    # Its ETA reasons as admission does: with the images' share, the wait ahead of it is stretched.
+    settings.HEADWIND_WINDOW_SECONDS = 30.0
+    eta = api.get(f"/api/v1/jobs/{accepted.json()['id']}/").json()["eta_seconds"]
+    assert eta == pytest.approx(stretched + own, abs=0.01)

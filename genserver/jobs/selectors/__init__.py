@@ -23,8 +23,8 @@ from .capacity import (
     nodes_overview,
 )
 from .jobs import jobs_visible_to, model_of, queue_and_priority
-from .overview import QUEUE_SUMMARY_FIELDS, headwind_for, queue_overview, step_time_corrections
-from .positions import NEAR_END, QueueSnapshot, WaitingGroup, backlog_items, running_jobs, waiting_groups
+from .overview import QUEUE_SUMMARY_FIELDS, queue_overview, step_time_corrections
+from .positions import NEAR_END, QueueSnapshot, WaitingGroup, backlog_items, headwind_for, running_jobs, waiting_groups
 from .quotas import (
     EffectiveQuota,
     Usage,

@@ -3,18 +3,12 @@
 from __future__ import annotations
 
 import math
-from datetime import timedelta
 from typing import Any
-
-from django.conf import settings
-from django.db.models import F, Sum
-from django.utils import timezone
 
 from genserver import deployment
 from genserver.jobs.broker import broker_depth
-from genserver.jobs.models import Job
 from genserver.redis_client import CORRECTION_KEY, client as redis_client
-from genserver.scheduling.admission import CALM, HIGHER_CLASSES, Headwind, expected_wait, headwind
+from genserver.scheduling.admission import expected_wait
 from genserver.scheduling.classes import CLASSES, LONG, priority_for
 from genserver.scheduling.cost import StepTimeCorrection
 from genserver.scheduling.pools import PoolLayout, class_of
@@ -23,28 +17,10 @@ from . import capacity  # capacity.live_workers: one name to stand in for in tes
 from .capacity import live_capacity, long_cap_state
 from .positions import (
     _work_item,
+    headwind_for,
     running_jobs,
     waiting_groups,
 )
-
-
-def headwind_for(duration_class: str, queue: str, capacity: PoolLayout) -> Headwind:
-    """What stretches a new job's wait (admission.Headwind): the better classes' share of the cards serving
-    `queue`, from the work (wall seconds) accepted over the last GENSERVER_HEADWIND_WINDOW seconds. A short
-    job has no better class: no query. Boundaries add nothing here: a card continues in-process when nothing
-    waits ahead (yield on demand), and the learned step-time correction carries the in-process save."""
-    window = float(settings.HEADWIND_WINDOW_SECONDS)
-    better = HIGHER_CLASSES.get(duration_class, ())
-    if window <= 0 or not better:
-        return CALM
-    since = timezone.now() - timedelta(seconds=window)
-    rows = (
-        Job.objects.filter(created_at__gte=since, duration_class__in=better)
-        .values("duration_class")
-        .annotate(seconds=Sum(F("estimated_seconds") * F("clock_scale")))
-    )
-    recent = {row["duration_class"]: float(row["seconds"] or 0.0) for row in rows}
-    return headwind(recent, duration_class, window, capacity.card_equivalents(queue))
 
 
 def _cards(capacity: PoolLayout, duration_class: str) -> tuple[int, dict[str, int]]:

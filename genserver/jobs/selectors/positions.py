@@ -1,5 +1,9 @@
 """The queue picture at any depth: waiting sums per (queue, class, priority), running jobs, and each
-job's position, ETA and quote (QueueSnapshot)."""
+job's position, ETA and quote (QueueSnapshot).
+
+Just over 400 lines: the tally reads, the neighbour counts and QueueSnapshot are one algorithm (a
+position at any depth in a few queries), with the headwind its ETAs share with admission.
+"""
 
 from __future__ import annotations
 
@@ -10,12 +14,13 @@ from dataclasses import dataclass, field, replace
 from datetime import datetime, timedelta
 from typing import Any
 
+from django.conf import settings
 from django.db.models import Count, ExpressionWrapper, F, FloatField, Q, Sum, Value
 from django.db.models.functions import Coalesce, Greatest
 from django.utils import timezone
 
 from genserver.jobs.models import ACTIVE, Job, JobStatus, QueueTally
-from genserver.scheduling.admission import WorkItem, expected_wait
+from genserver.scheduling.admission import CALM, HIGHER_CLASSES, Headwind, WorkItem, expected_wait, headwind
 from genserver.scheduling.fairness import held_jobs_ahead
 from genserver.scheduling.pools import PoolLayout
 
@@ -144,6 +149,25 @@ def backlog_items() -> list[WorkItem]:
     return [*(g.item() for g in waiting_groups()), *(_work_item(j, wall=True) for j in running_jobs())]
 
 
+def headwind_for(duration_class: str, queue: str, capacity: PoolLayout) -> Headwind:
+    """What stretches a new job's wait (admission.Headwind): the better classes' share of the cards serving
+    `queue`, from the work (wall seconds) accepted over the last GENSERVER_HEADWIND_WINDOW seconds. A short
+    job has no better class: no query. Boundaries add nothing here: a card continues in-process when nothing
+    waits ahead (yield on demand), and the learned step-time correction carries the in-process save."""
+    window = float(settings.HEADWIND_WINDOW_SECONDS)
+    better = HIGHER_CLASSES.get(duration_class, ())
+    if window <= 0 or not better:
+        return CALM
+    since = timezone.now() - timedelta(seconds=window)
+    rows = (
+        Job.objects.filter(created_at__gte=since, duration_class__in=better)
+        .values("duration_class")
+        .annotate(seconds=Sum(F("estimated_seconds") * F("clock_scale")))
+    )
+    recent = {row["duration_class"]: float(row["seconds"] or 0.0) for row in rows}
+    return headwind(recent, duration_class, window, capacity.card_equivalents(queue))
+
+
 @dataclass
 class _Neighbours:
     """Up to NEAR_END waiting jobs of one priority read from one end of its order (the front: oldest
@@ -224,6 +248,7 @@ class QueueSnapshot:
         self._peers: dict[Any, list[WaitingGroup]] = {}
         self._ahead: dict[Any, list[WaitingGroup]] = {}
         self._any_held: bool | None = None
+        self._winds: dict[tuple[str, str], Headwind] = {}
 
     def prepare(self, jobs: Iterable[Job]) -> None:
         """Load what the positions and ETAs of these jobs (a page, or one job) need: per priority among
@@ -364,7 +389,15 @@ class QueueSnapshot:
             return 0.0, own
         items = [g.item() for g in self._waiting_ahead(job)]
         items += [_work_item(o, wall=True) for o in self.running if o.pk != job.pk]
-        return expected_wait(job.queue or job.duration_class, job.priority, items, self.layout), own
+        queue = job.queue or job.duration_class
+        return expected_wait(queue, job.priority, items, self.layout, self._headwind(job.duration_class, queue)), own
+
+    def _headwind(self, duration_class: str, queue: str) -> Headwind:
+        """As admission decides (headwind_for), once per queue for this snapshot."""
+        key = (duration_class, queue)
+        if key not in self._winds:
+            self._winds[key] = headwind_for(duration_class, queue, self.layout)
+        return self._winds[key]
 
     def eta_seconds(self, job: Job) -> float | None:
         """Expected wall seconds until the job finishes denoising. None once terminal."""
