@@ -15,7 +15,7 @@ from datetime import datetime, timedelta
 from typing import Any
 
 from django.conf import settings
-from django.db.models import Count, ExpressionWrapper, F, FloatField, Q, Sum, Value
+from django.db.models import Count, ExpressionWrapper, F, FloatField, Q, QuerySet, Sum, Value
 from django.db.models.functions import Coalesce, Greatest
 from django.utils import timezone
 
@@ -249,6 +249,7 @@ class QueueSnapshot:
         self._ahead: dict[Any, list[WaitingGroup]] = {}
         self._any_held: bool | None = None
         self._winds: dict[tuple[str, str], Headwind] = {}
+        self._memo: dict[tuple[Any, ...], Any] = {}  # the fair window's reads that a page's jobs share
 
     def prepare(self, jobs: Iterable[Job]) -> None:
         """Load what the positions and ETAs of these jobs (a page, or one job) need: per priority among
@@ -325,18 +326,17 @@ class QueueSnapshot:
         (another user's for a published job, every one for a held job), and for a held job the round-robin
         share of the other users' jobs that go before it (scheduling.fairness.held_jobs_ahead)."""
         if job.held:  # every held job at its priority or better (itself included: the tally counts it)
-            held = Job.objects.filter(held=True, status__in=ACTIVE, priority__lte=job.priority)
+            key = ("held at or before", job.priority)
+            if key not in self._memo:  # the same for every held job of a page at that priority
+                self._memo[key] = self._held_sums(
+                    Job.objects.filter(held=True, status__in=ACTIVE, priority__lte=job.priority)
+                )
+            less = self._memo[key]
         else:  # the other users' held jobs that `plain` counts ahead of it
             ahead = Q(priority__lt=job.priority) | Q(priority=job.priority, created_at__lte=_key(job))
-            held = Job.objects.filter(ahead, held=True, status__in=ACTIVE).exclude(owner_id=job.owner_id)
-        less = {
-            (g.queue, g.duration_class, g.priority): g
-            for g in _groups(
-                held.order_by()
-                .values("queue", "duration_class", "priority")
-                .annotate(n=Count("id"), seconds=Sum(_WALL_REMAINING))
+            less = self._held_sums(
+                Job.objects.filter(ahead, held=True, status__in=ACTIVE).exclude(owner_id=job.owner_id)
             )
-        }
         out = []
         for g in plain:
             b = less.get((g.queue, g.duration_class, g.priority))
@@ -348,6 +348,14 @@ class QueueSnapshot:
             out += self._round_robin(job)
         return out
 
+    @staticmethod
+    def _held_sums(held: QuerySet[Job]) -> dict[tuple[str, str, int], WaitingGroup]:
+        rows = held.order_by().values("queue", "duration_class", "priority")
+        return {
+            (g.queue, g.duration_class, g.priority): g
+            for g in _groups(rows.annotate(n=Count("id"), seconds=Sum(_WALL_REMAINING)))
+        }
+
     def _round_robin(self, job: Job) -> list[WaitingGroup]:
         """A held job's share of what waits before it: its owner's held jobs released first, and about one
         job of every other user waiting in its queue per one of those (capped by what the others hold)."""
@@ -355,11 +363,18 @@ class QueueSnapshot:
         same = Job.objects.filter(held=True, status__in=ACTIVE, queue=job.queue, priority__lte=job.priority)
         own = same.filter(owner_id=job.owner_id).filter(Q(priority__lt=job.priority) | Q(created_at__lt=job.created_at))
         own_ahead = own.aggregate(n=Count("id"), seconds=Sum(_WALL_REMAINING))
-        others = same.exclude(owner_id=job.owner_id).aggregate(n=Count("id"), seconds=Sum(_WALL_REMAINING))
-        # The users with unstarted jobs in the queue, over the partial indexes job_fair_window and job_held.
-        unstarted = Job.objects.filter(queue=job.queue, status__in=ACTIVE).order_by()
-        owners = set(unstarted.filter(held=False, chunks_run=0).values_list("owner_id", flat=True).distinct())
-        owners |= set(unstarted.filter(held=True).values_list("owner_id", flat=True).distinct())
+        key = ("others held", job.queue, job.priority, job.owner_id)  # the same for a page's jobs there
+        if key not in self._memo:
+            self._memo[key] = same.exclude(owner_id=job.owner_id).aggregate(n=Count("id"), seconds=Sum(_WALL_REMAINING))
+        others = self._memo[key]
+        key = ("owners waiting", job.queue)
+        if key not in self._memo:
+            # The users with unstarted jobs in the queue, over the partial indexes job_fair_window and job_held.
+            unstarted = Job.objects.filter(queue=job.queue, status__in=ACTIVE).order_by()
+            waiting = set(unstarted.filter(held=False, chunks_run=0).values_list("owner_id", flat=True).distinct())
+            waiting |= set(unstarted.filter(held=True).values_list("owner_id", flat=True).distinct())
+            self._memo[key] = waiting
+        owners = self._memo[key]
         users = len(owners - {job.owner_id}) + 1
         n_own, s_own = own_ahead["n"] or 0, float(own_ahead["seconds"] or 0.0)
         n_others, s_others = others["n"] or 0, float(others["seconds"] or 0.0)
