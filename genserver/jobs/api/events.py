@@ -56,6 +56,7 @@ RETRY_MS = 2000  # an EventSource reconnects after this long
 ENTRY_ID = re.compile(r"^\d{1,20}-\d{1,20}$")  # a Redis stream id, as sent in `id:`
 HUB_CHANNEL = "genserver:job-events-hub"  # the hub stays subscribed to it, so its reader always has a subscription
 RESUBSCRIBE_SECONDS = 1.0  # after the subscription failed (Redis restarting), try again this often
+OPENING_READS = 4  # per API process: the database reads of opening streams that run at once (in threads)
 KEPT_ENTRIES = 64  # newest log entries a hub keeps per followed job (a stream further behind reads Redis itself)
 
 
@@ -143,6 +144,7 @@ class Hub:
         self.jobs: dict[str, Followed] = {}
         self.runner: asyncio.Task[None] | None = None
         self.lock = asyncio.Lock()  # one (un)subscription at a time: the pub/sub connection is not re-entrant
+        self.opening = asyncio.Semaphore(OPENING_READS)  # streams' database reads in threads at once
 
     async def follow(self, job_id: str) -> asyncio.Event:
         """Wake the returned event at each new entry of the job (subscribed before this returns)."""
@@ -261,7 +263,11 @@ def _hub() -> Hub:
 def _closing_db(read: Any) -> Any:
     """`read` run in the stream's thread, its database connection closed after it: a stream stays open for
     minutes and must not hold a connection (PostgreSQL's max_connections) or its thread's file handle. Inside
-    a test's transaction (Django's test client runs the view on the test's own connection) it stays open."""
+    a test's transaction (Django's test client runs the view on the test's own connection) it stays open.
+
+    At most OPENING_READS of them run at once per process: 200 streams opening together were 200 threads
+    rendering jobs, which starved the event loop of the GIL (it relays every stream's events and answers
+    every request) until gunicorn took the worker for hung (WORKER TIMEOUT) on a loaded machine."""
 
     def run(*args: Any) -> Any:
         try:
@@ -270,7 +276,13 @@ def _closing_db(read: Any) -> Any:
             if not connection.in_atomic_block:
                 connection.close()
 
-    return sync_to_async(run)
+    threaded = sync_to_async(run)
+
+    async def limited(*args: Any) -> Any:
+        async with _hub().opening:
+            return await threaded(*args)
+
+    return limited
 
 
 def _authenticate(request: HttpRequest) -> Any:
