@@ -133,6 +133,7 @@ def live_stack(env: dict[str, str], boot_timeout: float = 180) -> Iterator[LiveS
         {k: full[k] for k in ("GENSERVER_DATA_DIR", "GENSERVER_REGISTRY", "GENSERVER_TIME_SCALE") if k in full}
         | {"REDIS_URL": redis_url}
     )
+    os.environ.pop("DATABASE_URL", None)  # this process reads the stack's private SQLite file too
     os.environ.setdefault("DJANGO_SETTINGS_MODULE", "genserver.settings")
     import django
 
