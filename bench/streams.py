@@ -92,6 +92,8 @@ class Streams:
                             self.opened, first = self.opened + 1, False
             with self.lock:
                 self.ended += 1
+                if first:  # closed before its first event (the API worker went away): never open
+                    self.errors.append("the stream ended before its first event")
         except Exception as exc:  # noqa: BLE001 - counted and reported: a benchmark must say what broke
             with self.lock:
                 self.errors.append(repr(exc))
