@@ -266,8 +266,8 @@ def _closing_db(read: Any) -> Any:
     a test's transaction (Django's test client runs the view on the test's own connection) it stays open.
 
     At most OPENING_READS of them run at once per process: 200 streams opening together were 200 threads
-    rendering jobs, which starved the event loop of the GIL (it relays every stream's events and answers
-    every request) until gunicorn took the worker for hung (WORKER TIMEOUT) on a loaded machine."""
+    rendering jobs at once (the profile showed them queued on the Redis pool's lock), competing for the GIL
+    with the event loop that relays every stream's events and answers every request."""
 
     def run(*args: Any) -> Any:
         try:
