@@ -15,6 +15,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -125,6 +126,12 @@ def live_stack(env: dict[str, str], boot_timeout: float = 180) -> Iterator[LiveS
                 break
         if not token:
             raise RuntimeError(f"the stack did not come up; see {data_dir}/stack.log")
+        # Keep reading its stdout (gunicorn's access log goes there) into a file: a pipe nobody reads fills at
+        # 64 KB, and then every write to it blocks, the API workers' event loops included (gunicorn kills them
+        # as hung).
+        threading.Thread(
+            target=_drain, args=(proc.stdout, Path(data_dir) / "stack.stdout.log"), daemon=True, name="stack-stdout"
+        ).start()
         stack = LiveStack(f"http://127.0.0.1:{port}", token, full, proc)
         os.environ.update(
             {
@@ -149,6 +156,13 @@ def live_stack(env: dict[str, str], boot_timeout: float = 180) -> Iterator[LiveS
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
         log.close()
+
+
+def _drain(stream: Any, path: Path) -> None:
+    """Copy the stack's stdout to `path` until it closes."""
+    with open(path, "w") as out:
+        for line in stream:
+            out.write(line)
 
 
 def wait_for_workers(stack: LiveStack, timeout: float = 120) -> None:

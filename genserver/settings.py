@@ -213,6 +213,7 @@ SPECTACULAR_SETTINGS = {
     "POSTPROCESSING_HOOKS": [
         "drf_spectacular.hooks.postprocess_schema_enums",
         "genserver.jobs.api.schema.close_request_bodies",
+        "genserver.jobs.api.schema.document_event_stream",
     ],
 }
 # --- Synchronous waits: Prefer: wait and the OpenAI images endpoint ------------------

@@ -12,7 +12,7 @@ import pytest
 import requests
 
 from genserver.jobs import events
-from tests.support.waits import finished
+from tests.support.waits import finished, wait_for
 
 
 def read_events(response: requests.Response) -> list[dict]:
@@ -159,3 +159,53 @@ def test_a_queue_move_refreshes_only_the_watched_waiting_jobs(api, redis_conn):
     assert redis_conn.xlen(events.log_key(watched)) == 1
     assert redis_conn.exists(events.log_key(unwatched)) == 0
     pubsub.close()
+
+
+# --- the hub: one subscription and one read per entry for every stream of a process ------------------
+
+
+@pytest.mark.django_db(transaction=True)  # the publisher runs in a thread of its own, outside the event loop
+def test_the_streams_of_a_process_share_one_read_and_one_frame_per_entry(api, redis_conn):
+    """Three streams follow one job through the process's hub: each entry is read from Redis once
+    and framed once (per base URL), and every stream gets those same bytes; the last one to
+    leave unsubscribes the hub from the job's channel."""
+    import asyncio
+
+    from asgiref.sync import sync_to_async
+
+    from genserver.jobs.api import events as view
+    from tests.support.api import submit
+
+    job_id = submit(api, steps=10).json()["id"]
+
+    async def scenario() -> None:
+        hub = view._hub()
+        reads = []
+        xrange = hub.conn.xrange
+
+        async def counted(*args, **kwargs):
+            reads.append(args)
+            return await xrange(*args, **kwargs)
+
+        hub.conn.xrange = counted
+        wakers = [await hub.follow(job_id) for _ in range(3)]
+        assert redis_conn.pubsub_numsub(events.channel(job_id))[0][1] == 1, "one subscription for all three"
+        first = await sync_to_async(events.publish)(job_id, "progress")
+        assert first
+        await asyncio.wait_for(asyncio.gather(*(w.wait() for w in wakers)), 10)
+        got = await asyncio.gather(*(hub.after(job_id, "0-0") for _ in wakers))
+        assert [[e.id for e in entries] for entries in got] == [[first]] * 3
+        assert len(reads) == 1, "the three streams' reads were one XRANGE"
+        frames = {id(entries[0].frame("http://testserver")) for entries in got}
+        assert len(frames) == 1, "one frame, the same bytes, for every stream"
+        body = json.loads(got[0][0].frame("http://testserver").split(b"data: ", 1)[1])
+        assert body["id"] == job_id and body["status"] == "queued"
+        assert await hub.after(job_id, first) == [] and len(reads) == 1, "nothing new: no read"
+        for woken in wakers:
+            await hub.unfollow(job_id, woken)
+        unwatched = lambda: redis_conn.pubsub_numsub(events.channel(job_id))[0][1] == 0  # noqa: E731
+        wait_for(unwatched, 10, what="the hub to unsubscribe from the job's channel")
+        hub.runner.cancel()
+        await hub.pubsub.aclose()
+
+    asyncio.run(scenario())

@@ -186,3 +186,30 @@ def test_a_retry_with_the_same_idempotency_key_answers_the_first_job_and_says_so
     assert first.status_code == again.status_code == 202, again.content
     assert again.json()["job_id"] == first.json()["job_id"] and Job.objects.count() == 1
     assert "Idempotent-Replayed" not in first and again["Idempotent-Replayed"] == "true"
+
+
+@pytest.mark.stack
+@pytest.mark.django_db(transaction=True)  # the workers read the job
+@pytest.mark.parametrize(
+    ("storage_backend", "delivery"), [("local", "presigned"), ("s3", "stream"), ("s3", "presigned")]
+)
+def test_a_url_answer_is_delivered_as_the_output_endpoint_delivers(storage_backend, delivery, stack, api, settings):
+    """Presigned delivery on object storage: the store's short-lived URL, as GET .../outputs/0/ redirects to;
+    otherwise (streamed delivery, or a local store, which has no URLs) that owner-checked endpoint's URL."""
+    settings.OUTPUT_DELIVERY, settings.OUTPUT_URL_TTL_SECONDS = delivery, 120
+    body = {"model": "tiny-sd", "prompt": "a fox", "size": "64x64", "num_inference_steps": 2, "response_format": "url"}
+    response = post(api, body)
+    assert response.status_code == 200, response.content
+    url = response.json()["data"][0]["url"]
+    job_id = response.json()["job_id"]
+    if storage_backend == "s3" and delivery == "presigned":
+        assert "X-Amz-Expires=120" in url and "/api/v1/" not in url
+        with urllib.request.urlopen(url, timeout=30) as fetched:  # the client, straight from the store
+            assert fetched.headers["Content-Type"] == "image/png"
+            png = fetched.read()
+    else:
+        assert url == f"http://testserver/api/v1/jobs/{job_id}/outputs/0/"
+        answer = api.get(url)
+        assert answer.status_code == 200
+        png = b"".join(answer.streaming_content)
+    assert Image.open(io.BytesIO(png)).size == (64, 64)

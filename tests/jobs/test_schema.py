@@ -126,3 +126,10 @@ def test_schema_lists_registry_models_and_array_answers(api):
     for code in ("400", "401", "413", "415", "422", "429", "503"):
         assert submit[code]["content"]["application/json"]["schema"] == {"$ref": "#/components/schemas/Error"}
     assert "/v1/images/generations" in doc["paths"] and "/v1/models" in doc["paths"]
+    # the event stream, an async view outside DRF, is documented too (and so exercised by the run above)
+    stream = doc["paths"]["/api/v1/jobs/{job_id}/events/"]["get"]
+    assert "text/event-stream" in stream["responses"]["200"]["content"]
+    error = {"$ref": "#/components/schemas/Error"}
+    for code in ("401", "404"):
+        assert stream["responses"][code]["content"]["application/json"]["schema"] == error
+    assert stream["security"] == doc["paths"]["/api/v1/jobs/{job_id}/"]["get"]["security"]

@@ -15,6 +15,11 @@ OpenAI's response shape, or OpenAI's error shape
   would be a new job;
 * when the wait ends first: 202 with `data: []` and an error naming the job
   (`job_id`, Location), which keeps running: poll GET /api/v1/jobs/{id}/.
+
+A `url` answer is delivered as the native API delivers outputs: the output
+endpoint's URL (GET it with the same Authorization header: it checks the
+owner), or with GENSERVER_OUTPUT_DELIVERY=presigned on object storage the
+short-lived presigned URL that endpoint would redirect to.
 """
 
 from __future__ import annotations
@@ -119,7 +124,11 @@ class ImageGenerationRequestSerializer(serializers.Serializer):
 
 
 class ImageDataSerializer(serializers.Serializer):
-    url = serializers.URLField(required=False, help_text="GET it with the same Authorization header")
+    url = serializers.URLField(
+        required=False,
+        help_text="GET it with the same Authorization header; with GENSERVER_OUTPUT_DELIVERY=presigned on "
+        "object storage, a short-lived presigned URL of the store instead (no header needed)",
+    )
     b64_json = serializers.CharField(required=False, help_text="the PNG, base64")
     revised_prompt = serializers.CharField(required=False)
 
@@ -391,9 +400,28 @@ class ImageGenerationView(OpenAIView):
         )
 
     @staticmethod
+    def _output_url(request: Request, job: Job, index: int) -> str | None:
+        """As the native API delivers the output: with GENSERVER_OUTPUT_DELIVERY=presigned on object storage,
+        the same short-lived presigned URL (OUTPUT_URL_TTL_SECONDS) its output endpoint redirects to; else
+        that endpoint's URL, which checks the owner. None: the object is no longer stored."""
+        api_url = reverse("job-output", args=[job.pk, index], request=request)
+        if settings.OUTPUT_DELIVERY != "presigned":
+            return api_url
+        out = job.outputs[index]
+        storage = default_storage()
+        try:
+            signed = storage.presigned_url(out["key"], settings.OUTPUT_URL_TTL_SECONDS, out["content_type"])
+            if signed is not None and not storage.exists(out["key"]):  # signing asks the store nothing
+                return None
+        except StorageError:
+            return None
+        return signed or api_url  # None: a backend without URLs of its own (local) streams through the API
+
+    @staticmethod
     def _image(request: Request, job: Job, index: int, response_format: str) -> dict[str, str] | None:
         if response_format == "url":
-            return {"url": reverse("job-output", args=[job.pk, index], request=request)}
+            url = ImageGenerationView._output_url(request, job, index)
+            return {"url": url} if url is not None else None
         try:
             return {"b64_json": base64.b64encode(default_storage().get(job.outputs[index]["key"])).decode("ascii")}
         except (OSError, StorageError):

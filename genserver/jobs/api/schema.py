@@ -260,3 +260,54 @@ def close_request_bodies(result: dict[str, Any], generator: Any, request: Any, p
         if name in CLOSED_REQUEST_BODIES:
             component["additionalProperties"] = False
     return result
+
+
+EVENTS_PATH = "/api/v1/jobs/{job_id}/events/"
+
+
+def document_event_stream(result: dict[str, Any], generator: Any, request: Any, public: bool) -> dict[str, Any]:
+    """drf-spectacular postprocessing hook: GET /api/v1/jobs/{job_id}/events/, an async Django view outside DRF
+    (genserver/jobs/api/events.py) that drf-spectacular does not see, with the job detail's tags and security."""
+    paths = result.setdefault("paths", {})
+    detail = paths.get("/api/v1/jobs/{job_id}/", {}).get("get", {})
+    error = {"$ref": "#/components/schemas/Error"}
+
+    def failure(code: int) -> dict[str, Any]:
+        return {"description": _WHY[code], "content": {"application/json": {"schema": error}}}
+
+    paths[EVENTS_PATH] = {
+        "get": {
+            "operationId": "jobs_events_retrieve",
+            "summary": "The job's server-sent events",
+            "description": "`text/event-stream`: an event at every change a client cares about (status and stage, "
+            "queue position and ETA, progress, a preview, outputs, an error); each event's `data:` is the job as "
+            "GET /api/v1/jobs/{job_id}/ shows it and its `id:` resumes the stream when sent back as `Last-Event-ID`. "
+            "The stream ends after the terminal event (succeeded, failed, cancelled, expired). Owner and staff only.",
+            "parameters": [
+                {"in": "path", "name": "job_id", "required": True, "schema": {"type": "string", "format": "uuid"}},
+                {
+                    "in": "header",
+                    "name": "Last-Event-ID",
+                    "required": False,
+                    "schema": {"type": "string"},
+                    "description": "the `id:` of the last event received: the stream replays what came after it",
+                },
+            ],
+            "tags": detail.get("tags", ["jobs"]),
+            "security": detail.get("security", []),
+            "responses": {
+                "200": {
+                    "description": "the event stream: `retry:`, then `id:` and `data:` (the job's JSON) per event, "
+                    "`: keepalive` comments while idle",
+                    "content": {"text/event-stream": {"schema": {"type": "string"}}},
+                },
+                "204": {
+                    "description": "the Last-Event-ID is the job's terminal event: nothing follows (an "
+                    "EventSource stops reconnecting)"
+                },
+                "401": failure(401),
+                "404": failure(404),
+            },
+        }
+    }
+    return result
