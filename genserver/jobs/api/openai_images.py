@@ -20,6 +20,9 @@ A `url` answer is delivered as the native API delivers outputs: the output
 endpoint's URL (GET it with the same Authorization header: it checks the
 owner), or with GENSERVER_OUTPUT_DELIVERY=presigned on object storage the
 short-lived presigned URL that endpoint would redirect to.
+
+Over 400 lines because it is a whole API of its own: the request translation, every error mapped to
+OpenAI's shape, the bounded wait and the two response formats, kept together so the mapping reads in one place.
 """
 
 from __future__ import annotations
