@@ -18,6 +18,7 @@ from celery.signals import worker_init, worker_ready, worker_shutdown
 log = logging.getLogger(__name__)
 INTERVAL_SECONDS = 5.0
 _stop = threading.Event()
+_beating: list[tuple[threading.Thread, str]] = []  # the heartbeat thread and the key it writes
 
 
 def timing() -> tuple[float, float]:
@@ -82,9 +83,21 @@ def start_heartbeat(sender=None, **kwargs) -> None:
         hostname = f"{hostname}@{config.node()}"
     queues = sorted(sender.app.amqp.queues.consume_from) if sender is not None else []
     app = sender.app if sender is not None else None
-    threading.Thread(target=_beat, args=(hostname, queues, app), daemon=True, name="genserver-heartbeat").start()
+    thread = threading.Thread(target=_beat, args=(hostname, queues, app), daemon=True, name="genserver-heartbeat")
+    thread.start()
+    _beating.append((thread, hostname))
 
 
 @worker_shutdown.connect
 def stop_heartbeat(**kwargs) -> None:
+    """Stop beating and take the liveness key away at once: a worker that shuts down cleanly stops counting
+    now, not when its key expires (a restarted stack is not mistaken for live by its predecessor's keys)."""
+    from genserver.redis_client import WORKER_KEY, client
+
     _stop.set()
+    for thread, name in _beating:
+        thread.join(timeout=2.0)  # a beat in flight would write the key again after the delete
+        try:
+            client().delete(WORKER_KEY.format(name=name))
+        except Exception:
+            log.debug("could not delete the liveness key of %s", name, exc_info=True)
