@@ -9,10 +9,8 @@ is sent by 4 threads so that "at once" costs a few wall seconds of HTTP, not 300
 
 from __future__ import annotations
 
-import dataclasses
 import http.client
 import os
-import subprocess
 import sys
 import threading
 import time
@@ -21,7 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime
 
 from bench import fairness
-from bench.livestack import ROOT, LiveStack, live_stack
+from bench.livestack import LiveStack, as_user, live_stack
 from bench.replay import SHAPES
 from genserver.scheduling.chunking import DEFAULT_CHUNK_SECONDS
 from genserver.scheduling.simulator import Request
@@ -31,18 +29,6 @@ TERMINAL = ("succeeded", "failed", "cancelled", "expired")
 
 def _ts(text: str) -> float:
     return datetime.fromisoformat(text.replace("Z", "+00:00")).timestamp()
-
-
-def _as(stack: LiveStack, user: str) -> LiveStack:
-    token = subprocess.run(
-        [sys.executable, "manage.py", "issue_token", user],
-        cwd=ROOT,
-        env=stack.env,
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout.split()[-1]
-    return dataclasses.replace(stack, token=token)
 
 
 def _submit(client: LiveStack, req: Request, tag: str) -> str | None:
@@ -152,7 +138,7 @@ def run_live(window: int, scale: float, boots: Sequence[str] = ("fair", "fcfs"))
     fair_name, fcfs_name = f"A + B, fair (window {window})", "A + B, first-come (window 0)"
     if "fair" in boots:
         with live_stack(base | {"GENSERVER_FAIR_WINDOW": str(window)}) as stack:
-            a, b = _as(stack, "bench-a"), _as(stack, "bench-b")
+            a, b = as_user(stack, "bench-a"), as_user(stack, "bench-b")
             rows["B alone"] = _row("B alone", _run(None, b, scale, "alone"), scale)
             rows["A alone"] = _row("A alone", _run(a, None, scale, "alone"), scale)
             rows[fair_name] = _row(fair_name, _run(a, b, scale, "fair"), scale)
@@ -160,7 +146,7 @@ def run_live(window: int, scale: float, boots: Sequence[str] = ("fair", "fcfs"))
         _restore("REDIS_URL", redis_url)
     if "fcfs" in boots:
         with live_stack(base | {"GENSERVER_FAIR_WINDOW": "0"}) as stack:
-            a, b = _as(stack, "bench-a"), _as(stack, "bench-b")
+            a, b = as_user(stack, "bench-a"), as_user(stack, "bench-b")
             fcfs = _row(fcfs_name, _run(a, b, scale, "fcfs"), scale)
         _restore("REDIS_URL", redis_url)
         fair_row = rows.pop(fair_name, None)

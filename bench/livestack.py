@@ -165,18 +165,17 @@ def _drain(stream: Any, path: Path) -> None:
             out.write(line)
 
 
+def as_user(stack: LiveStack, user: str, staff: bool = False) -> LiveStack:
+    """The stack as `user` sees it: a token issued for them (`manage.py issue_token`, created if new)."""
+    argv = [sys.executable, "manage.py", "issue_token", user] + (["--staff"] if staff else [])
+    done = subprocess.run(argv, cwd=ROOT, env=stack.env, capture_output=True, text=True, check=True)
+    return dataclasses.replace(stack, token=done.stdout.split()[-1])
+
+
 def wait_for_workers(stack: LiveStack, timeout: float = 120) -> None:
     """Until every worker of the stack's layout (as its API reports it) is live: the suite's readiness wait."""
     from workers.local_workers import wait_until_live
 
     # The workers serving each class are staff's view of /queues/: ask as a staff user of the stack.
-    staff = subprocess.run(
-        [sys.executable, "manage.py", "issue_token", "bench-staff", "--staff"],
-        cwd=ROOT,
-        env=stack.env,
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout.split()[-1]
-    _, queues, _ = dataclasses.replace(stack, token=staff).request("GET", "/api/v1/queues/")
+    _, queues, _ = as_user(stack, "bench-staff", staff=True).request("GET", "/api/v1/queues/")
     wait_until_live({name for q in queues for name in q["workers"]}, timeout, interval=0.5)

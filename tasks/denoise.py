@@ -88,6 +88,8 @@ def run_chunk(self, job_id: str, from_step: int) -> str:
 def _held_back_by_the_long_cap(task, job_id: str, from_step: int, worker: str) -> bool:
     """A long chunk met at the overload cap goes back to its queue (unclaimed, at its priority) and this
     worker stops reading long queues until the cap lets it (workers/long_cap.py)."""
+    if not selectors.long_cap_state().engaged:  # the common case: one Redis read, no database read
+        return False
     found = selectors.queue_and_priority(job_id)
     if found is None or class_of(found[0]) != LONG or not selectors.must_leave_long(worker):
         return False

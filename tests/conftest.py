@@ -12,6 +12,7 @@ import pytest
 from django.core.management import call_command
 
 from tests.support.api import submit  # noqa: F401 - re-exported: tests import these from here too
+from tests.support.broker import clear_broker
 from tests.support.isolation import settle_stack
 from tests.support.s3 import MotoServer
 from tests.support.waits import job_row, wait_for  # noqa: F401 - re-exported
@@ -145,6 +146,27 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         return params.get("storage_backend") == "s3" and uses_stack(item)
 
     items.sort(key=lambda item: (uses_stack(item), on_s3_stack(item)))
+
+
+@pytest.fixture
+def long_limit(settings) -> Iterator[Callable[[float], None]]:
+    """Set the long class's admission limit (wall seconds) for one test: long_limit(seconds)."""
+    from genserver import deployment
+
+    def set_limit(seconds: float) -> None:
+        settings.ADMIT_LONG_SECONDS = seconds
+        deployment.limits.cache_clear()
+
+    yield set_limit
+    deployment.limits.cache_clear()
+
+
+@pytest.fixture
+def empty_broker() -> Iterator[None]:
+    """The job queues' Redis lists empty before and after the test (tests/support/broker.py)."""
+    clear_broker()
+    yield
+    clear_broker()
 
 
 @pytest.fixture(autouse=True)

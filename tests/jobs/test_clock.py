@@ -14,7 +14,6 @@ import math
 import pytest
 from django.conf import settings
 
-from genserver import deployment
 from genserver.jobs.models import Job
 from tests.conftest import submit
 
@@ -22,18 +21,6 @@ pytestmark = pytest.mark.django_db
 
 VIDEO_241 = {"model": "wan-sim", "width": 832, "height": 480, "num_frames": 241, "steps": 50}  # 1,995 s of work
 VIDEO_81 = {"model": "wan-sim", "width": 832, "height": 480, "num_frames": 81, "steps": 50}  # 665 s of work
-
-
-@pytest.fixture
-def long_limit(settings):
-    """Set the long class's admission limit (wall seconds) for one test."""
-
-    def set_limit(seconds: float) -> None:
-        settings.ADMIT_LONG_SECONDS = seconds
-        deployment.limits.cache_clear()
-
-    yield set_limit
-    deployment.limits.cache_clear()
 
 
 def test_the_time_scale_applies_to_estimates_queues_admission_and_retry_after(api, long_limit):

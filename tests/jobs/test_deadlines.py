@@ -14,7 +14,10 @@ from genserver.jobs.models import TERMINAL, Job, JobStage, JobStatus
 from tests.conftest import submit
 from tests.support.broker import capture_sends
 
-pytestmark = pytest.mark.django_db(transaction=True)  # the service publishes on commit
+pytestmark = [
+    pytest.mark.django_db(transaction=True),  # the service publishes on commit
+    pytest.mark.usefixtures("empty_broker"),
+]
 
 # wan-sim's default video: 665 s of modelled work, 1.33 s on the test clock (0.002); the long class's
 # limit is 3.6 s there, so two queued ones make the next one wait 2.7 s and still be admitted.
@@ -23,20 +26,6 @@ VIDEO = {"model": "wan-sim", "prompt": "a slow pan over a harbour"}
 
 def at(text: str) -> datetime:
     return datetime.fromisoformat(text.replace("Z", "+00:00"))
-
-
-def clear_broker() -> None:
-    from genserver.redis_client import client
-
-    for queue in ("encode", "short", "medium", "long", "decode", "webhooks"):
-        client().delete(*broker.queue_keys(queue))
-
-
-@pytest.fixture(autouse=True)
-def _empty_broker():
-    clear_broker()  # another test's messages would count as nothing here, but keep the lists readable
-    yield
-    clear_broker()
 
 
 def test_every_201_carries_a_quote_with_the_etas_numbers(api):

@@ -14,19 +14,21 @@ from genserver.metrics import embedding_cache_counts
 from genserver.redis_client import client as redis_client
 from genserver.storage import default_storage, keys
 from tests.conftest import submit
+from tests.support.broker import BROKER_QUEUES
 from workers.runtime import stages
 from workers.runtime.simulated import SimulatedFamily
 
-pytestmark = pytest.mark.django_db(transaction=True)  # the service publishes on commit
-
-QUEUES = ("encode", "short", "medium", "long", "decode", "webhooks")
+pytestmark = [
+    pytest.mark.django_db(transaction=True),  # the service publishes on commit
+    pytest.mark.usefixtures("empty_broker"),
+]
 
 
 def waiting(job_id: str) -> dict[str, list[str]]:
     """The broker messages that name the job: {queue: [task name, ...]}."""
     found: dict[str, list[str]] = {}
     r = redis_client()
-    for queue in QUEUES:
+    for queue in BROKER_QUEUES:
         for key in broker.queue_keys(queue):
             for raw in r.lrange(key, 0, -1):
                 if job_id.encode() in raw:
@@ -34,17 +36,6 @@ def waiting(job_id: str) -> dict[str, list[str]]:
                     assert task.name.encode() in raw, raw[:200]
                     found.setdefault(queue, []).append(task.name)
     return found
-
-
-@pytest.fixture(autouse=True)
-def _empty_broker():
-    def clear() -> None:
-        for queue in QUEUES:
-            redis_client().delete(*broker.queue_keys(queue))
-
-    clear()
-    yield
-    clear()
 
 
 def store_embeddings(model: str, prompt: str, negative: str = "") -> str:

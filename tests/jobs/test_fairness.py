@@ -12,23 +12,14 @@ from django.utils import timezone
 from genserver.jobs import broker, services
 from genserver.jobs.models import Job, JobStatus
 from genserver.jobs.services import fairness
-from genserver.redis_client import client as redis_client
 from tests.conftest import submit
 
-pytestmark = pytest.mark.django_db(transaction=True)  # the service publishes on commit
+pytestmark = [
+    pytest.mark.django_db(transaction=True),  # the service publishes on commit
+    pytest.mark.usefixtures("empty_broker"),
+]
 
 WORKER = "gpu0@test"
-
-
-@pytest.fixture(autouse=True)
-def _empty_broker():
-    def clear() -> None:
-        for queue in ("encode", "short", "medium", "long", "decode", "webhooks"):
-            redis_client().delete(*broker.queue_keys(queue))
-
-    clear()
-    yield
-    clear()
 
 
 @pytest.fixture(autouse=True)

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import pytest
 
-from genserver import deployment
 from genserver.jobs.models import JobStatus
 from genserver.scheduling.admission import MAX_HIGHER_SHARE, Headwind, headwind
 from tests.conftest import submit
@@ -19,16 +18,6 @@ from tests.support.jobs import make_job
 pytestmark = pytest.mark.django_db
 
 VIDEO_81 = {"model": "wan-sim", "width": 832, "height": 480, "num_frames": 81, "steps": 50}
-
-
-@pytest.fixture
-def long_limit(settings):
-    def set_limit(seconds: float) -> None:
-        settings.ADMIT_LONG_SECONDS = seconds
-        deployment.limits.cache_clear()
-
-    yield set_limit
-    deployment.limits.cache_clear()
 
 
 def test_the_headwind_is_the_better_classes_share_of_the_cards():

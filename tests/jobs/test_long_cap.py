@@ -13,7 +13,6 @@ from datetime import timedelta
 import pytest
 from django.utils import timezone
 
-from genserver import deployment
 from genserver.jobs import selectors, services
 from genserver.jobs.models import Job, JobStatus
 from genserver.redis_client import LONG_CAP_KEY, client
@@ -37,19 +36,13 @@ def two_cards(monkeypatch, settings):
     client().delete(LONG_CAP_KEY)
     yield
     client().delete(LONG_CAP_KEY)
-    deployment.limits.cache_clear()
 
 
-def long_limit(settings, seconds: float) -> None:
-    settings.ADMIT_LONG_SECONDS = seconds
-    deployment.limits.cache_clear()
-
-
-def test_a_long_backlog_engages_the_cap_and_its_end_lets_go(api, make_user, two_cards, settings):
+def test_a_long_backlog_engages_the_cap_and_its_end_lets_go(api, make_user, two_cards, long_limit):
     owner = make_user("videos").user
     backlog = [make_job(owner, VIDEO) for _ in range(3)]
     work = sum(j.estimated_seconds * j.clock_scale for j in backlog)  # wall seconds, over two cards
-    long_limit(settings, 1.5 * work / 2)  # the wait (work / 2) is 2/3 of the limit: above 0.5, accepted
+    long_limit(1.5 * work / 2)  # the wait (work / 2) is 2/3 of the limit: above 0.5, accepted
     assert not selectors.long_cap_state().engaged  # nothing decided yet: off
     services.update_long_cap()  # beat's tick
     state = selectors.long_cap_state()
@@ -85,11 +78,13 @@ def test_a_long_backlog_engages_the_cap_and_its_end_lets_go(api, make_user, two_
     assert queues["long"]["capped"] is False and queues["long"]["cards"] == 2
 
 
-def test_one_card_is_never_capped_and_the_cap_can_be_turned_off(make_user, two_cards, monkeypatch, settings):
+def test_one_card_is_never_capped_and_the_cap_can_be_turned_off(
+    make_user, two_cards, monkeypatch, settings, long_limit
+):
     owner = make_user("videos").user
     for _ in range(3):
         make_job(owner, VIDEO)
-    long_limit(settings, 0.001)  # far over any share of the limit
+    long_limit(0.001)  # far over any share of the limit
     settings.LONG_CAP_ENGAGE_SHARE = 0
     assert not services.update_long_cap().engaged
     settings.LONG_CAP_ENGAGE_SHARE = 0.5

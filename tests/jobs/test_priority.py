@@ -15,7 +15,10 @@ from genserver.jobs.models import Job
 from genserver.redis_client import client as redis_client
 from tests.conftest import submit
 
-pytestmark = pytest.mark.django_db(transaction=True)  # the service publishes on commit
+pytestmark = [
+    pytest.mark.django_db(transaction=True),  # the service publishes on commit
+    pytest.mark.usefixtures("empty_broker"),
+]
 
 
 def move(client, job_id, body):
@@ -29,17 +32,6 @@ def waiting_at(queue: str, job_id: str) -> list[int]:
     return [
         p for p, key in enumerate(broker.queue_keys(queue)) for raw in r.lrange(key, 0, -1) if job_id.encode() in raw
     ]
-
-
-@pytest.fixture(autouse=True)
-def _empty_broker():
-    def clear() -> None:
-        for queue in ("encode", "short", "medium", "long", "decode", "webhooks"):
-            redis_client().delete(*broker.queue_keys(queue))
-
-    clear()
-    yield
-    clear()
 
 
 @pytest.fixture

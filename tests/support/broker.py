@@ -39,3 +39,15 @@ def capture_sends(
     for name, shape in recorded_as.items():
         monkeypatch.setattr(module, name, recorder(name, shape))
     return calls
+
+
+BROKER_QUEUES = ("encode", "short", "medium", "long", "decode", "webhooks")
+
+
+def clear_broker() -> None:
+    """Empty the job queues' Redis lists (every priority): a test that reads what was published starts
+    from nothing another test left there."""
+    from genserver.redis_client import client
+
+    for queue in BROKER_QUEUES:
+        client().delete(*broker().queue_keys(queue))
