@@ -79,22 +79,38 @@ def test_held_jobs_go_best_priority_first_and_a_held_job_just_changes_priority(a
     assert published(ids[2])
 
 
-def test_another_user_is_not_held_behind_a_burst_and_is_not_counted_behind_it(api, make_user):
+def test_another_user_goes_ahead_of_a_burst_and_is_neither_held_nor_counted_behind_it(api, make_user):
     ids = burst(api, 10)
     bob = make_user("bob")
     mine = [submit(bob, prompt=f"bob's {i}").json() for i in range(3)]
     # bob has fewer waiting than alice: none of his is held, however many beyond the window.
     assert [m["held"] for m in mine] == [False] * 3 and all(published(m["id"]) for m in mine)
-    # Nine of alice's are held: bob's first job waits behind her one published job, not her ten.
-    assert api.get(f"/api/v1/jobs/{ids[0]}/").json()["queue_position"] == 0
-    assert bob.get(f"/api/v1/jobs/{mine[0]['id']}/").json()["queue_position"] == 1
-    assert bob.get(f"/api/v1/jobs/{mine[2]['id']}/").json()["queue_position"] == 3
+    # And his jobs go one priority step ahead of hers (alone, hers kept their own): taken before her
+    # published one, not behind it in the same first-come list.
+    priorities = dict(Job.objects.filter(pk__in=[*ids, *(m["id"] for m in mine)]).values_list("pk", "priority"))
+    own = priorities[Job._meta.pk.to_python(ids[0])]
+    assert own > 0 and {priorities[Job._meta.pk.to_python(i)] for i in ids} == {own}
+    assert all(priorities[Job._meta.pk.to_python(m["id"])] == own - 1 for m in mine)
+    assert [bob.get(f"/api/v1/jobs/{m['id']}/").json()["queue_position"] for m in mine] == [0, 1, 2]
+    assert api.get(f"/api/v1/jobs/{ids[0]}/").json()["queue_position"] == 3
     # A held job of alice's waits round-robin: her held jobs before it, and bob's turn for each.
     second, last = (api.get(f"/api/v1/jobs/{i}/").json() for i in (ids[1], ids[-1]))
     assert second["held"] is True and last["held"] is True
     assert second["queue_position"] == 1 + 3  # her published one and bob's three
     assert last["queue_position"] == 1 + 3 + 8  # and her eight held before it (bob holds nothing more)
     assert last["eta_seconds"] > second["eta_seconds"]
+
+
+def test_a_user_who_is_not_lighter_than_every_other_keeps_its_priority(api, make_user):
+    alice_ids = burst(api, 2)  # alice: 2 unstarted (1 published, 1 held)
+    bob, carol = make_user("bob"), make_user("carol")
+    bobs = [submit(bob, prompt=f"bob's {i}").json()["id"] for i in range(2)]  # 0 then 1 waiting: both ahead
+    carols = submit(carol, prompt="carol's").json()["id"]  # 0 waiting, fewer than alice's 2 and bob's 2: ahead
+    later = submit(bob, prompt="bob's third").json()  # bob has 2 waiting, as many as alice: not ahead
+    priorities = dict(Job.objects.values_list("pk", "priority"))
+    own = priorities[Job._meta.pk.to_python(alice_ids[0])]
+    assert [priorities[Job._meta.pk.to_python(i)] for i in [*bobs, carols]] == [own - 1] * 3
+    assert later["held"] is True and priorities[Job._meta.pk.to_python(later["id"])] == own
 
 
 def test_a_cancel_of_an_unstarted_window_job_releases_the_next(api):

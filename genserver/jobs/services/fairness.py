@@ -2,7 +2,8 @@
 
 The policy (window size, when a job is held, which held job goes next) is
 `genserver.scheduling.fairness`, the same the simulator runs; this module
-applies it to the rows. A user's *window* in a denoise queue is their jobs
+applies it to the rows. The lightest user's new job is recorded and published
+one priority step ahead (`place_new_job`). A user's *window* in a denoise queue is their jobs
 there that are active, not held, and whose first chunk no card has claimed
 yet (`chunks_run` 0): published, not started. A held job is `queued` with
 `held` set and no message (`published_at` empty, so the reaper does not
@@ -35,7 +36,7 @@ from genserver import deployment
 from genserver.jobs import broker, events
 from genserver.jobs.models import ACTIVE, Job, JobStage, JobStatus
 from genserver.registry import RegistryError
-from genserver.scheduling.fairness import FairWindow, release_key
+from genserver.scheduling.fairness import FairWindow, ahead_priority, release_key
 from genserver.storage import StorageError, default_storage, keys
 
 log = logging.getLogger(__name__)
@@ -73,17 +74,22 @@ def waiting_by_owner(queue: str) -> dict[Any, int]:
     return counts
 
 
-def holds_new_job(owner_id: Any, queue: str) -> bool:
-    """Inside submit's transaction (after the owner's row is locked): whether the new job is held."""
+def place_new_job(owner_id: Any, queue: str, priority: int, duration_class: str) -> tuple[bool, int]:
+    """Inside submit's transaction (after the owner's row is locked): (whether the new job is held, the
+    priority it is recorded and published at). The lightest user's job goes one step ahead of its own
+    priority (scheduling.fairness.ahead_priority), so that it is taken before the heavier users' messages
+    at its priority rather than behind them."""
     policy = window()
     if not policy.enabled:
-        return False
-    mine = in_window(owner_id, queue)
-    if mine < policy.size:
-        return False
+        return False, priority
     waiting = waiting_by_owner(queue)
+    mine = waiting.get(owner_id, 0)
     others = [n for owner, n in waiting.items() if owner != owner_id]
-    return policy.holds(mine, waiting.get(owner_id, 0), others)
+    if policy.holds(in_window(owner_id, queue) if mine else 0, mine, others):
+        return True, priority
+    if policy.goes_ahead(mine, others):
+        return False, ahead_priority(priority, duration_class)
+    return False, priority
 
 
 def stored_embeddings_key(job: Job) -> str:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+from dataclasses import replace
 from typing import Any
 
 from django.db import IntegrityError, transaction
@@ -116,7 +117,8 @@ def submit_job(owner: Any, data: dict[str, Any], idempotency_key: str = "") -> J
             metrics.count_submit(est.duration_class, _METRIC_REASON[refused.reason])
             raise
         # The owner's row is locked (check_limits): the user's submits count their window one at a time.
-        held = fairness.holds_new_job(owner.pk, queue)
+        held, priority = fairness.place_new_job(owner.pk, queue, est.priority, est.duration_class)
+        est = replace(est, priority=priority)
         if held:
             embeddings = ""  # looked up again when it is released (they may be stored by then)
         job = _record_job(

@@ -20,7 +20,7 @@ from typing import Literal
 from ..admission import CALM, AdmissionLimits, Headwind, WorkItem, decide, expected_wait, headwind
 from ..chunking import steps_per_chunk
 from ..classes import CLASSES, LONG, priority_for
-from ..fairness import FairWindow, next_held, release_key
+from ..fairness import FairWindow, ahead_priority, next_held, release_key
 from ..overload import capped_layout
 from ..pools import PoolLayout, class_of, group_speedup
 from .service_policy import SimConfig
@@ -277,11 +277,14 @@ class _Simulation:
             if k[1] == job.queue and k != key
         ]
         waiting = self.in_window.get(key, 0) + len(self.held.get(key, ()))
-        if self.window.holds(self.in_window.get(key, 0), waiting, [n for n in others if n > 0]):
+        others = [n for n in others if n > 0]
+        if self.window.holds(self.in_window.get(key, 0), waiting, others):
             self.held.setdefault(key, []).append(job)
             self.held_count += 1
             self.max_held = max(self.max_held, self.held_count)
             return
+        if self.window.goes_ahead(waiting, others):
+            job.priority = ahead_priority(job.priority, job.duration_class)
         self.in_window[key] = self.in_window.get(key, 0) + 1
         job.windowed = self.window.enabled
         self.broker.publish(job)

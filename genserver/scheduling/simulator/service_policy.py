@@ -80,6 +80,7 @@ class SimConfig:
     fair_window: the per-user publish window (scheduling/fairness.py, GENSERVER_FAIR_WINDOW live):
         at most this many of a user's jobs published and not yet started per queue, the rest held
         and published (best priority, then oldest) as the user's jobs start; 0: off, first-come.
+        The lightest user's new jobs go one priority step ahead (fairness.ahead_priority).
         The simulator has no encode hop: a release is published at the claim that frees the room.
     limits: admission limits (None: admit everything).
     headwind_window: admission stretches the work ahead by the headwind (the better classes' arrivals over
