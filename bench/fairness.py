@@ -49,7 +49,8 @@ B_SECONDS = 2.0  # the seed's 2-s image
 B_DURATION = 900.0  # seconds of B's arrivals (past A's drain under every policy)
 SEED = 0
 # The denoise task as it runs (tasks/denoise.py): at a chunk boundary it yields only to a message it would take
-# first, and it writes the checkpoint synchronously at every boundary (in_process_seconds=None).
+# first, and it writes the checkpoint synchronously at every boundary (in_process_seconds=None); the lightest
+# user's waiting job cuts one card's chunk at its next step (cut_chunks, on in service_policy_config).
 AS_THE_SERVICE_RUNS = dict(yield_on_demand=True, in_process_seconds=None)
 
 

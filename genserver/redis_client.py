@@ -12,6 +12,10 @@ STEPS_KEY = "genserver:steps:{job_id}"  # the job's latest total; a worker runni
 CORRECTION_KEY = "genserver:step-correction"
 WORKER_KEY = "genserver:worker:{name}"
 LONG_CAP_KEY = "genserver:long-cap"  # the overload cap's state, written by beat (services/overload.py)
+# A job published one step ahead as the lightest user's (services/fairness.py) until its first chunk is claimed:
+# while it waits, one card running another user's chunk cuts that chunk at its next step (tasks/denoise.py).
+AHEAD_KEY = "genserver:ahead:{job_id}"
+CUT_CLAIM_KEY = "genserver:cut:{message}"  # the card that cuts its chunk for a waiting message (one per message)
 
 
 @lru_cache(maxsize=1)

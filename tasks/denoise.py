@@ -1,5 +1,10 @@
 """Stage 2: denoise chunks (queue = the job's class); publishes the next chunk or the decode.
 
+Inside a chunk, a job published ahead of its user's turn (the lightest user's,
+services/fairness.py) that waits for a card ends one other user's chunk at its
+next step (`cut_short`: one card per waiting message); the chunk then ends as a
+planned one does.
+
 At each chunk boundary the worker yields its card only when it has to: if a
 message it would take before this job's continuation is waiting on its
 queues (shorter work, or an earlier message at the same priority), it
@@ -34,6 +39,7 @@ from genserver.jobs.services import Outcome
 from genserver.metrics import count_merged_batch
 from genserver.redis_client import CANCEL_KEY, STEPS_KEY, client as redis_client
 from genserver.scheduling.classes import CLASSES, LONG, priority_for
+from genserver.scheduling.fairness import CUT_AFTER_SECONDS
 from genserver.scheduling.pools import class_of
 from workers import long_cap
 from workers.runtime import stages
@@ -43,6 +49,9 @@ from .common import family_of, preload, storage, worker_id
 from .segments import SegmentCursor, job_id_of
 
 HEARTBEAT_EVERY_SECONDS = 1.0  # lease renewal + progress write; per step would hammer the DB on fast models
+# How often a running chunk asks whether a job published ahead (the lightest user's) waits for a card: more
+# often starts that job sooner after a step, less often reads Redis less (one pipelined read each time).
+CUT_CHECK_SECONDS = 0.2
 _deleter = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-gc")
 
 
@@ -134,6 +143,23 @@ def _denoise(members: list[_Member], worker: str) -> str:
         continuation = priority_for(lead.duration_class, remaining, True, deployment.thresholds())
         return not broker.waiting_at_or_before(_consumed_queues(lead.queue), continuation)
 
+    last_cut_check = [time.monotonic()]
+
+    def cut_short() -> bool:
+        """Mid-chunk: end this chunk at the current step when a job published ahead of its user's turn (the
+        lightest user's, services/fairness.py) has waited CUT_AFTER_SECONDS at a better priority than the
+        lead's continuation and this card is the first to claim it. The chunk then ends as planned ones do:
+        checkpoint, then the boundary's yield test hands the card over."""
+        now = time.monotonic()
+        if now - last_cut_check[0] < CUT_CHECK_SECONDS:
+            return False
+        last_cut_check[0] = now
+        step = members[0].cursor.offset + members[0].state.step
+        remaining = lead.estimated_seconds * (lead.total_steps - step) / lead.total_steps
+        continuation = priority_for(lead.duration_class, remaining, True, deployment.thresholds())
+        waited = CUT_AFTER_SECONDS * lead.clock_scale  # seconds of card time, on the deployment's clock
+        return broker.claim_cut(_consumed_queues(lead.queue), continuation, worker, waited)
+
     def on_preview(state: DenoiseState, key: str, step: int) -> None:
         member = by_id[job_id_of(state.request)]
         services.record_preview(member.job.pk, worker, key, member.cursor.offset + step)
@@ -151,6 +177,7 @@ def _denoise(members: list[_Member], worker: str) -> str:
                 preview_every=lead.preview_every,
                 should_stop=should_stop,
                 on_preview=on_preview,
+                cut_short=cut_short,
             )
             boundary = time.perf_counter()
             stay = keep_card(max(m.cursor.offset + r.step for m, r in zip(running, results)))

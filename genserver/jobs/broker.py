@@ -8,14 +8,16 @@ task name is spelled in one place and the API process never imports
 
 from __future__ import annotations
 
+import hashlib
 import re
-from collections.abc import Iterable
+import time
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 from uuid import UUID
 
 from genserver.celery import app
-from genserver.redis_client import client as redis_client
+from genserver.redis_client import AHEAD_KEY, CUT_CLAIM_KEY, client as redis_client
 from genserver.scheduling.pools import CONTROL, DECODE, ENCODE, WEBHOOKS
 
 
@@ -140,6 +142,53 @@ def waiting_at_or_before(queues: Iterable[str], priority: int) -> bool:
             for key in queue_keys(queue)[: priority + 1]:
                 pipe.llen(key)
         return any(int(n) for n in pipe.execute())
+
+
+# How many of the next messages of a list a cut test reads: the ones a card would take next.
+_CUT_LOOKAHEAD = 4
+_CUT_CLAIM_SECONDS = 60  # a claim outlives any chunk's last step; the message is taken long before
+
+
+def claim_cut(queues: Sequence[str], priority: int, worker: str, waited: float) -> bool:
+    """Whether this card should cut its running chunk now: a message of a job published ahead (the lightest
+    user's, AHEAD_KEY) at least `waited` seconds ago waits on `queues` at a priority better than `priority`
+    (the running job's continuation), and this card is the first to claim it (one card per message, so a
+    waiting job costs one cut, not one per card). One round trip when nothing better waits (the common case)."""
+    r = redis_client()
+    keys = [key for queue in queues for key in queue_keys(queue)[:priority]]
+    if not keys:
+        return False
+    with r.pipeline() as pipe:
+        for key in keys:
+            pipe.lrange(key, -_CUT_LOOKAHEAD, -1)  # kombu pushes on the left and pops on the right
+        listed = pipe.execute()
+    for messages in listed:
+        for raw in reversed(messages):  # the next to be taken first
+            ids = [m.decode() for m in _UUID.findall(raw)]
+            marks = (
+                [float(t) for t in r.mget([AHEAD_KEY.format(job_id=i) for i in ids]) if t is not None] if ids else []
+            )
+            if not marks or time.time() - max(marks) < waited:
+                continue
+            claim = CUT_CLAIM_KEY.format(message=hashlib.sha1(raw).hexdigest())
+            if r.set(claim, worker, nx=True, ex=_CUT_CLAIM_SECONDS):
+                return True
+    return False
+
+
+def mark_ahead(job_id: UUID) -> None:
+    """The job was published ahead (services/fairness.py): its waiting messages may cut another user's chunk."""
+    redis_client().set(AHEAD_KEY.format(job_id=job_id), time.time(), ex=_AHEAD_SECONDS)  # since when it waits
+
+
+def clear_ahead(job_id: UUID) -> None:
+    """Its first chunk was claimed: it no longer cuts anyone's chunk."""
+    redis_client().delete(AHEAD_KEY.format(job_id=job_id))
+
+
+# A job published ahead that never starts (cancelled, expired) leaves its mark at most this long; a stale mark
+# only lets a message of its job, which is gone, be cut for: none is.
+_AHEAD_SECONDS = 3600
 
 
 def broker_depth(queue: str) -> int:

@@ -26,7 +26,10 @@ better than its own, within its class's band (`ahead_priority`). FIFO inside a
 (queue, priority) list would otherwise put it behind the heavier users'
 window messages and behind their started jobs' continuations at the same
 priority, so it would wait for two or three chunk ends instead of the first
-(B's wait P99 3.3× alone against 1.9× with the step). The step never leaves
+(B's wait P99 3.3× alone against 1.9× with the step). Then, if it still waits
+`CUT_AFTER_SECONDS` for a card, it ends one card's chunk of a heavier user at
+that chunk's next step (one card per waiting job), so that it does not wait for a
+whole chunk of the burst's (1.55× with the cut). The step never leaves
 the band, so a class never jumps another; inside the short band it can pass a
 slightly shorter image of a heavier user, which is what fair share means.
 
@@ -48,6 +51,13 @@ from .classes import band_bounds
 # 1.9× alone in the simulator, 2.4× with a window of 2), and the burst still keeps every card fed (the
 # claim that starts one of its jobs releases the next).
 DEFAULT_FAIR_WINDOW = 1
+
+# A job published ahead that has waited this long (seconds of card time) for a card cuts one other user's
+# running chunk at its next step. Sooner: its wait is shorter, but more chunks are cut, each costing the burst
+# a checkpoint save and restore; later: the cards' planned chunk ends take most of them. Measured in
+# bench/fairness.py (docs/BENCHMARKS.md, "Fair share"): at 1 s, B's wait P99 1.55× alone and A's drain 566 s;
+# cutting at once, 1.38× and 598 s; never, 1.91× and 565 s.
+CUT_AFTER_SECONDS = 1.0
 
 T = TypeVar("T")
 

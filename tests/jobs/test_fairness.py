@@ -12,6 +12,7 @@ from django.utils import timezone
 from genserver.jobs import broker, services
 from genserver.jobs.models import Job, JobStatus
 from genserver.jobs.services import fairness
+from genserver.redis_client import AHEAD_KEY, client as redis_client
 from tests.conftest import submit
 
 pytestmark = [
@@ -99,6 +100,39 @@ def test_another_user_goes_ahead_of_a_burst_and_is_neither_held_nor_counted_behi
     assert second["queue_position"] == 1 + 3  # her published one and bob's three
     assert last["queue_position"] == 1 + 3 + 8  # and her eight held before it (bob holds nothing more)
     assert last["eta_seconds"] > second["eta_seconds"]
+
+
+def test_a_job_placed_ahead_is_marked_until_its_first_chunk_is_claimed_and_may_cut_one_card(api, make_user):
+    """The mark lets a card running another user's chunk cut it for the job's waiting message: one card per
+    message, only at a better priority than that card's continuation, only once the job has waited."""
+    alice_ids = burst(api, 2)
+    bob = make_user("bob")
+    theirs = submit(bob, prompt="one of bob's").json()
+    r = redis_client()
+    assert r.get(AHEAD_KEY.format(job_id=theirs["id"])) is not None
+    assert r.get(AHEAD_KEY.format(job_id=alice_ids[0])) is None  # alone when she submitted: not ahead
+    job = Job.objects.get(pk=theirs["id"])
+    start_encoding_and_wait(theirs["id"])  # its first chunk's message now waits on its queue
+    queues = [job.queue]
+    assert not broker.claim_cut(queues, job.priority, "card1@test", waited=0.0)  # not better than that card's
+    assert not broker.claim_cut(queues, job.priority + 1, "card1@test", waited=3600.0)  # not waited long enough
+    assert broker.claim_cut(queues, job.priority + 1, "card1@test", waited=0.0)
+    assert not broker.claim_cut(queues, job.priority + 1, "card2@test", waited=0.0)  # claimed: one cut per message
+    assert services.claim_chunk(theirs["id"], WORKER, 0) is not None
+    assert r.get(AHEAD_KEY.format(job_id=theirs["id"])) is None
+
+
+def test_a_waiting_message_not_placed_ahead_cuts_nobody(api):
+    ids = burst(api, 1)
+    start_encoding_and_wait(ids[0])
+    job = Job.objects.get(pk=ids[0])
+    assert not broker.claim_cut([job.queue], job.priority + 1, "card1@test", waited=0.0)
+
+
+def start_encoding_and_wait(job_id: str) -> None:
+    """What the encode worker does: the job's first chunk is published and waits for a card."""
+    assert services.start_encoding(job_id, "encode@test") is not None
+    assert services.finish_encoding(job_id, "encode@test", f"embeddings/{job_id}")
 
 
 def test_a_user_who_is_not_lighter_than_every_other_keeps_its_priority(api, make_user):

@@ -149,6 +149,41 @@ def test_each_member_checkpoint_resumes_alone(load_family: Callable[..., Family]
         assert torch.allclose(run_to_end(family, resumed), alone(family, request), atol=LATENT_TOLERANCE, rtol=0)
 
 
+def test_a_chunk_cut_short_ends_the_whole_batch_at_that_step_with_checkpoints(
+    load_family: Callable[..., Family], tmp_path: Path
+) -> None:
+    """`cut_short` (a job published ahead waits for this card) is asked after the chunk's first step, before
+    each further one; True ends the chunk there for every member, saved as a planned chunk end is."""
+    family = load_family("tiny-sd", "dpmpp_2m")
+    requests = members("tiny-sd")[:2]
+    states = [prepared(family, r) for r in requests]
+    storage = LocalStorage(tmp_path)
+    asked: list[int] = []
+
+    def cut_short() -> bool:
+        asked.append(states[0].step)
+        return states[0].step == 2
+
+    results = stages.run_merged_chunk(
+        family,
+        storage,
+        states,
+        until_step=requests[0].steps,
+        preview_every=0,
+        should_stop=lambda *_: "",
+        on_preview=lambda *_: None,
+        cut_short=cut_short,
+    )
+    assert asked == [1, 2]  # never before the first step: a cut chunk still moves its jobs on
+    assert [(r.step, r.stopped) for r in results] == [(2, ""), (2, "")]
+    for request, result in zip(requests, results):
+        assert result.checkpoint_key == stages.checkpoint_key(request.job_id, 2)
+        assert storage.exists(result.checkpoint_key)
+        embeddings = family.encode([(request.prompt, request.negative_prompt)])[0]
+        resumed = family.restore(request, embeddings, stages._from_bytes(storage.get(result.checkpoint_key)))
+        assert torch.allclose(run_to_end(family, resumed), alone(family, request), atol=LATENT_TOLERANCE, rtol=0)
+
+
 @pytest.mark.parametrize("change", [{"steps": 7}, {"width": 128}, {"guidance_scale": 3.0}])
 def test_jobs_of_another_shape_are_refused(load_family: Callable[..., Family], change: dict[str, Any]) -> None:
     family = load_family("tiny-sd")

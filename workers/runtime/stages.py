@@ -139,11 +139,15 @@ def run_merged_chunk(
     preview_every: int,
     should_stop: Callable[[DenoiseState, int], str],
     on_preview: Callable[[DenoiseState, str, int], None],
+    cut_short: Callable[[], bool] | None = None,
 ) -> list[ChunkResult]:
     """Advance several jobs of one shape together (one batched model call per step), each in place.
 
     Before every step each job is asked `should_stop(state, step)`; a job that
     stops (cancelled, lease lost) leaves the batch there and the others go on.
+    After the chunk's first step, `cut_short()` is asked before each further
+    step: True ends the chunk there for the whole batch (a better job waits
+    for this card), exactly as if it had been planned that short.
     At the end every job still in the batch saves its own checkpoint. Returns
     one result per state, in order. A merged batch reports no step time: its
     steps are not one job's, and must not teach the cost model.
@@ -152,6 +156,8 @@ def run_merged_chunk(
     active = list(states)
     start_step, started = states[0].step, time.perf_counter()
     while active and active[0].step < until_step:
+        if cut_short is not None and active[0].step > start_step and cut_short():
+            break
         for state in list(active):
             reason = should_stop(state, state.step)
             if reason:

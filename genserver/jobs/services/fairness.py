@@ -92,6 +92,24 @@ def place_new_job(owner_id: Any, queue: str, priority: int, duration_class: str)
     return False, priority
 
 
+def mark_ahead(job_id: Any) -> None:
+    """After submit commits a job placed ahead: until its first chunk is claimed, a card running another user's
+    chunk cuts it at its next step for this job's message (one card per message; tasks/denoise.py). A broker
+    that is down only loses the cut: the job still waits ahead in the broker's order."""
+    try:
+        broker.mark_ahead(job_id)
+    except Exception:  # an optimisation of its start, never a reason to fail the submit
+        log.warning("could not mark job %s ahead; it waits for the next chunk end", job_id, exc_info=True)
+
+
+def clear_ahead(job_id: Any) -> None:
+    """Its first chunk was claimed: it cuts nobody's chunk any more (a mark left behind expires)."""
+    try:
+        broker.clear_ahead(job_id)
+    except Exception:  # the mark expires; a stale one matches no waiting message
+        log.warning("could not clear job %s's ahead mark; it expires", job_id, exc_info=True)
+
+
 def stored_embeddings_key(job: Job) -> str:
     """The key of the job's prompt embeddings when they are stored now, else "" (it goes through encode)."""
     try:

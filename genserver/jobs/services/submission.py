@@ -118,6 +118,7 @@ def submit_job(owner: Any, data: dict[str, Any], idempotency_key: str = "") -> J
             raise
         # The owner's row is locked (check_limits): the user's submits count their window one at a time.
         held, priority = fairness.place_new_job(owner.pk, queue, est.priority, est.duration_class)
+        ahead = priority < est.priority
         est = replace(est, priority=priority)
         if held:
             embeddings = ""  # looked up again when it is released (they may be stored by then)
@@ -125,6 +126,8 @@ def submit_job(owner: Any, data: dict[str, Any], idempotency_key: str = "") -> J
             owner, spec, data, est, queue, idempotency_key, fingerprint(recorded), charge, embeddings, held
         )
         transaction.on_commit(lambda: metrics.count_submit(job.duration_class))
+        if ahead:
+            transaction.on_commit(lambda: fairness.mark_ahead(job.id))
         observe.transition(job.pk, "", job.status)
         if held:
             pass  # published by fairness.release_held when one of the owner's jobs in the queue starts or ends

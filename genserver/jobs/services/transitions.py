@@ -18,7 +18,7 @@ from genserver.jobs import broker, events, segment_service
 from genserver.jobs.models import ACTIVE, Job, JobStage, JobStatus
 from genserver.scheduling.classes import priority_for
 
-from . import observe
+from . import fairness, observe
 from ._common import (
     JobId,
     after_end,
@@ -111,6 +111,7 @@ def claim_chunk(job_id: JobId, worker: str, from_step: int) -> Job | None:
     events.publish_queue_moved_on_commit(job.queue)  # the jobs behind it moved up
     if job.chunks_run == 1:  # its first chunk: it started, and leaves its owner's fair window
         transaction.on_commit(lambda: release_for(job_id))
+        transaction.on_commit(lambda: fairness.clear_ahead(job_id))  # and no longer cuts another user's chunk
     return job
 
 

@@ -12,6 +12,7 @@ it models lives in the scheduling core it calls, and the parameters in service_p
 from __future__ import annotations
 
 import heapq
+import math
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -42,6 +43,7 @@ class _Job:
     steps_done: int = 0
     first_step: float | None = None
     windowed: bool = False  # published and not yet started: counts in its user's fair window
+    ahead: bool = False  # published one step ahead as the lightest user's (fairness.ahead_priority)
 
     @property
     def fair_key(self) -> tuple[str, str]:
@@ -64,6 +66,9 @@ class _Card:
     last_model: str | None = None
     busy_seconds: float = 0.0
     speedup: float = 1.0  # a group of k cards: group_speedup(k)
+    steps_from: float = 0.0  # when the running chunk's first step begins (after its restore or switch)
+    step_wall: float = 0.0  # wall seconds of one step of the running chunk
+    cut: bool = False  # the running chunk was cut short for a better message (SimConfig.cut_chunks)
 
 
 @dataclass
@@ -165,7 +170,8 @@ class _Simulation:
         self.in_window: dict[tuple[str, str], int] = {}  # (user, queue) → jobs published, not started
         self.held: dict[tuple[str, str], list[_Job]] = {}  # (user, queue) → jobs the window holds
         self.held_count = self.max_held = 0
-        self.switches = self.republished = self.in_process = self.max_long = 0
+        self.switches = self.republished = self.in_process = self.max_long = self.cuts = 0
+        self.now = 0.0  # the event being handled
         self.events: list[tuple[float, int, int, int]] = []  # (time, order, seq, payload)
         self.seq = 0
         # A boundary's save is charged at the end of the chunk, its restore at the start
@@ -236,6 +242,7 @@ class _Simulation:
         last = job.steps_done + k >= job.steps
         duration = overhead + k * step_seconds + (0.0 if last else self.save_seconds)
         card.job, card.chunk_steps, card.last_model = job, k, job.model
+        card.steps_from, card.step_wall, card.cut = now + overhead, step_seconds, False
         card.busy_until = now + duration
         card.busy_seconds += duration
         if job.duration_class == LONG:
@@ -266,6 +273,38 @@ class _Simulation:
             )
         return items
 
+    def _cut_for(self, job: _Job, now: float) -> None:
+        """SimConfig.cut_chunks: an unstarted job published ahead (the lightest user's), still waiting
+        `cut_after` seconds after it was published, ends one busy card's chunk at that card's next step, a
+        card whose running job's continuation comes after the job's message (the first step boundary among
+        them wins: one card per message, as the cards' claim in the broker does live)."""
+        if any(c.job is None and job.queue in c.queues and not self._long_blocked(c, now) for c in self.cards):
+            return
+        best: tuple[float, _Card, int] | None = None
+        for card in self.cards:
+            running = card.job
+            if running is None or card.cut or job.queue not in card.queues:
+                continue
+            done = max(1, math.ceil((now - card.steps_from) / card.step_wall - 1e-9))  # the step under way ends
+            if done >= card.chunk_steps:
+                continue  # its chunk ends at that step anyway
+            left = (running.steps - running.steps_done - done) * running.step_seconds
+            continuation = priority_for(running.duration_class, left, True, self.cfg.thresholds)
+            if continuation <= job.priority:
+                continue  # only strictly better work cuts a chunk
+            at = card.steps_from + done * card.step_wall
+            if best is None or at < best[0]:
+                best = (at, card, done)
+        if best is None:
+            return
+        at, card, done = best
+        end = at + self.save_seconds
+        card.busy_seconds -= card.busy_until - end
+        card.busy_until, card.chunk_steps, card.cut = end, done, True
+        heapq.heappush(self.events, (end, 0, self.seq, card.index))
+        self.seq += 1
+        self.cuts += 1
+
     # -- the fair window -----------------------------------------------------------------
 
     def _publish_new(self, job: _Job) -> None:
@@ -285,9 +324,13 @@ class _Simulation:
             return
         if self.window.goes_ahead(waiting, others):
             job.priority = ahead_priority(job.priority, job.duration_class)
+            job.ahead = True
         self.in_window[key] = self.in_window.get(key, 0) + 1
         job.windowed = self.window.enabled
         self.broker.publish(job)
+        if job.ahead and self.cfg.cut_chunks:
+            heapq.heappush(self.events, (self.now + self.cfg.cut_after, 2, self.seq, job.id))
+            self.seq += 1
 
     def _release(self, key: tuple[str, str]) -> None:
         """Publish the user's best held jobs of the queue while its window has room."""
@@ -388,9 +431,17 @@ class _Simulation:
         now = 0.0
         while self.events:
             now, order, _, payload = heapq.heappop(self.events)
+            self.now = now
             self._engaged_cache = None  # every event changes the state
             if order == 0:
-                self._chunk_end(self.cards[payload], now)
+                card = self.cards[payload]
+                if now != card.busy_until:
+                    continue  # the end of a chunk that was cut short: its new end is queued
+                self._chunk_end(card, now)
+            elif order == 2:
+                job = self.jobs.get(payload)
+                if job is not None and job.first_step is None:
+                    self._cut_for(job, now)  # still waiting: it cuts a card's chunk
             else:
                 self._arrival(payload, now)
             self._engaged_cache = None

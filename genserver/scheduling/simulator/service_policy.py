@@ -9,6 +9,7 @@ from typing import Any
 from ..admission import AdmissionLimits
 from ..chunking import DEFAULT_CHUNK_SECONDS
 from ..classes import LONG, MEDIUM, SHORT, ClassThresholds
+from ..fairness import CUT_AFTER_SECONDS
 from ..overload import LongCapPolicy
 from ..pools import CONTROL, DECODE, ENCODE, PoolLayout, WorkerSpec, default_layout
 from .workload import DEFAULT_MODELS, DEFAULT_STEPS
@@ -82,6 +83,10 @@ class SimConfig:
         and published (best priority, then oldest) as the user's jobs start; 0: off, first-come.
         The lightest user's new jobs go one priority step ahead (fairness.ahead_priority).
         The simulator has no encode hop: a release is published at the claim that frees the room.
+    cut_chunks: a job published ahead (the lightest user's, fairness.ahead_priority) still waiting
+        `cut_after` seconds after it was published cuts one busy card's chunk at its next step, a card
+        whose job's continuation comes after its message (one card per message; the cut pays a save, the
+        job's next chunk the restore), as the denoise task does (tasks/denoise.py).
     limits: admission limits (None: admit everything).
     headwind_window: admission stretches the work ahead by the headwind (the better classes' arrivals over
         this many seconds, and the boundary cost per second of work); None: it counts the work ahead only.
@@ -98,6 +103,8 @@ class SimConfig:
     yield_on_demand: bool = False
     in_process_seconds: float | None = None
     fair_window: int = 0
+    cut_chunks: bool = False
+    cut_after: float = CUT_AFTER_SECONDS
     thresholds: ClassThresholds = field(default_factory=ClassThresholds)
     limits: AdmissionLimits | None = field(default_factory=AdmissionLimits)
     headwind_window: float | None = None
@@ -129,7 +136,8 @@ def service_policy_config(num_gpus: int = 4, *, yield_on_demand: bool = False, *
     Every card consumes short, medium and long (the image card is lent to
     video), CHUNK_SECONDS = `chunking.DEFAULT_CHUNK_SECONDS`, and under overload
     (a new long job's expected wait above half the long admission limit) at
-    most N−1 cards run long work. `yield_on_demand` adds the proposed
+    most N−1 cards run long work; a job published ahead (the lightest user's) cuts one
+    other user's chunk at its next step. `yield_on_demand` adds the proposed
     denoise-task refinement with an asynchronous in-process save.
     """
     params: dict[str, Any] = dict(
@@ -140,6 +148,7 @@ def service_policy_config(num_gpus: int = 4, *, yield_on_demand: bool = False, *
         yield_on_demand=yield_on_demand,
         in_process_seconds=0.0 if yield_on_demand else None,
         headwind_window=HEADWIND_WINDOW_SECONDS,
+        cut_chunks=True,
     )
     params.update(overrides)
     return SimConfig(**params)
