@@ -22,7 +22,9 @@ from tests.test_stack_merging import card_paused
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.stack]
 
 BURST = 8
-SHAPE = {"model": "sdxl-sim", "steps": 4}
+# 1024², 30 steps: about 1.6 s of card time, priority 1 of the short band, so that bob's job can go one step ahead
+# (a sub-second draft is at the band's first priority already, and waits behind the one published job).
+SHAPE = {"model": "sdxl-sim", "steps": 30, "width": 1024, "height": 1024}
 
 
 def _burst_then_one(stack, alice, bob) -> tuple[list[str], str]:

@@ -60,13 +60,24 @@ def test_b_keeps_its_latency_behind_a_burst_under_the_window_and_not_first_come(
     fair = rows[f"A + B, fair (window {DEFAULT_FAIR_WINDOW})"]
     fcfs = rows["A + B, first-come (window 0)"]
     assert alone.b_wait[1] > 0.5  # B alone already waits: the cards are half busy with its own images
-    # Measured (seed 0): wait P99 1.91× alone, latency P99 1.36× (3.3× and 1.9× before the lightest user's
-    # job went one step ahead: it waited behind A's message and A's continuations at its priority);
+    # Measured (seed 0): wait P99 1.55× alone, latency P99 1.22× (3.3× and 1.9× before the lightest user's
+    # job went one step ahead of A's messages and cut one of A's chunks after a second of waiting);
     # first-come 88× and 35×.
     assert fair.b_wait[1] <= 2.0 * alone.b_wait[1]
     assert fair.b_latency[1] <= 2.0 * alone.b_latency[1]
     assert fcfs.b_latency[1] >= 10 * alone.b_latency[1]
     assert fair.b_wait[1] <= 0.1 * fcfs.b_wait[1]
+
+
+def test_only_a_job_placed_ahead_cuts_a_chunk_and_only_after_it_has_waited():
+    a, b = bench.user_a(n=40), bench.user_b(duration=120.0)
+    config = service_policy_config(4, limits=None, fair_window=1, **bench.AS_THE_SERVICE_RUNS)
+    assert simulate(bench.merged(a, b), config).cuts > 0
+    assert simulate(a, config).cuts == 0  # one user: nobody is placed ahead
+    never = service_policy_config(4, limits=None, fair_window=1, cut_chunks=False, **bench.AS_THE_SERVICE_RUNS)
+    at_once = service_policy_config(4, limits=None, fair_window=1, cut_after=0.0, **bench.AS_THE_SERVICE_RUNS)
+    assert simulate(bench.merged(a, b), never).cuts == 0
+    assert simulate(bench.merged(a, b), at_once).cuts > simulate(bench.merged(a, b), config).cuts
 
 
 def test_a_burst_drains_with_no_card_idle_while_it_waits(rows):

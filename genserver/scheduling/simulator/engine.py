@@ -101,6 +101,7 @@ class SimResult:
     lanes: dict[str, ClassResult] = field(default_factory=dict)  # per request lane ("" = none)
     users: dict[str, ClassResult] = field(default_factory=dict)  # per request user ("" = none)
     max_held: int = 0  # most jobs held by the fair window at once
+    cuts: int = 0  # chunks cut short for a job placed ahead (SimConfig.cut_chunks)
 
     def summary(self, metric: Metric = "wait") -> dict[str, tuple[float, float]]:
         """{kind: (P50, P99)} of `metric`, like the seed's table."""
@@ -462,6 +463,7 @@ class _Simulation:
             lanes=self.lane_result,
             users=self.user_result,
             max_held=self.max_held,
+            cuts=self.cuts,
         )
 
 
