@@ -7,7 +7,9 @@ other jobs are held. With the window off, first-come.
 The window is set in this process, where submits hold jobs; the suite's workers run with it off
 (tests/settings.py), so a release publishes all of her held jobs at once, behind bob's: the order
 asserted is the submit side's, and tests/jobs/test_fairness.py checks the releases one by one.
-The assertions are on the order the jobs started, never on how long anything took.
+A job placed ahead also cuts another user's running chunk: alice's video, planned as one chunk, is cut at a
+step for bob's image (and runs to its planned end with the window off).
+The assertions are on the order the jobs started and the chunks they ran, never on how long anything took.
 """
 
 from __future__ import annotations
@@ -66,3 +68,33 @@ def test_with_the_window_off_the_order_is_first_come(stack, make_user, settings)
     alice, bob = make_user("alice"), make_user("bob")
     mine, theirs = _burst_then_one(stack, alice, bob)
     assert _started_before(theirs, mine) == BURST
+
+
+# 2,960 s of work: 6 s on the test clock, one chunk when CHUNK_SECONDS is long.
+VIDEO = {"model": "wan-sim", "width": 1280, "height": 720, "num_frames": 81}
+
+
+def _video_then_images(alice, bob, settings) -> tuple[Job, Job]:
+    """Alice's video runs on the card as one planned chunk; then she submits two images and bob one."""
+    settings.CHUNK_SECONDS = 5000.0  # of work, in this process, where submit plans chunks: the video is one
+    video = submit(alice, prompt="alice's video", **VIDEO).json()["id"]
+    wait_for(lambda: job_row(video).started_at, 60, what="alice's video to start on the card")
+    mine = [submit(alice, prompt=f"alice's image {i}", **SHAPE).json()["id"] for i in range(2)]
+    theirs = submit(bob, prompt="bob's image", **SHAPE).json()["id"]
+    jobs = [finished(pk, timeout=120) for pk in [video, *mine, theirs]]
+    assert all(j.status == "succeeded" for j in jobs), [j.error for j in jobs]
+    return job_row(video), job_row(theirs)
+
+
+def test_a_job_placed_ahead_cuts_another_users_running_chunk(stack, make_user, settings):
+    settings.FAIR_WINDOW = 1
+    video, theirs = _video_then_images(make_user("alice"), make_user("bob"), settings)
+    assert video.chunk_steps == video.steps  # planned as one chunk
+    assert video.chunks_run >= 2  # cut at a step for bob's image, then resumed from its checkpoint
+    assert theirs.started_at < video.finished_at
+
+
+def test_with_the_window_off_nobody_is_placed_ahead_and_the_chunk_runs_to_its_end(stack, make_user, settings):
+    settings.FAIR_WINDOW = 0
+    video, _ = _video_then_images(make_user("alice"), make_user("bob"), settings)
+    assert video.chunk_steps == video.steps and video.chunks_run == 1
