@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import random
+import subprocess
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -210,15 +211,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.seeds:
         print()
         print(over_seeds(args.window, args.seeds))
-    if args.live:
+    boots = tuple(b for b in args.boots.split(",") if b)
+    if args.live and len(boots) > 1:
+        # One process reads one stack's database and broker (Django's settings and the Redis client are set up
+        # once), so each boot runs in a process of its own, with the same sizes.
+        sizes = ["--burst", str(args.burst), "--burst-at", str(args.burst_at), "--b-duration", str(args.b_duration)]
+        for boot in boots:
+            argv = ["--live", "--boots", boot, "--window", str(args.window), "--scale", str(args.scale), *sizes]
+            subprocess.run([sys.executable, "-m", "bench.fairness", *argv], check=True)
+    elif args.live:
         from bench.fairness_live import run_live
 
         print()
-        live = run_live(args.window, args.scale, tuple(args.boots.split(",")))
+        live = run_live(args.window, args.scale, boots)
         print(table(live, f"Live stack: {CARDS} simulated cards, clock ×{args.scale}, seconds of model time"))
-        print()
-        if len(live) == 4:
-            print(verdict(live, args.window))
     return 0
 
 

@@ -185,6 +185,17 @@ def _no_inherited_stack_work(request) -> Iterator[None]:
     settle_stack()
 
 
+@pytest.fixture(autouse=True)
+def _no_learned_stage_seconds(request) -> None:
+    """Each test's ETAs start from the queue and the cost model alone: the stage seconds the service learned
+    (services/estimates.py, kept in Redis) are its memory of earlier jobs, here other tests' jobs."""
+    if request.node.get_closest_marker("django_db") is None:
+        return  # no database, no service: nothing reads them (and Redis may not be configured)
+    from genserver.redis_client import STAGE_SECONDS_KEY
+
+    request.getfixturevalue("redis_conn").delete(STAGE_SECONDS_KEY)
+
+
 @pytest.fixture
 def make_user() -> Callable:
     """An API client authenticated as a new user (needs a django_db mark on the test)."""

@@ -20,6 +20,7 @@ from django.db.models.functions import Coalesce, Greatest
 from django.utils import timezone
 
 from genserver.jobs.models import ACTIVE, Job, JobStatus, QueueTally
+from genserver.redis_client import LEAD_IN, STAGE_SECONDS_KEY, TAIL, client as redis_client
 from genserver.scheduling.admission import CALM, HIGHER_CLASSES, Headwind, WorkItem, expected_wait, headwind
 from genserver.scheduling.fairness import held_jobs_ahead
 from genserver.scheduling.pools import PoolLayout
@@ -238,7 +239,6 @@ class QueueSnapshot:
     running: list[Job]
     layout: PoolLayout
     taken_at: datetime = field(default_factory=timezone.now)  # the clock of its quotes
-    taken_at: datetime = field(default_factory=timezone.now)  # the clock of its quotes
 
     @classmethod
     def load(cls) -> QueueSnapshot:
@@ -250,6 +250,7 @@ class QueueSnapshot:
         self._any_held: bool | None = None
         self._winds: dict[tuple[str, str], Headwind] = {}
         self._memo: dict[tuple[Any, ...], Any] = {}  # the fair window's reads that a page's jobs share
+        self._stages: dict[str, float] | None = None  # the learned stage seconds, read on first use
 
     def prepare(self, jobs: Iterable[Job]) -> None:
         """Load what the positions and ETAs of these jobs (a page, or one job) need: per priority among
@@ -395,17 +396,38 @@ class QueueSnapshot:
         return sum(g.count for g in self._waiting_ahead(job) if g.queue in shared)
 
     def _wait_and_own(self, job: Job) -> tuple[float, float] | None:
-        """(wall seconds until it takes a card, wall seconds of its own work left); None once terminal."""
+        """(wall seconds until its first step, wall seconds from then until it is done); None once terminal.
+
+        Besides the work ahead and its own denoising, its model's learned stage seconds (`stage_seconds`):
+        the encode hop still ahead of a job that has not been encoded, and the decode after its denoising
+        (what is left of it, for a job decoding now)."""
         if job.is_terminal:
             return None
         # A job on a queue only card groups read runs group_speedup(k) times faster than one card.
         own = job.remaining_seconds * job.clock_scale / self.layout.job_speedup(job.queue or job.duration_class)
-        if _is_running(job) or job.status == JobStatus.DECODING:
-            return 0.0, own
+        tail = self._stage(job.model, TAIL)
+        if job.status == JobStatus.DECODING:
+            return 0.0, max(0.0, tail - self._since(job.published_at))
+        if _is_running(job):
+            return 0.0, own + tail
+        lead_in = 0.0
+        if job.status in (JobStatus.QUEUED, JobStatus.ENCODING):  # its encode hop is still (partly) ahead
+            lead_in = max(0.0, self._stage(job.model, LEAD_IN) - self._since(job.published_at))
         items = [g.item() for g in self._waiting_ahead(job)]
         items += [_work_item(o, wall=True) for o in self.running if o.pk != job.pk]
         queue = job.queue or job.duration_class
-        return expected_wait(queue, job.priority, items, self.layout, self._headwind(job.duration_class, queue)), own
+        wait = expected_wait(queue, job.priority, items, self.layout, self._headwind(job.duration_class, queue))
+        return wait + lead_in, own + tail
+
+    def _stage(self, model: str, stage: str) -> float:
+        """The model's learned seconds of `stage` (0 until one of its jobs measured it), read once per snapshot."""
+        if self._stages is None:
+            self._stages = stage_seconds()
+        return self._stages.get(f"{model}:{stage}", 0.0)
+
+    def _since(self, moment: datetime | None) -> float:
+        """Seconds from `moment` to this snapshot's clock (0 when unset: a held job was never published)."""
+        return max(0.0, (self.taken_at - moment).total_seconds()) if moment is not None else 0.0
 
     def _headwind(self, duration_class: str, queue: str) -> Headwind:
         """As admission decides (headwind_for), once per queue for this snapshot."""
@@ -415,7 +437,7 @@ class QueueSnapshot:
         return self._winds[key]
 
     def eta_seconds(self, job: Job) -> float | None:
-        """Expected wall seconds until the job finishes denoising. None once terminal."""
+        """Expected wall seconds until the job is done (its outputs stored). None once terminal."""
         parts = self._wait_and_own(job)
         if parts is None or math.isinf(parts[0]):
             return None
@@ -423,7 +445,7 @@ class QueueSnapshot:
 
     def quote(self, job: Job) -> tuple[datetime | None, datetime | None]:
         """(expected_start_at, expected_finish_at): when its first denoising step is expected (the moment it
-        took it, once it did) and when its denoising ends, from the numbers of `eta_seconds` on this
+        took it, once it did) and when it is done, from the numbers of `eta_seconds` on this
         snapshot's clock. (None, None) once terminal, or while no live card serves its queue."""
         parts = self._wait_and_own(job)
         eta = self.eta_seconds(job)
@@ -431,3 +453,14 @@ class QueueSnapshot:
             return None, None
         start = job.started_at or self.taken_at + timedelta(seconds=round(parts[0], 3))
         return start, self.taken_at + timedelta(seconds=eta)
+
+
+def stage_seconds() -> dict[str, float]:
+    """The learned wall seconds around each model's denoising, {"{model}:lead-in" | "{model}:tail": seconds}
+    (services.estimates.learn_stage_seconds); {} before any job measured them, or when Redis is unreachable
+    (an ETA then counts the queue and the denoising alone)."""
+    try:
+        raw = redis_client().hgetall(STAGE_SECONDS_KEY)
+    except Exception:  # noqa: BLE001 - an ETA without them is still an ETA
+        return {}
+    return {(k.decode() if isinstance(k, bytes) else k): float(v) for k, v in raw.items()}

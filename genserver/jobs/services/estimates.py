@@ -10,7 +10,7 @@ from django.conf import settings
 
 from genserver import deployment
 from genserver.jobs.models import Job
-from genserver.redis_client import CORRECTION_KEY, client as redis_client
+from genserver.redis_client import CORRECTION_KEY, STAGE_SECONDS_KEY, client as redis_client
 from genserver.scheduling.chunking import steps_per_chunk
 from genserver.scheduling.classes import priority_for
 from genserver.scheduling.cost import JobShape, StepTimeCorrection, estimate_job_seconds
@@ -122,3 +122,21 @@ def learn_step_time(job: Job, measured_step_seconds: float) -> None:
         )
     except Exception:
         log.warning("could not record step time of job %s", job.id, exc_info=True)
+
+
+# How much one job's measured stage time moves the learned one (an exponential average): more follows a change of
+# load sooner (a busy decode worker), less is steadier against one slow job. The first measurement sets it.
+STAGE_LEARN_WEIGHT = 0.2
+
+
+def learn_stage_seconds(model: str, stage: str, seconds: float) -> None:
+    """Fold one job's measured wall seconds of a stage around its denoising (LEAD_IN: the encode hop, from its
+    encode message's publish to its first chunk's; TAIL: from its decode's publish to its end) into the model's."""
+    field = f"{model}:{stage}"
+    try:
+        r = redis_client()
+        stored = r.hget(STAGE_SECONDS_KEY, field)
+        learned = seconds if stored is None else (1 - STAGE_LEARN_WEIGHT) * float(stored) + STAGE_LEARN_WEIGHT * seconds
+        r.hset(STAGE_SECONDS_KEY, field, round(max(0.0, learned), 6))
+    except Exception:
+        log.warning("could not record the %s seconds of a %s job", stage, model, exc_info=True)

@@ -16,6 +16,7 @@ from django.utils import timezone
 from genserver import deployment, metrics
 from genserver.jobs import broker, events, segment_service
 from genserver.jobs.models import ACTIVE, Job, JobStage, JobStatus
+from genserver.redis_client import LEAD_IN, TAIL
 from genserver.scheduling.classes import priority_for
 
 from . import fairness, observe
@@ -30,7 +31,7 @@ from ._common import (
     release_for,
 )
 from .deadlines import expire_if_overdue, not_overdue
-from .estimates import learn_step_time, rescale_to_total
+from .estimates import learn_stage_seconds, learn_step_time, rescale_to_total
 
 log = logging.getLogger(__name__)
 
@@ -79,8 +80,12 @@ def finish_encoding(job_id: JobId, worker: str, embeddings_key: str) -> bool:
         job.lease_owner, job.lease_expires_at = "", None
         if end_if_cancelled(job):
             return True
-        job.status, job.stage, job.published_at = JobStatus.DENOISING, JobStage.WAITING, timezone.now()
+        now, encode_published = timezone.now(), job.published_at  # its encode message's publish (or release)
+        job.status, job.stage, job.published_at = JobStatus.DENOISING, JobStage.WAITING, now
         job.save()
+        if encode_published is not None:
+            lead_in = (now - encode_published).total_seconds()
+            transaction.on_commit(lambda: learn_stage_seconds(job.model, LEAD_IN, lead_in))
         observe.transition(job.pk, JobStatus.ENCODING, JobStatus.DENOISING, worker=worker)
         announce_on_commit(job_id, "waiting")
         transaction.on_commit(lambda: broker.send_chunk(job.id, job.checkpoint_step, job.queue, job.priority))
@@ -273,6 +278,8 @@ def start_decoding(job_id: JobId, worker: str) -> Job | None:
 
 def finish_decoding(job_id: JobId, worker: str, outputs: list[dict[str, str]]) -> bool:
     now = timezone.now()
+    # Its decode's publish (finish_chunk set published_at when denoising ended): what its tail took.
+    row = Job.objects.filter(pk=job_id).values_list("model", "published_at").first()
     done = Job.objects.filter(pk=job_id, lease_owner=worker, status=JobStatus.DECODING).update(
         status=JobStatus.SUCCEEDED,
         stage=JobStage.DONE,
@@ -283,6 +290,8 @@ def finish_decoding(job_id: JobId, worker: str, outputs: list[dict[str, str]]) -
     )
     if done:
         observe.transition(job_id, JobStatus.DECODING, JobStatus.SUCCEEDED, worker=worker)
+        if row is not None and row[1] is not None:
+            learn_stage_seconds(row[0], TAIL, (now - row[1]).total_seconds())
         after_end(job_id)
     return bool(done)
 

@@ -1,0 +1,96 @@
+"""ETAs that include everything: the encode hop and the decode each model's jobs take, learned as they run
+(services/estimates.py: learn_stage_seconds) and added by the queue picture (selectors/positions.py)."""
+
+from __future__ import annotations
+
+import dataclasses
+from datetime import timedelta
+
+import pytest
+from django.utils import timezone
+
+from genserver.jobs import services
+from genserver.jobs.models import Job, JobStatus
+from genserver.jobs.selectors.positions import QueueSnapshot, stage_seconds
+from genserver.jobs.services.estimates import STAGE_LEARN_WEIGHT
+from genserver.redis_client import STAGE_SECONDS_KEY, client as redis_client
+from tests.conftest import submit
+
+pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.usefixtures("empty_broker")]
+
+CARD, ENCODER, DECODER = "card0@test", "encode@test", "decode@test"
+
+
+def _run_through(job_id: str, encode_took: float, decode_took: float) -> None:
+    """Encode the job `encode_took` seconds after its encode message was published, denoise it, and finish
+    its decode `decode_took` seconds after the decode was published (the rows' clocks moved back by hand)."""
+    Job.objects.filter(pk=job_id).update(published_at=timezone.now() - timedelta(seconds=encode_took))
+    assert services.start_encoding(job_id, ENCODER) is not None
+    assert services.finish_encoding(job_id, ENCODER, f"embeddings/{job_id}")
+    job = services.claim_chunk(job_id, CARD, 0)
+    assert job is not None
+    assert services.finish_chunk(job_id, CARD, job.total_steps, f"checkpoints/{job_id}", None)
+    assert Job.objects.get(pk=job_id).status == JobStatus.DECODING
+    Job.objects.filter(pk=job_id).update(published_at=timezone.now() - timedelta(seconds=decode_took))
+    assert services.start_decoding(job_id, DECODER) is not None
+    assert services.finish_decoding(job_id, DECODER, [])
+
+
+def test_each_finished_job_teaches_its_models_encode_hop_and_decode(api):
+    first, second = (submit(api, prompt=f"job {i}").json() for i in range(2))
+    assert stage_seconds() == {}
+    _run_through(first["id"], encode_took=3.0, decode_took=2.0)
+    learned = stage_seconds()
+    model = first["model"]
+    assert learned[f"{model}:lead-in"] == pytest.approx(3.0, abs=0.5)  # the first measurement sets it
+    assert learned[f"{model}:tail"] == pytest.approx(2.0, abs=0.5)
+    _run_through(second["id"], encode_took=13.0, decode_took=12.0)
+    again = stage_seconds()
+    w = STAGE_LEARN_WEIGHT
+    assert again[f"{model}:lead-in"] == pytest.approx((1 - w) * learned[f"{model}:lead-in"] + w * 13.0, abs=0.5)
+    assert again[f"{model}:tail"] == pytest.approx((1 - w) * learned[f"{model}:tail"] + w * 12.0, abs=0.5)
+
+
+def test_an_eta_adds_the_encode_hop_still_ahead_and_the_decode_after_denoising(api):
+    body = submit(api).json()
+    job = Job.objects.get(pk=body["id"])
+    snapshot = dataclasses.replace(QueueSnapshot.load(), taken_at=job.published_at)  # the moment it was published
+    without = snapshot.eta_seconds(job)
+    start_without, _ = snapshot.quote(job)
+    assert without is not None and start_without is not None
+    redis_client().hset(STAGE_SECONDS_KEY, mapping={f"{job.model}:lead-in": 5.0, f"{job.model}:tail": 2.0})
+    snapshot = dataclasses.replace(snapshot)  # a new snapshot reads the learned seconds again
+    assert snapshot.eta_seconds(job) == pytest.approx(without + 5.0 + 2.0, abs=1e-3)
+    start, finish = snapshot.quote(job)
+    assert (start - start_without).total_seconds() == pytest.approx(5.0, abs=1e-3)  # its first step: after encode
+    assert (finish - snapshot.taken_at).total_seconds() == pytest.approx(without + 7.0, abs=1e-3)
+    # Encoded: the hop is behind it; only the decode is still ahead after its denoising.
+    assert services.start_encoding(job.pk, ENCODER) is not None
+    assert services.finish_encoding(job.pk, ENCODER, f"embeddings/{job.pk}")
+    encoded = Job.objects.get(pk=job.pk)
+    assert dataclasses.replace(snapshot).eta_seconds(encoded) == pytest.approx(without + 2.0, abs=1e-3)
+
+
+def test_a_decoding_job_is_due_when_its_models_decode_has_run(api):
+    body = submit(api).json()
+    redis_client().hset(STAGE_SECONDS_KEY, mapping={f"{body['model']}:tail": 2.0})
+    job_id = body["id"]
+    assert services.start_encoding(job_id, ENCODER) is not None
+    assert services.finish_encoding(job_id, ENCODER, f"embeddings/{job_id}")
+    job = services.claim_chunk(job_id, CARD, 0)
+    assert services.finish_chunk(job_id, CARD, job.total_steps, f"checkpoints/{job_id}", None)
+    decoding = Job.objects.get(pk=job_id)
+    snapshot = QueueSnapshot.load()
+    at = dataclasses.replace(snapshot, taken_at=decoding.published_at + timedelta(seconds=0.5))
+    assert at.eta_seconds(decoding) == pytest.approx(1.5, abs=1e-3)
+    late = dataclasses.replace(snapshot, taken_at=decoding.published_at + timedelta(seconds=5))
+    assert late.eta_seconds(decoding) == 0.0  # overdue: any moment now, never negative
+
+
+def test_with_nothing_learned_an_eta_is_the_queue_and_the_denoising(api):
+    body = submit(api).json()
+    job = Job.objects.get(pk=body["id"])
+    snapshot = dataclasses.replace(QueueSnapshot.load(), taken_at=job.published_at)
+    wait, own = snapshot._wait_and_own(job)
+    assert own == pytest.approx(job.remaining_seconds * job.clock_scale)
+    assert snapshot.eta_seconds(job) == pytest.approx(wait + own, abs=1e-3)
