@@ -76,6 +76,8 @@ def replay(requests: Sequence[Request], scale: float) -> dict:
                     "status": status,
                     "id": body.get("id") if status == 201 else None,
                     "eta": body.get("eta_seconds") if status == 201 else None,
+                    "expected_start_at": body.get("expected_start_at") if status == 201 else None,
+                    "expected_finish_at": body.get("expected_finish_at") if status == 201 else None,
                     "submitted": time.time(),
                 }
             )

@@ -139,24 +139,26 @@ def _denoise(members: list[_Member], worker: str) -> str:
             return False
         if class_of(lead.queue) == LONG and selectors.must_leave_long(worker):
             return False  # the overload cap: this card yields its long job (and takes no more for now)
-        remaining = lead.estimated_seconds * (lead.total_steps - step) / lead.total_steps
-        continuation = priority_for(lead.duration_class, remaining, True, deployment.thresholds())
-        return not broker.waiting_at_or_before(_consumed_queues(lead.queue), continuation)
+        return not broker.waiting_at_or_before(_consumed_queues(lead.queue), continuation_at(step))
 
-    last_cut_check = [time.monotonic()]
+    def continuation_at(step: int) -> int:
+        """The priority the lead's next chunk would be published at from `step` (global over its segments)."""
+        remaining = lead.estimated_seconds * (lead.total_steps - step) / lead.total_steps
+        return priority_for(lead.duration_class, remaining, True, deployment.thresholds())
+
+    last_cut_check = time.monotonic()
 
     def cut_short() -> bool:
         """Mid-chunk: end this chunk at the current step when a job published ahead of its user's turn (the
         lightest user's, services/fairness.py) has waited CUT_AFTER_SECONDS at a better priority than the
         lead's continuation and this card is the first to claim it. The chunk then ends as planned ones do:
         checkpoint, then the boundary's yield test hands the card over."""
+        nonlocal last_cut_check
         now = time.monotonic()
-        if now - last_cut_check[0] < CUT_CHECK_SECONDS:
+        if now - last_cut_check < CUT_CHECK_SECONDS:
             return False
-        last_cut_check[0] = now
-        step = members[0].cursor.offset + members[0].state.step
-        remaining = lead.estimated_seconds * (lead.total_steps - step) / lead.total_steps
-        continuation = priority_for(lead.duration_class, remaining, True, deployment.thresholds())
+        last_cut_check = now
+        continuation = continuation_at(members[0].cursor.offset + members[0].state.step)
         waited = CUT_AFTER_SECONDS * lead.clock_scale  # seconds of card time, on the deployment's clock
         return broker.claim_cut(_consumed_queues(lead.queue), continuation, worker, waited)
 

@@ -147,6 +147,9 @@ def waiting_at_or_before(queues: Iterable[str], priority: int) -> bool:
 # How many of the next messages of a list a cut test reads: the ones a card would take next.
 _CUT_LOOKAHEAD = 4
 _CUT_CLAIM_SECONDS = 60  # a claim outlives any chunk's last step; the message is taken long before
+# A job placed ahead that never starts (cancelled, expired) keeps its mark at most this long; its messages are
+# gone by then, so a stale mark matches none.
+_AHEAD_SECONDS = 3600
 
 
 def claim_cut(queues: Sequence[str], priority: int, worker: str, waited: float) -> bool:
@@ -184,11 +187,6 @@ def mark_ahead(job_id: UUID) -> None:
 def clear_ahead(job_id: UUID) -> None:
     """Its first chunk was claimed: it no longer cuts anyone's chunk."""
     redis_client().delete(AHEAD_KEY.format(job_id=job_id))
-
-
-# A job published ahead that never starts (cancelled, expired) leaves its mark at most this long; a stale mark
-# only lets a message of its job, which is gone, be cut for: none is.
-_AHEAD_SECONDS = 3600
 
 
 def broker_depth(queue: str) -> int:

@@ -110,11 +110,25 @@ def _serving(layout: PoolLayout, queue: str) -> dict[str, float]:
 def work_ahead(queue: str, priority: int, items: Iterable[WorkItem], layout: PoolLayout) -> tuple[float, float]:
     """(single-card seconds of work that runs before a job at `priority` on `queue`, the card-equivalents
     serving it: one per single card, `group_speedup(k)` per group of k)."""
+    ahead = _ahead(queue, priority, items, layout)
+    return ahead.seconds, ahead.cards
+
+
+@dataclass(frozen=True)
+class _Ahead:
+    seconds: float  # single-card seconds that run before the job (work_ahead)
+    cards: float  # card-equivalents serving its queue
+    busy: float  # of those, the ones running a job now (each running job's share of them)
+    queued: bool  # some work at its priority or better waits unstarted
+
+
+def _ahead(queue: str, priority: int, items: Iterable[WorkItem], layout: PoolLayout) -> _Ahead:
     mine = _serving(layout, queue)
     if not mine:
-        return math.inf, 0.0
+        return _Ahead(math.inf, 0.0, 0.0, False)
     serving_cache: dict[str, dict[str, float]] = {}
-    total = 0.0
+    total = busy = 0.0
+    queued = False
     for item in items:
         theirs = serving_cache.setdefault(item.queue, _serving(layout, item.queue))
         if not theirs:
@@ -123,22 +137,29 @@ def work_ahead(queue: str, priority: int, items: Iterable[WorkItem], layout: Poo
         share = sum(theirs[name] for name in mine.keys() & theirs.keys()) / sum(theirs.values())
         if share == 0:
             continue
+        busy += share if item.running else 0.0
         if item.priority <= priority:
             total += item.remaining_seconds * share
+            queued = queued or not item.running
         elif item.running:
             # Worse priority, but it holds a card until its chunk boundary.
             total += min(item.chunk_remaining_seconds, item.remaining_seconds) * share
-    return total, sum(mine.values())
+    return _Ahead(total, sum(mine.values()), busy, queued)
 
 
 def expected_wait(
     queue: str, priority: int, items: Iterable[WorkItem], layout: PoolLayout, wind: Headwind = CALM
 ) -> float:
-    """Wall seconds before a new job at `priority` on `queue` starts: the single-card seconds ahead
-    of it divided by the card-equivalents serving it (a group of k counts group_speedup(k)), stretched
-    by the headwind (boundaries, and the cards' share that better classes will take meanwhile)."""
-    ahead, cards = work_ahead(queue, priority, items, layout)
-    return math.inf if cards == 0 else ahead / cards * wind.stretch()
+    """Wall seconds before a new job at `priority` on `queue` starts: 0 when a card serving it is idle and
+    nothing at its priority or better waits (the card takes it at once); else the single-card seconds ahead
+    of it divided by the card-equivalents serving it (a group of k counts group_speedup(k)), stretched by
+    the headwind (boundaries, and the cards' share that better classes will take meanwhile)."""
+    ahead = _ahead(queue, priority, items, layout)
+    if ahead.cards == 0:
+        return math.inf
+    if not ahead.queued and ahead.busy < ahead.cards - 1e-9:
+        return 0.0
+    return ahead.seconds / ahead.cards * wind.stretch()
 
 
 def decide(

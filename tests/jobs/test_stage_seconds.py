@@ -12,7 +12,7 @@ from django.utils import timezone
 from genserver.jobs import services
 from genserver.jobs.models import Job, JobStatus
 from genserver.jobs.selectors.positions import QueueSnapshot, stage_seconds
-from genserver.jobs.services.estimates import STAGE_LEARN_WEIGHT
+from genserver.jobs.services.estimates import STAGE_LEARN_STEP, _median_step
 from genserver.redis_client import STAGE_SECONDS_KEY, client as redis_client
 from tests.conftest import submit
 
@@ -46,9 +46,10 @@ def test_each_finished_job_teaches_its_models_encode_hop_and_decode(api):
     assert learned[f"{model}:tail"] == pytest.approx(2.0, abs=0.5)
     _run_through(second["id"], encode_took=13.0, decode_took=12.0)
     again = stage_seconds()
-    w = STAGE_LEARN_WEIGHT
-    assert again[f"{model}:lead-in"] == pytest.approx((1 - w) * learned[f"{model}:lead-in"] + w * 13.0, abs=0.5)
-    assert again[f"{model}:tail"] == pytest.approx((1 - w) * learned[f"{model}:tail"] + w * 12.0, abs=0.5)
+    # A median, not a mean: one slow job moves it one step up (a slow decode behind a video's), not a fifth
+    # of the way to its 13 s.
+    assert again[f"{model}:lead-in"] == pytest.approx(learned[f"{model}:lead-in"] * (1 + STAGE_LEARN_STEP))
+    assert again[f"{model}:tail"] == pytest.approx(learned[f"{model}:tail"] * (1 + STAGE_LEARN_STEP))
 
 
 def test_an_eta_adds_the_encode_hop_still_ahead_and_the_decode_after_denoising(api):
@@ -94,3 +95,13 @@ def test_with_nothing_learned_an_eta_is_the_queue_and_the_denoising(api):
     wait, own = snapshot._wait_and_own(job)
     assert own == pytest.approx(job.remaining_seconds * job.clock_scale)
     assert snapshot.eta_seconds(job) == pytest.approx(wait + own, abs=1e-3)
+
+
+def test_the_learned_stage_seconds_settle_on_the_median_of_what_the_jobs_took():
+    learned = 1.0
+    for took in [0.1, 0.12, 0.1, 3.0, 0.11, 0.1, 2.5, 0.12] * 20:  # mostly 0.1 s, a quarter of them slow
+        learned = _median_step(learned, took)
+    assert 0.09 <= learned <= 0.14  # the mean is 0.78 s
+    assert _median_step(0.5, 0.5) == 0.5
+    assert _median_step(0.0, 0.2) == pytest.approx(1e-3 * (1 + STAGE_LEARN_STEP))  # a zero can step up again
+    assert _median_step(1.0, 1.05) == 1.05  # never past what it measured

@@ -179,7 +179,19 @@ def test_work_ahead_counts_running_chunks_of_worse_priority():
     items = [WorkItem(LONG, 6, 1000.0, running=True, chunk_remaining_seconds=4.0)]
     ahead, cards = work_ahead(SHORT, 2, items, layout)
     assert cards == 4 and ahead == pytest.approx(4.0)  # only the rest of its chunk, not the whole video
-    assert expected_wait(SHORT, 2, items, layout) == pytest.approx(1.0)
+    assert expected_wait(SHORT, 2, items, layout) == 0.0  # three cards are idle: one takes it at once
+    every_card = items * 4
+    assert expected_wait(SHORT, 2, every_card, layout) == pytest.approx(4.0)  # the four chunks' rest, on 4 cards
+
+
+def test_an_idle_card_starts_a_job_at_once_unless_work_at_its_priority_waits():
+    layout = default_layout(4)
+    running = [WorkItem(SHORT, 1, 3.0, running=True, chunk_remaining_seconds=3.0)] * 3
+    assert expected_wait(SHORT, 2, running, layout) == 0.0  # one card of four is idle
+    waiting = running + [WorkItem(SHORT, 2, 6.0)]  # a job at its priority waits first: it takes the idle card
+    assert expected_wait(SHORT, 2, waiting, layout) == pytest.approx((9.0 + 6.0) / 4)
+    worse = running + [WorkItem(SHORT, 3, 6.0)]  # a worse job waiting is not ahead of it
+    assert expected_wait(SHORT, 2, worse, layout) == 0.0
 
 
 def test_admission_on_a_one_card_layout_and_unknown_classes():

@@ -124,19 +124,33 @@ def learn_step_time(job: Job, measured_step_seconds: float) -> None:
         log.warning("could not record step time of job %s", job.id, exc_info=True)
 
 
-# How much one job's measured stage time moves the learned one (an exponential average): more follows a change of
-# load sooner (a busy decode worker), less is steadier against one slow job. The first measurement sets it.
-STAGE_LEARN_WEIGHT = 0.2
+# How far one job's measured stage time moves the learned one, as a share of it: the learned value steps up when a
+# job took longer and down when it took less, so it settles on the median (a mean would follow the few jobs whose
+# decode waited behind a video's: measured in bench.replay, the mean doubled image ETAs' overhead). Larger
+# follows a change of load sooner, smaller is steadier. The first measurement sets it.
+STAGE_LEARN_STEP = 0.1
+_STAGE_FLOOR_SECONDS = 1e-3  # a median learned as 0 could never step up again
 
 
 def learn_stage_seconds(model: str, stage: str, seconds: float) -> None:
     """Fold one job's measured wall seconds of a stage around its denoising (LEAD_IN: the encode hop, from its
-    encode message's publish to its first chunk's; TAIL: from its decode's publish to its end) into the model's."""
+    encode message's publish to its first chunk's; TAIL: from its decode's publish to its end) into the model's
+    learned median."""
     field = f"{model}:{stage}"
     try:
         r = redis_client()
         stored = r.hget(STAGE_SECONDS_KEY, field)
-        learned = seconds if stored is None else (1 - STAGE_LEARN_WEIGHT) * float(stored) + STAGE_LEARN_WEIGHT * seconds
-        r.hset(STAGE_SECONDS_KEY, field, round(max(0.0, learned), 6))
+        learned = max(0.0, seconds) if stored is None else _median_step(float(stored), seconds)
+        r.hset(STAGE_SECONDS_KEY, field, round(learned, 6))
     except Exception:
         log.warning("could not record the %s seconds of a %s job", stage, model, exc_info=True)
+
+
+def _median_step(learned: float, seconds: float) -> float:
+    """One step of the learned median towards `seconds`: STAGE_LEARN_STEP of it up or down, never past it."""
+    base = max(learned, _STAGE_FLOOR_SECONDS)
+    if seconds > learned:
+        return min(seconds, base * (1 + STAGE_LEARN_STEP))
+    if seconds < learned:
+        return max(seconds, base * (1 - STAGE_LEARN_STEP))
+    return learned
