@@ -10,11 +10,13 @@ from django.conf import settings
 CANCEL_KEY = "genserver:cancel:{job_id}"
 STEPS_KEY = "genserver:steps:{job_id}"  # the job's latest total; a worker running another total stops
 CORRECTION_KEY = "genserver:step-correction"
-# The wall seconds each model's jobs spend around their denoising, learned as they run (services/estimates.py):
-# "{model}:lead-in" (its encode message published → its first chunk published) and "{model}:tail" (its decode
-# published → it finished). ETAs and quotes add them (selectors/positions.py).
+# The wall seconds each model's jobs spend around their denoising steps, learned as they run
+# (services/estimates.py), as "{model}:{stage}": LEAD_IN (its encode message published → its first chunk
+# published), HOP (its first chunk published → its first step, on a card that was idle), BOUNDARY (one chunk's
+# end: checkpoint and transition) and TAIL (its decode published → it finished). ETAs and quotes add them
+# (selectors/positions.py).
 STAGE_SECONDS_KEY = "genserver:stage-seconds"
-LEAD_IN, TAIL = "lead-in", "tail"  # the stages of STAGE_SECONDS_KEY
+LEAD_IN, HOP, BOUNDARY, TAIL = "lead-in", "hop", "boundary", "tail"
 WORKER_KEY = "genserver:worker:{name}"
 LONG_CAP_KEY = "genserver:long-cap"  # the overload cap's state, written by beat (services/overload.py)
 # A job published one step ahead as the lightest user's (services/fairness.py) until its first chunk is claimed:

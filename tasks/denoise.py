@@ -37,7 +37,7 @@ from genserver.jobs import broker, selectors, services
 from genserver.jobs.models import Job
 from genserver.jobs.services import Outcome
 from genserver.metrics import count_merged_batch
-from genserver.redis_client import CANCEL_KEY, STEPS_KEY, client as redis_client
+from genserver.redis_client import BOUNDARY, CANCEL_KEY, HOP, STEPS_KEY, client as redis_client
 from genserver.scheduling.classes import CLASSES, LONG, priority_for
 from genserver.scheduling.fairness import CUT_AFTER_SECONDS
 from genserver.scheduling.pools import class_of
@@ -52,7 +52,8 @@ HEARTBEAT_EVERY_SECONDS = 1.0  # lease renewal + progress write; per step would 
 # How often a running chunk asks whether a job published ahead (the lightest user's) waits for a card: more
 # often starts that job sooner after a step, less often reads Redis less (one pipelined read each time).
 CUT_CHECK_SECONDS = 0.2
-_deleter = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-gc")
+# Work a chunk boundary need not wait for (deleting the previous checkpoint, recording what the boundary took).
+_off_the_boundary = ThreadPoolExecutor(max_workers=1, thread_name_prefix="off-the-boundary")
 
 
 def _consumed_queues(job_queue: str) -> list[str]:
@@ -77,10 +78,25 @@ class _Member:
         self.checkpoint_key = self.cursor.deletable(self.job.checkpoint_step, self.checkpoint_key)
 
 
+# When this card last became free (the end of its last chunk task; the process's start before the first): a first
+# chunk whose message was published after it found the card idle, so its wait for the first step was dispatch
+# alone, what the ETAs learn as the model's HOP.
+_free_since = time.time()
+
+
 @shared_task(name=broker.CHUNK_TASK.name, bind=True)
 def run_chunk(self, job_id: str, from_step: int) -> str:
-    worker = worker_id(self)
-    if _held_back_by_the_long_cap(self, job_id, from_step, worker):
+    global _free_since
+    free_since = _free_since
+    try:
+        return _run_chunk(self, job_id, from_step, free_since)
+    finally:
+        _free_since = time.time()
+
+
+def _run_chunk(task, job_id: str, from_step: int, free_since: float) -> str:
+    worker = worker_id(task)
+    if _held_back_by_the_long_cap(task, job_id, from_step, worker):
         return Outcome.SKIPPED
     if not preload(job_id, "denoise"):
         return Outcome.SKIPPED
@@ -91,7 +107,8 @@ def run_chunk(self, job_id: str, from_step: int) -> str:
     if partners:
         count_merged_batch(1 + len(partners))
     members = [_Member(j, CANCEL_KEY.format(job_id=j.pk), time.monotonic(), j.checkpoint_key) for j in [job, *partners]]
-    return _denoise(members, worker)
+    found_idle = from_step == 0 and job.published_at is not None and job.published_at.timestamp() >= free_since
+    return _denoise(members, worker, hop_from=job.published_at.timestamp() if found_idle else None)
 
 
 def _held_back_by_the_long_cap(task, job_id: str, from_step: int, worker: str) -> bool:
@@ -108,9 +125,10 @@ def _held_back_by_the_long_cap(task, job_id: str, from_step: int, worker: str) -
     return True
 
 
-def _denoise(members: list[_Member], worker: str) -> str:
+def _denoise(members: list[_Member], worker: str, hop_from: float | None = None) -> str:
     """Run the jobs' chunks as one batch until each has left: finished its steps, yielded the card,
-    stopped, or failed. Returns the outcome of the first (the job whose message this is)."""
+    stopped, or failed. Returns the outcome of the first (the job whose message this is). `hop_from`: when the
+    first's first chunk was published, if it found this card idle (its first step then measures the HOP)."""
     lead = members[0].job
     by_id = {str(m.job.pk): m for m in members}
     task_started = time.monotonic()
@@ -124,6 +142,8 @@ def _denoise(members: list[_Member], worker: str) -> str:
             return stop
         if step == 0:
             services.heartbeat(job_id, worker, steps_done=0)  # started_at: the first step begins now
+            if hop_from is not None and member is members[0]:
+                _off_the_boundary.submit(services.learn_stage_seconds, lead.model, HOP, time.time() - hop_from)
         if time.monotonic() - member.last_beat > HEARTBEAT_EVERY_SECONDS:
             member.last_beat = time.monotonic()
             if not services.heartbeat(job_id, worker, steps_done=step):
@@ -191,7 +211,9 @@ def _denoise(members: list[_Member], worker: str) -> str:
                 if not m.outcome:
                     m.state = m.cursor.next_state(family, m.state)  # a segment's end: the next, from its seed
             saving = sum(r.checkpoint_seconds for r in results)
-            metrics.observe(metrics.CHUNK_BOUNDARY, lead.model, saving + time.perf_counter() - boundary)
+            took = saving + time.perf_counter() - boundary
+            metrics.observe(metrics.CHUNK_BOUNDARY, lead.model, took)
+            _off_the_boundary.submit(services.learn_stage_seconds, lead.model, BOUNDARY, took)
     except Exception:  # noqa: BLE001 - recorded on each job, retried from its checkpoint
         error = traceback.format_exc()
         for m in members:
@@ -216,7 +238,7 @@ def _record_chunk(member: _Member, result: stages.ChunkResult, worker: str, stay
     if member.checkpoint_key and member.checkpoint_key != result.checkpoint_key:
         # The older checkpoint is no longer needed; an unlink right after an fsync can take
         # milliseconds, so it happens off the chunk boundary.
-        _deleter.submit(store.delete_prefix, member.checkpoint_key)
+        _off_the_boundary.submit(store.delete_prefix, member.checkpoint_key)
     member.checkpoint_key = member.cursor.deletable(step, result.checkpoint_key)  # a segment's end is kept
     return "" if stay else f"step {step}"
 
@@ -239,5 +261,5 @@ def _hand_back_for_new_total(member: _Member, worker: str, family, store) -> str
     key = stages.save_checkpoint(family, store, state) if state.step > 0 else ""
     released = services.release_for_new_total(member.job.pk, worker, state.step, key)
     if released and key and member.checkpoint_key not in ("", key):
-        _deleter.submit(store.delete_prefix, member.checkpoint_key)
+        _off_the_boundary.submit(store.delete_prefix, member.checkpoint_key)
     return Outcome.STEPS_CHANGED

@@ -7,6 +7,7 @@ encode worker and a decode worker; the simulated clock runs at 1/500.
 from __future__ import annotations
 
 import io
+import math
 import threading
 import time
 
@@ -16,6 +17,7 @@ from PIL import Image
 from genserver.storage import default_storage
 from tests.support.api import submit
 from tests.support.waits import finished, job_row, settled, wait_for
+from tests.test_stack_merging import card_paused
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.stack]
 
@@ -117,6 +119,39 @@ def test_cancel_while_running_stops_within_a_step_and_skips_decode(stack, api):
     # The card is free again: the next job runs.
     nxt = submit(api).json()["id"]
     assert finished(nxt, timeout=30).status == "succeeded"
+
+
+def test_a_job_teaches_its_models_stage_seconds_and_the_next_eta_counts_them(stack, api):
+    """Encode hop, dispatch hop (the card was idle), chunk boundaries and decode, learned from real workers."""
+    from genserver.jobs.selectors.positions import QueueSnapshot, stage_seconds
+
+    first = submit(api, prompt="the first of its model", width=512, height=512, steps=20).json()
+    assert finished(first["id"]).status == "succeeded"
+    model = first["model"]
+
+    def all_four() -> dict[str, float] | None:
+        learned = stage_seconds()
+        return learned if all(f"{model}:{k}" in learned for k in ("lead-in", "hop", "boundary", "tail")) else None
+
+    learned = wait_for(all_four, 30, what="the four stage seconds learned (boundaries off the critical path)")
+    assert all(learned[f"{model}:{k}"] > 0 for k in ("lead-in", "hop", "boundary", "tail")), learned
+    with card_paused(stack):  # the next one is encoded and waits for the card: its ETA is its own and the stages
+        second = submit(api, prompt="the second", width=512, height=512, steps=20).json()["id"]
+        wait_for(lambda: job_row(second).stage == "waiting", 30, what="the second encoded and waiting")
+        job = job_row(second)
+
+        def settled_eta() -> tuple[float, dict[str, float]] | None:
+            """The ETA and the stage seconds it read, once no late record of the first job's moves them."""
+            learned = stage_seconds()
+            eta = QueueSnapshot.load().eta_seconds(job)
+            return (eta, learned) if eta is not None and stage_seconds() == learned else None
+
+        eta, learned = wait_for(settled_eta, 30, what="an ETA on stage seconds that hold still")
+    own = job.estimated_seconds * job.clock_scale
+    chunks = math.ceil(job.total_steps / job.chunk_steps)
+    stages = learned[f"{model}:hop"] + chunks * learned[f"{model}:boundary"] + learned[f"{model}:tail"]
+    assert eta == pytest.approx(own + stages, abs=2e-3)  # encoded: no lead-in left; the card is free: no wait
+    assert finished(second).status == "succeeded"
 
 
 def test_short_job_behind_long_jobs_runs_at_the_next_chunk_boundary(stack, api):

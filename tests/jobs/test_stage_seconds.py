@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from datetime import timedelta
 
 import pytest
@@ -59,17 +60,22 @@ def test_an_eta_adds_the_encode_hop_still_ahead_and_the_decode_after_denoising(a
     without = snapshot.eta_seconds(job)
     start_without, _ = snapshot.quote(job)
     assert without is not None and start_without is not None
-    redis_client().hset(STAGE_SECONDS_KEY, mapping={f"{job.model}:lead-in": 5.0, f"{job.model}:tail": 2.0})
+    model, chunks = job.model, math.ceil(job.total_steps / job.chunk_steps)
+    redis_client().hset(
+        STAGE_SECONDS_KEY,
+        mapping={f"{model}:lead-in": 5.0, f"{model}:hop": 0.5, f"{model}:boundary": 0.25, f"{model}:tail": 2.0},
+    )
     snapshot = dataclasses.replace(snapshot)  # a new snapshot reads the learned seconds again
-    assert snapshot.eta_seconds(job) == pytest.approx(without + 5.0 + 2.0, abs=1e-3)
+    after = chunks * 0.25 + 2.0  # its chunks' boundaries, then its decode
+    assert snapshot.eta_seconds(job) == pytest.approx(without + 5.0 + 0.5 + after, abs=1e-3)
     start, finish = snapshot.quote(job)
-    assert (start - start_without).total_seconds() == pytest.approx(5.0, abs=1e-3)  # its first step: after encode
-    assert (finish - snapshot.taken_at).total_seconds() == pytest.approx(without + 7.0, abs=1e-3)
-    # Encoded: the hop is behind it; only the decode is still ahead after its denoising.
+    assert (start - start_without).total_seconds() == pytest.approx(5.5, abs=1e-3)  # its first step: after both hops
+    assert (finish - snapshot.taken_at).total_seconds() == pytest.approx(without + 5.5 + after, abs=1e-3)
+    # Encoded: the encode hop is behind it; the dispatch hop, the boundaries and the decode are still ahead.
     assert services.start_encoding(job.pk, ENCODER) is not None
     assert services.finish_encoding(job.pk, ENCODER, f"embeddings/{job.pk}")
     encoded = Job.objects.get(pk=job.pk)
-    assert dataclasses.replace(snapshot).eta_seconds(encoded) == pytest.approx(without + 2.0, abs=1e-3)
+    assert dataclasses.replace(snapshot).eta_seconds(encoded) == pytest.approx(without + 0.5 + after, abs=1e-3)
 
 
 def test_a_decoding_job_is_due_when_its_models_decode_has_run(api):

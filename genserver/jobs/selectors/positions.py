@@ -20,7 +20,7 @@ from django.db.models.functions import Coalesce, Greatest
 from django.utils import timezone
 
 from genserver.jobs.models import ACTIVE, Job, JobStatus, QueueTally
-from genserver.redis_client import LEAD_IN, STAGE_SECONDS_KEY, TAIL, client as redis_client
+from genserver.redis_client import BOUNDARY, HOP, LEAD_IN, STAGE_SECONDS_KEY, TAIL, client as redis_client
 from genserver.scheduling.admission import CALM, HIGHER_CLASSES, Headwind, WorkItem, expected_wait, headwind
 from genserver.scheduling.fairness import held_jobs_ahead
 from genserver.scheduling.pools import PoolLayout
@@ -399,25 +399,30 @@ class QueueSnapshot:
         """(wall seconds until its first step, wall seconds from then until it is done); None once terminal.
 
         Besides the work ahead and its own denoising, its model's learned stage seconds (`stage_seconds`):
-        the encode hop still ahead of a job that has not been encoded, and the decode after its denoising
-        (what is left of it, for a job decoding now)."""
+        before its first step, what is left of its encode hop (not yet encoded) and the dispatch hop to the
+        card; after each of its chunks left, a boundary; after its denoising, the decode (what is left of it,
+        for a job decoding now)."""
         if job.is_terminal:
             return None
-        # A job on a queue only card groups read runs group_speedup(k) times faster than one card.
-        own = job.remaining_seconds * job.clock_scale / self.layout.job_speedup(job.queue or job.duration_class)
         tail = self._stage(job.model, TAIL)
         if job.status == JobStatus.DECODING:
             return 0.0, max(0.0, tail - self._since(job.published_at))
+        # A job on a queue only card groups read runs group_speedup(k) times faster than one card.
+        own = job.remaining_seconds * job.clock_scale / self.layout.job_speedup(job.queue or job.duration_class)
+        chunks_left = math.ceil(max(0, job.total_steps - job.steps_done) / max(1, job.chunk_steps))
+        own += chunks_left * self._stage(job.model, BOUNDARY) + tail
         if _is_running(job):
-            return 0.0, own + tail
-        lead_in = 0.0
+            return 0.0, own
+        before = 0.0
         if job.status in (JobStatus.QUEUED, JobStatus.ENCODING):  # its encode hop is still (partly) ahead
-            lead_in = max(0.0, self._stage(job.model, LEAD_IN) - self._since(job.published_at))
+            before = max(0.0, self._stage(job.model, LEAD_IN) - self._since(job.published_at))
+        if job.steps_done == 0:
+            before += self._stage(job.model, HOP)
         items = [g.item() for g in self._waiting_ahead(job)]
         items += [_work_item(o, wall=True) for o in self.running if o.pk != job.pk]
         queue = job.queue or job.duration_class
         wait = expected_wait(queue, job.priority, items, self.layout, self._headwind(job.duration_class, queue))
-        return wait + lead_in, own + tail
+        return wait + before, own
 
     def _stage(self, model: str, stage: str) -> float:
         """The model's learned seconds of `stage` (0 until one of its jobs measured it), read once per snapshot."""
@@ -456,9 +461,9 @@ class QueueSnapshot:
 
 
 def stage_seconds() -> dict[str, float]:
-    """The learned wall seconds around each model's denoising, {"{model}:lead-in" | "{model}:tail": seconds}
-    (services.estimates.learn_stage_seconds); {} before any job measured them, or when Redis is unreachable
-    (an ETA then counts the queue and the denoising alone)."""
+    """The learned wall seconds around each model's denoising steps, {"{model}:{stage}": seconds} (the stages of
+    redis_client.STAGE_SECONDS_KEY, learned by services.estimates.learn_stage_seconds); {} before any job
+    measured them, or when Redis is unreachable (an ETA then counts the queue and the denoising alone)."""
     try:
         raw = redis_client().hgetall(STAGE_SECONDS_KEY)
     except Exception:  # noqa: BLE001 - an ETA without them is still an ETA

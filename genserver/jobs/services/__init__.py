@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from ._common import Outcome, disk_full, publish_or_leave_to_reaper
 from .deadlines import StartDeadlineRefused, expire_if_overdue, expire_overdue
-from .estimates import Estimate, estimate
+from .estimates import Estimate, estimate, learn_stage_seconds
 from .overload import update_long_cap
 from .priority import PriorityRefused, priority_bounds, reprioritise
 from .quotas import InFlightLimitReached, NotAllowed, QuotaExceeded, settle
@@ -51,6 +51,7 @@ from .transitions import (
 )
 
 __all__ = [
+    "learn_stage_seconds",
     "AdmissionRefused",
     "Estimate",
     "IdempotencyConflict",

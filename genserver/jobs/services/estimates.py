@@ -133,9 +133,8 @@ _STAGE_FLOOR_SECONDS = 1e-3  # a median learned as 0 could never step up again
 
 
 def learn_stage_seconds(model: str, stage: str, seconds: float) -> None:
-    """Fold one job's measured wall seconds of a stage around its denoising (LEAD_IN: the encode hop, from its
-    encode message's publish to its first chunk's; TAIL: from its decode's publish to its end) into the model's
-    learned median."""
+    """Fold one job's measured wall seconds of a stage around its denoising steps (redis_client's LEAD_IN, HOP,
+    BOUNDARY, TAIL) into the model's learned median."""
     field = f"{model}:{stage}"
     try:
         r = redis_client()
