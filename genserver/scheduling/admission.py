@@ -118,17 +118,17 @@ def work_ahead(queue: str, priority: int, items: Iterable[WorkItem], layout: Poo
 class _Ahead:
     seconds: float  # single-card seconds that run before the job (work_ahead)
     cards: float  # card-equivalents serving its queue
-    busy: float  # of those, the ones running a job now (each running job's share of them)
-    queued: bool  # some work at its priority or better waits unstarted
+    queued: float  # of those seconds, the work at its priority or better that waits unstarted
+    busy: tuple[tuple[float, float], ...]  # per running job on those cards: (seconds until it frees its card, share)
 
 
 def _ahead(queue: str, priority: int, items: Iterable[WorkItem], layout: PoolLayout) -> _Ahead:
     mine = _serving(layout, queue)
     if not mine:
-        return _Ahead(math.inf, 0.0, 0.0, False)
+        return _Ahead(math.inf, 0.0, 0.0, ())
     serving_cache: dict[str, dict[str, float]] = {}
-    total = busy = 0.0
-    queued = False
+    total = queued = 0.0
+    busy: list[tuple[float, float]] = []
     for item in items:
         theirs = serving_cache.setdefault(item.queue, _serving(layout, item.queue))
         if not theirs:
@@ -137,29 +137,47 @@ def _ahead(queue: str, priority: int, items: Iterable[WorkItem], layout: PoolLay
         share = sum(theirs[name] for name in mine.keys() & theirs.keys()) / sum(theirs.values())
         if share == 0:
             continue
-        busy += share if item.running else 0.0
         if item.priority <= priority:
             total += item.remaining_seconds * share
-            queued = queued or not item.running
+            if item.running:
+                busy.append((item.remaining_seconds, share))
+            else:
+                queued += item.remaining_seconds * share
         elif item.running:
             # Worse priority, but it holds a card until its chunk boundary.
-            total += min(item.chunk_remaining_seconds, item.remaining_seconds) * share
-    return _Ahead(total, sum(mine.values()), busy, queued)
+            until = min(item.chunk_remaining_seconds, item.remaining_seconds)
+            total += until * share
+            busy.append((until, share))
+    return _Ahead(total, sum(mine.values()), queued, tuple(busy))
+
+
+def _start_level(ahead: _Ahead) -> float:
+    """When the job takes a card: the cards free up at their running jobs' times (idle ones now), and the
+    waiting work ahead of it fills the earliest-free cards first (water-filling). With nothing waiting that
+    is the first card to free up; once the waiting work covers every card's running rest, it is the fluid
+    estimate, seconds ahead / cards."""
+    held = sum(share for _, share in ahead.busy)
+    scale = min(1.0, ahead.cards / held) if held else 1.0  # more running jobs than cards: merged batches
+    free = sorted([(until, share * scale) for until, share in ahead.busy] + [(0.0, max(0.0, ahead.cards - held))])
+    capacity = filled = 0.0
+    for until, cards in free:
+        if capacity > 0 and (ahead.queued + filled) / capacity <= until:
+            break
+        capacity += cards
+        filled += cards * until
+    return (ahead.queued + filled) / capacity
 
 
 def expected_wait(
     queue: str, priority: int, items: Iterable[WorkItem], layout: PoolLayout, wind: Headwind = CALM
 ) -> float:
-    """Wall seconds before a new job at `priority` on `queue` starts: 0 when a card serving it is idle and
-    nothing at its priority or better waits (the card takes it at once); else the single-card seconds ahead
-    of it divided by the card-equivalents serving it (a group of k counts group_speedup(k)), stretched by
-    the headwind (boundaries, and the cards' share that better classes will take meanwhile)."""
+    """Wall seconds before a new job at `priority` on `queue` starts (`_start_level`: the earliest-free cards
+    serving it, after the work that waits at its priority or better), stretched by the headwind (boundaries,
+    and the cards' share that better classes will take meanwhile). A group of k cards counts group_speedup(k)."""
     ahead = _ahead(queue, priority, items, layout)
     if ahead.cards == 0:
         return math.inf
-    if not ahead.queued and ahead.busy < ahead.cards - 1e-9:
-        return 0.0
-    return ahead.seconds / ahead.cards * wind.stretch()
+    return _start_level(ahead) * wind.stretch()
 
 
 def decide(
