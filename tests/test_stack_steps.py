@@ -61,16 +61,15 @@ def test_tiny_sd_extended_runs_the_new_total(stack, api):
 def test_simulated_job_stopped_early_and_another_extended(stack, api):
     body = {"model": "wan-sim", "prompt": "a simulated video"}
     stopped = submit(api, steps=50, **body).json()["id"]
-    extended = submit(api, steps=20, **body).json()["id"]
     seen = wait_for(lambda: (j := job_row(stopped)).steps_done >= 4 and j, 90, what="four simulated steps")
-    assert change(api, stopped, seen.steps_done).status_code == 202
-    wait_for(
-        lambda: job_row(extended).steps_done >= 1 or job_row(extended).status == "denoising",
-        90,
-        what="the second job to start",
-    )
+    # Submitted once the first holds the card, the second waits behind its continuations (priority 6 before
+    # a new long job's 7): submitted together, the shorter (20 steps: priority 7 against 8) could take the
+    # card first when both were encoded in one batch, and be done before it is extended.
+    extended = submit(api, steps=20, **body).json()["id"]
+    wait_for(lambda: job_row(extended).status == "denoising", 90, what="the second encoded, waiting for the card")
     response = change(api, extended, 30)
     assert response.status_code == 202, response.content
+    assert change(api, stopped, seen.steps_done).status_code == 202
     first, second = finished(stopped), finished(extended)
     assert first.status == second.status == "succeeded", (first.error, second.error)
     assert first.steps == first.steps_done < 50 and first.steps_requested == 50
