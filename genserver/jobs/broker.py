@@ -165,17 +165,19 @@ def claim_cut(queues: Sequence[str], priority: int, worker: str, waited: float) 
         for key in keys:
             pipe.lrange(key, -_CUT_LOOKAHEAD, -1)  # kombu pushes on the left and pops on the right
         listed = pipe.execute()
-    for messages in listed:
-        for raw in reversed(messages):  # the next to be taken first
-            ids = [m.decode() for m in _UUID.findall(raw)]
-            marks = (
-                [float(t) for t in r.mget([AHEAD_KEY.format(job_id=i) for i in ids]) if t is not None] if ids else []
-            )
-            if not marks or time.time() - max(marks) < waited:
-                continue
-            claim = CUT_CLAIM_KEY.format(message=hashlib.sha1(raw).hexdigest())
-            if r.set(claim, worker, nx=True, ex=_CUT_CLAIM_SECONDS):
-                return True
+    waiting = [(raw, _UUID.findall(raw)) for messages in listed for raw in reversed(messages)]  # next taken first
+    ids = sorted({m.decode() for _, found in waiting for m in found})
+    if not ids:
+        return False
+    # One read of every waiting message's marks (the ids in a message: its job's, and its task's, never marked).
+    marked = {i: float(t) for i, t in zip(ids, r.mget([AHEAD_KEY.format(job_id=i) for i in ids])) if t is not None}
+    for raw, found in waiting:
+        since = [marked[m.decode()] for m in found if m.decode() in marked]
+        if not since or time.time() - max(since) < waited:
+            continue
+        claim = CUT_CLAIM_KEY.format(message=hashlib.sha1(raw).hexdigest())
+        if r.set(claim, worker, nx=True, ex=_CUT_CLAIM_SECONDS):
+            return True
     return False
 
 
