@@ -17,6 +17,7 @@ from __future__ import annotations
 import pytest
 
 from genserver.jobs.models import Job
+from genserver.jobs.broker import broker_job_ids
 from tests.support.api import submit
 from tests.support.waits import finished, job_row, wait_for
 from tests.test_stack_merging import card_paused
@@ -24,6 +25,7 @@ from tests.test_stack_merging import card_paused
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.stack]
 
 BURST = 8
+SHORT_QUEUE = "short"  # where the burst's 1024² images wait for the card
 # 1024², 30 steps: about 1.6 s of card time, priority 1 of the short band, so that bob's job can go one step ahead
 # (a sub-second draft is at the band's first priority already, and waits behind the one published job).
 SHAPE = {"model": "sdxl-sim", "steps": 30, "width": 1024, "height": 1024}
@@ -33,15 +35,24 @@ def _burst_then_one(stack, alice, bob) -> tuple[list[str], str]:
     with card_paused(stack):
         mine = [submit(alice, prompt=f"burst {i}", **SHAPE).json()["id"] for i in range(BURST)]
         theirs = submit(bob, prompt="one of bob's", **SHAPE).json()["id"]
-        # Every published job is encoded and waits for the card (held ones have no message yet).
+        # Every published job is encoded and its chunk message is in the broker (held ones have no message
+        # yet): the row says `waiting` just before the encode worker's commit publishes the chunk, and a card
+        # let go between the two would take whatever had arrived.
         wait_for(
-            lambda: all(j.stage == "waiting" for j in Job.objects.filter(pk__in=[*mine, theirs], held=False)),
+            lambda: _published_and_waiting([*mine, theirs]),
             60,
-            what="the published jobs encoded and waiting for the card",
+            what="the published jobs encoded and their chunks waiting in the broker",
         )
     jobs = [finished(pk, timeout=120) for pk in [*mine, theirs]]
     assert all(j.status == "succeeded" for j in jobs), [j.error for j in jobs]
     return mine, theirs
+
+
+def _published_and_waiting(job_ids: list[str]) -> bool:
+    published = list(Job.objects.filter(pk__in=job_ids, held=False))
+    if not all(j.stage == "waiting" for j in published):
+        return False
+    return {str(j.pk) for j in published} <= broker_job_ids([SHORT_QUEUE])
 
 
 def _started_before(job_id: str, others: list[str]) -> int:
