@@ -131,7 +131,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     for frame, count in inclusive:
         print(f"{count / total:6.1%}  {frame}")
     print(
-        f"\n(raw stacks in {out_dir}; P50/P99 from {len(latencies)} submits, {pct(latencies, 0.5) * 1000:.1f} ms median)"
+        f"\n(raw stacks in {out_dir}; P50/P99 from {len(latencies)} submits, "
+        f"{pct(latencies, 0.5) * 1000:.1f} ms median)"
     )
     return 0
 

@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import pytest
 
-from genserver.jobs.models import Job
 from genserver.jobs.broker import broker_job_ids
+from genserver.jobs.models import Job
 from tests.support.api import submit
 from tests.support.waits import finished, job_row, wait_for
 from tests.test_stack_merging import card_paused

@@ -308,7 +308,7 @@ class ImageGenerationView(OpenAIView):
                 "invalid_value",
             )
         try:
-            job, replayed = services.submit_or_replay(request.user, native.validated_data, key)
+            job, replayed, _ = services.submit_or_replay(request.user, native.validated_data, key)
         except services.IdempotencyConflict as conflict:
             return openai_error(422, str(conflict), "invalid_request_error", "Idempotency-Key", "idempotency_conflict")
         except services.QuotaExceeded as full:

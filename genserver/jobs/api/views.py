@@ -55,8 +55,8 @@ class StrictLimitOffsetPagination(LimitOffsetPagination):
         return super().paginate_queryset(queryset, request, view)
 
 
-def _job_context(request: Request, jobs: list | None = None) -> dict:
-    snapshot = selectors.QueueSnapshot.load()
+def _job_context(request: Request, jobs: list | None = None, snapshot: selectors.QueueSnapshot | None = None) -> dict:
+    snapshot = snapshot or selectors.QueueSnapshot.load()
     if jobs:
         snapshot.prepare(jobs)  # a page's positions and ETAs in one query
     return {"request": request, "snapshot": snapshot}
@@ -132,7 +132,7 @@ class JobListCreateView(GenericAPIView):
         if len(key) > 200:
             return Response({"Idempotency-Key": ["At most 200 characters."]}, status=status.HTTP_400_BAD_REQUEST)
         try:
-            job, replayed = services.submit_or_replay(request.user, incoming.validated_data, key)
+            job, replayed, snapshot = services.submit_or_replay(request.user, incoming.validated_data, key)
         except services.IdempotencyConflict as conflict:
             return Response(
                 {"detail": str(conflict), "reason": "idempotency_conflict"}, status=status.HTTP_422_UNPROCESSABLE_ENTITY
@@ -149,9 +149,10 @@ class JobListCreateView(GenericAPIView):
         wait = waits.preferred_wait(request)
         if wait is not None:
             job = selectors.wait_for_terminal(job.pk, wait)
+            snapshot = None  # the queue moved while it waited
             if job.is_terminal:
                 headers["Preference-Applied"] = f"wait={wait}"
-        body = JobSerializer(job, context=_job_context(request)).data
+        body = JobSerializer(job, context=_job_context(request, snapshot=snapshot)).data
         return Response(body, status=status.HTTP_200_OK if replayed else status.HTTP_201_CREATED, headers=headers)
 
 

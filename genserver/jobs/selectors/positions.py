@@ -110,6 +110,10 @@ class WaitingGroup:
         return WorkItem(queue=self.queue, priority=self.priority, remaining_seconds=self.seconds)
 
 
+def _group_key(g: WaitingGroup) -> tuple[str, str, int]:
+    return g.queue, g.duration_class, g.priority
+
+
 def _groups(rows: Iterable[dict[str, Any]]) -> list[WaitingGroup]:
     return [
         WaitingGroup(
@@ -147,7 +151,7 @@ def backlog_items() -> list[WorkItem]:
     estimates and ETAs the API shows and of the admission limits. Each running job is an item; the
     waiting ones are one item per (queue, priority), their work summed (admission adds work linearly,
     so the answer is the same as with one item per job)."""
-    return [*(g.item() for g in waiting_groups()), *(_work_item(j, wall=True) for j in running_jobs())]
+    return QueueSnapshot(waiting_groups(), running_jobs(), PoolLayout((), complete=False)).backlog_items()
 
 
 def headwind_for(duration_class: str, queue: str, capacity: PoolLayout) -> Headwind:
@@ -244,6 +248,26 @@ class QueueSnapshot:
     def load(cls) -> QueueSnapshot:
         return cls(waiting_groups(), running_jobs(), live_capacity())
 
+    def backlog_items(self) -> list[WorkItem]:
+        """The active jobs as admission sees them (`backlog_items`), from this snapshot's reads."""
+        return [*(g.item() for g in self.groups), *(_work_item(j, wall=True) for j in self.running)]
+
+    def with_new_job(self, job: Job) -> QueueSnapshot:
+        """This snapshot as it is once `job`, just recorded and waiting, counts in the tally (its group one
+        job and its wall seconds larger), on a clock taken now: what a fresh `load` would read, less what
+        other requests recorded meanwhile, without reading it again (a submit's answer)."""
+        mine = (job.queue or job.duration_class, job.duration_class, job.priority)
+        wall = job.remaining_seconds * job.clock_scale
+        groups = [
+            replace(g, count=g.count + 1, seconds=g.seconds + wall)
+            if (g.queue, g.duration_class, g.priority) == mine
+            else g
+            for g in self.groups
+        ]
+        if not any((g.queue, g.duration_class, g.priority) == mine for g in self.groups):
+            groups.append(WaitingGroup(*mine, count=1, seconds=wall))
+        return QueueSnapshot(groups, self.running, self.layout)
+
     def __post_init__(self) -> None:
         self._peers: dict[Any, list[WaitingGroup]] = {}
         self._ahead: dict[Any, list[WaitingGroup]] = {}
@@ -311,7 +335,8 @@ class QueueSnapshot:
                 plain = [g for g in self.groups if g.priority <= job.priority]
             else:
                 plain = [g for g in self.groups if g.priority < job.priority] + self._same_priority_ahead(job)
-            self._ahead[job.pk] = self._fair(job, plain) if self._held_exist() else plain
+            held = job.held and not job.is_terminal  # itself: some job is held
+            self._ahead[job.pk] = self._fair(job, plain) if held or self._held_exist() else plain
         return self._ahead[job.pk]
 
     # The fair window (services/fairness.py) holds a burst's jobs unpublished: they are counted in the tally
@@ -362,23 +387,25 @@ class QueueSnapshot:
         job of every other user waiting in its queue per one of those (capped by what the others hold)."""
         queue = job.queue or job.duration_class
         same = Job.objects.filter(held=True, status__in=ACTIVE, queue=job.queue, priority__lte=job.priority)
-        own = same.filter(owner_id=job.owner_id).filter(Q(priority__lt=job.priority) | Q(created_at__lt=job.created_at))
-        own_ahead = own.aggregate(n=Count("id"), seconds=Sum(_WALL_REMAINING))
-        key = ("others held", job.queue, job.priority, job.owner_id)  # the same for a page's jobs there
-        if key not in self._memo:
-            self._memo[key] = same.exclude(owner_id=job.owner_id).aggregate(n=Count("id"), seconds=Sum(_WALL_REMAINING))
-        others = self._memo[key]
+        own = Q(owner_id=job.owner_id) & (Q(priority__lt=job.priority) | Q(created_at__lt=job.created_at))
+        others_q = ~Q(owner_id=job.owner_id)
+        # Its owner's held jobs ahead of it and the other users' held jobs there, in one read.
+        sums = same.aggregate(
+            n_own=Count("id", filter=own),
+            s_own=Sum(_WALL_REMAINING, filter=own),
+            n_others=Count("id", filter=others_q),
+            s_others=Sum(_WALL_REMAINING, filter=others_q),
+        )
         key = ("owners waiting", job.queue)
         if key not in self._memo:
-            # The users with unstarted jobs in the queue, over the partial indexes job_fair_window and job_held.
+            # The users with unstarted jobs in the queue (published and not started, or held): one read.
             unstarted = Job.objects.filter(queue=job.queue, status__in=ACTIVE).order_by()
-            waiting = set(unstarted.filter(held=False, chunks_run=0).values_list("owner_id", flat=True).distinct())
-            waiting |= set(unstarted.filter(held=True).values_list("owner_id", flat=True).distinct())
-            self._memo[key] = waiting
+            unstarted = unstarted.filter(Q(held=False, chunks_run=0) | Q(held=True))
+            self._memo[key] = set(unstarted.values_list("owner_id", flat=True).distinct())
         owners = self._memo[key]
         users = len(owners - {job.owner_id}) + 1
-        n_own, s_own = own_ahead["n"] or 0, float(own_ahead["seconds"] or 0.0)
-        n_others, s_others = others["n"] or 0, float(others["seconds"] or 0.0)
+        n_own, s_own = sums["n_own"] or 0, float(sums["s_own"] or 0.0)
+        n_others, s_others = sums["n_others"] or 0, float(sums["s_others"] or 0.0)
         # Their published jobs are counted already; their turns beyond those come from what they hold.
         from_held = min(held_jobs_ahead(n_own, users) - n_own, n_others)
         seconds = s_own + (s_others * from_held / n_others if n_others else 0.0)

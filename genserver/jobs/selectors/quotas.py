@@ -7,7 +7,7 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from django.conf import settings
-from django.db.models import F, QuerySet, Sum
+from django.db.models import Count, F, Min, Q, QuerySet, Sum
 from django.utils import timezone
 
 from genserver import deployment
@@ -68,10 +68,13 @@ def effective_quota(user: Any) -> EffectiveQuota:
 
     from genserver.jobs.models import Quota
 
-    own = Quota.objects.filter(user_id=user.pk).first()
+    # The user's own row and their groups' rows in one read (every submit asks).
+    found = Quota.objects.filter(Q(user_id=user.pk) | Q(group__user__pk=user.pk)).select_related("group")
+    found = found.order_by("group__name").distinct()
+    own = next((row for row in found if row.user_id == user.pk), None)
     if own is not None:
         return replace(_quota_of_row(own), source="user")
-    rows = list(Quota.objects.filter(group__user__pk=user.pk).select_related("group").order_by("group__name"))
+    rows = [row for row in found if row.group_id is not None]
     if rows:
         each = [_quota_of_row(row) for row in rows]
         return EffectiveQuota(
@@ -139,18 +142,24 @@ def usage_of(user: Any, now: datetime | None = None) -> Usage:
 
     now = now or timezone.now()
     window = settings.SUBMIT_RATE_WINDOW
-    recent = Job.objects.filter(owner_id=user.pk, created_at__gte=now - timedelta(seconds=window))
+    window_start = now - timedelta(seconds=window)
     day_start = next_utc_midnight(now) - timedelta(days=1)
-    charged = Job.objects.filter(owner_id=user.pk, created_at__gte=day_start).aggregate(
-        total=Sum(charged_card_seconds())
-    )["total"]
+    in_flight = Q(status__in=ACTIVE, cancel_requested=False)  # as in_flight_jobs
+    in_window, today = Q(created_at__gte=window_start), Q(created_at__gte=day_start)
+    # One statement over the owner's rows that any of the three counts reads (every submit runs it).
+    totals = Job.objects.filter(Q(owner_id=user.pk) & (in_flight | in_window | today)).aggregate(
+        in_flight=Count("id", filter=in_flight),
+        submits=Count("id", filter=in_window),
+        oldest=Min("created_at", filter=in_window),
+        charged=Sum(charged_card_seconds(), filter=today),
+    )
     return Usage(
         now=now,
-        in_flight=in_flight_jobs(user).count(),
-        submits_in_window=recent.count(),
-        oldest_submit_in_window=recent.order_by("created_at").values_list("created_at", flat=True).first(),
+        in_flight=totals["in_flight"],
+        submits_in_window=totals["submits"],
+        oldest_submit_in_window=totals["oldest"],
         window_seconds=window,
-        card_seconds_today=float(charged or 0.0),
+        card_seconds_today=float(totals["charged"] or 0.0),
     )
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import socket
 from datetime import datetime
+from typing import Any
 from uuid import UUID
 
 from django.db import transaction
@@ -48,6 +49,13 @@ def transition(job_id: JobId, from_status: str, to_status: str, *, worker: str =
     transaction.on_commit(lambda: _report(job_id, str(from_status), str(to_status), worker, step))
 
 
+def recorded(job: Job) -> None:
+    """Report a new job once its row commits, from the row in hand (a submit re-reads nothing for its line)."""
+    row = {name: getattr(job, name) for name in _FIELDS if name != "owner__username"}
+    row["owner__username"] = job.owner.get_username()
+    transaction.on_commit(lambda: _report(job.pk, "", str(job.status), "", None, row))
+
+
 def first_step(job_id: JobId, now: datetime) -> None:
     """The job's first denoising step began: observe its wait (arrival → first step) in its class."""
     row = Job.objects.filter(pk=job_id).values_list("duration_class", "created_at").first()
@@ -55,9 +63,11 @@ def first_step(job_id: JobId, now: datetime) -> None:
         metrics.observe(metrics.JOB_WAIT, row[0], (now - row[1]).total_seconds())
 
 
-def _report(job_id: JobId, from_status: str, to_status: str, worker: str, step: int | None) -> None:
+def _report(
+    job_id: JobId, from_status: str, to_status: str, worker: str, step: int | None, row: dict[str, Any] | None = None
+) -> None:
     try:
-        row = Job.objects.filter(pk=job_id).values(*_FIELDS).first()
+        row = row or Job.objects.filter(pk=job_id).values(*_FIELDS).first()
         if row is None:
             return
         now = timezone.now()

@@ -74,6 +74,11 @@ def replayed_job(owner: Any, idempotency_key: str, data: dict[str, Any]) -> Job 
 
 
 def submit_job(owner: Any, data: dict[str, Any], idempotency_key: str = "") -> Job:
+    """Admit and record a validated request (`submit`, without the queue's picture it answers with)."""
+    return submit(owner, data, idempotency_key)[0]
+
+
+def submit(owner: Any, data: dict[str, Any], idempotency_key: str = "") -> tuple[Job, selectors.QueueSnapshot]:
     """Admit and record a validated request, then publish its encode task, or, when the prompt's
     embeddings are already stored (a retry, a re-run, the same prompt at another seed or size), its
     first denoise chunk: the job is recorded `denoising`/`waiting` with its embeddings, as the encode
@@ -97,9 +102,12 @@ def submit_job(owner: Any, data: dict[str, Any], idempotency_key: str = "") -> J
         raise
     queue = deployment.layout().queue_for(est.duration_class, spec.name, data.get("lane", ""))
     est = chunked_for_queue(est, queue, data["steps"])
-    capacity = selectors.live_capacity()  # the cards alive now, on every node
+    # The queue's picture, read once: admission decides on it, and the answer's position and ETA count the
+    # new job into it (QueueSnapshot.with_new_job) instead of reading it again.
+    snapshot = selectors.QueueSnapshot.load()
+    capacity = snapshot.layout  # the cards alive now, on every node
     wind = selectors.headwind_for(est.duration_class, queue, capacity)  # better classes will preempt it
-    decision = decide(queue, est.priority, selectors.backlog_items(), capacity, deployment.limits(), wind)
+    decision = decide(queue, est.priority, snapshot.backlog_items(), capacity, deployment.limits(), wind)
     if not decision.accepted:
         metrics.count_submit(est.duration_class, "wait_limit")
         raise AdmissionRefused(decision, est.duration_class)
@@ -128,7 +136,7 @@ def submit_job(owner: Any, data: dict[str, Any], idempotency_key: str = "") -> J
         transaction.on_commit(lambda: metrics.count_submit(job.duration_class))
         if ahead:
             transaction.on_commit(lambda: fairness.mark_ahead(job.id))
-        observe.transition(job.pk, "", job.status)
+        observe.recorded(job)
         if held:
             pass  # published by fairness.release_held when one of the owner's jobs in the queue starts or ends
         elif embeddings:
@@ -138,7 +146,7 @@ def submit_job(owner: Any, data: dict[str, Any], idempotency_key: str = "") -> J
             )
         else:
             transaction.on_commit(lambda: publish_or_leave_to_reaper(broker.send_encode, job.id, job.priority))
-    return job
+    return job, snapshot.with_new_job(job)
 
 
 def stored_embeddings(spec: Any, prompt: str, negative: str) -> str:
@@ -152,18 +160,22 @@ def stored_embeddings(spec: Any, prompt: str, negative: str) -> str:
         return ""
 
 
-def submit_or_replay(owner: Any, data: dict[str, Any], idempotency_key: str = "") -> tuple[Job, bool]:
-    """(the job, whether it is a replay): a submit that a client may safely retry with the same key."""
+def submit_or_replay(
+    owner: Any, data: dict[str, Any], idempotency_key: str = ""
+) -> tuple[Job, bool, selectors.QueueSnapshot | None]:
+    """(the job, whether it is a replay, the queue's picture with a new job in it: None for a replay): a
+    submit that a client may safely retry with the same key."""
     replay = replayed_job(owner, idempotency_key, data)
     if replay is not None:
-        return replay, True
+        return replay, True, None
     try:
-        return submit_job(owner, data, idempotency_key), False
+        job, snapshot = submit(owner, data, idempotency_key)
     except IntegrityError:
         replay = replayed_job(owner, idempotency_key, data)  # a concurrent retry committed first
         if replay is None:
             raise
-        return replay, True
+        return replay, True, None
+    return job, False, snapshot
 
 
 def _record_job(
