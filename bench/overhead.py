@@ -1,6 +1,8 @@
 """Dispatch overhead of the live stack against a bare Celery round trip on the same Redis.
 
     python -m bench.overhead [--samples 30] [--clients 8] [--requests 200]
+    DATABASE_URL=postgres://…/bench python -m bench.overhead     # on PostgreSQL: a new, empty database each run
+                                                                 # (jobs left in it are re-published by the reaper)
 
 Starts the real stack (simulated backend, 4 CPU "cards") and measures, in one run:
 1. the bare Celery round trip: publish a no-op task to an idle card's queue,
@@ -13,16 +15,19 @@ Starts the real stack (simulated backend, 4 CPU "cards") and measures, in one ru
    gap is wall time minus the simulated step time, spread over the chunk boundaries),
    and the workers' own timing of those boundaries (`genserver_chunk_boundary_seconds`,
    scraped from /metrics: the share at or under each bucket, so the P50's bracket);
-4. the API's submit throughput and latency under concurrent clients.
+4. the API's submit throughput and latency under concurrent clients: with the workers running the jobs
+   beside it on the same cores, and again with every worker paused (the API alone).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
 import statistics
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime
 
@@ -130,6 +135,25 @@ def submit_load(stack: LiveStack, clients: int, requests: int) -> tuple[list[flo
     return [r[0] for r in results], codes, requests / elapsed
 
 
+@contextlib.contextmanager
+def workers_paused() -> Iterator[None]:
+    """Every worker of the stack stops taking messages inside the block (Celery's cancel_consumer, then
+    add_consumer): the submits of the load then cost the API alone, not the API and the 2 cores' workers
+    running each job's encode, chunk and decode beside it. Their messages wait, and run once let go."""
+    from genserver.celery import app
+
+    active = app.control.inspect(timeout=2.0).active_queues() or {}
+    for hostname, queues in active.items():
+        for queue in queues:
+            app.control.cancel_consumer(queue["name"], destination=[hostname], reply=True, timeout=2.0)
+    try:
+        yield
+    finally:
+        for hostname, queues in active.items():
+            for queue in queues:
+                app.control.add_consumer(queue["name"], destination=[hostname], reply=True, timeout=2.0)
+
+
 def ms(xs: Sequence[float], q: float) -> str:
     return f"{pct(xs, q) * 1000:7.1f} ms"
 
@@ -146,6 +170,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         "GENSERVER_REGISTRY": "genserver/registry.toml:bench/seed-registry.toml",
         "GENSERVER_METRICS_TOKEN": uuid.uuid4().hex,  # this run's scrape of the workers' boundary timings
     }
+    if os.environ.get("DATABASE_URL"):  # PostgreSQL when given (a database of its own: it is written to)
+        env["DATABASE_URL"] = os.environ["DATABASE_URL"]
     with live_stack(env) as stack:
         bare = bare_round_trip(args.samples)
         miss = dispatch_latency(stack, args.samples, hit=False)
@@ -153,6 +179,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         gap, boundaries = chunk_gap(stack)
         shares = boundary_shares(stack, "seed-video")
         latencies, codes, throughput = submit_load(stack, args.clients, args.requests)
+        with workers_paused():
+            alone, alone_codes, alone_throughput = submit_load(stack, args.clients, args.requests)
     print(f"bare Celery round trip     P50 {ms(bare, 0.5)}  P99 {ms(bare, 0.99)}  (n={len(bare)})")
     for name, dispatch in (("miss", miss), ("hit", hit)):
         print(
@@ -169,6 +197,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(
         f"submit under {args.clients} clients     P50 {ms(latencies, 0.5)}  P99 {ms(latencies, 0.99)}  "
         f"{throughput:.0f} req/s  codes {codes}"
+    )
+    print(
+        f"  the same, workers paused P50 {ms(alone, 0.5)}  P99 {ms(alone, 0.99)}  "
+        f"{alone_throughput:.0f} req/s  codes {alone_codes}  (the API alone: no job runs beside the submits)"
     )
     print(
         f"(mean bare {statistics.mean(bare) * 1000:.1f} ms, mean dispatch on a miss"

@@ -117,6 +117,22 @@ if DATABASES["default"]["ENGINE"].endswith("sqlite3"):
         "transaction_mode": "IMMEDIATE",
         "init_command": "PRAGMA journal_mode=WAL; PRAGMA synchronous=NORMAL;",
     }
+# The API serves each request in a thread of its own (Django under ASGI, genserver.asgi), so a connection kept
+# for DATABASE_CONN_MAX_AGE stays open with a thread that is gone: under a submit load the API's processes
+# left idle connections until PostgreSQL refused new ones (90 of max_connections=100 after 300 submits, then
+# 503s). With a pool size (genserver.asgi sets it for the API's processes; workers and beat keep their one
+# persistent connection each), a request hands its connection back at its end: to a pool of that many per
+# process on PostgreSQL (psycopg_pool), closed on SQLite. A larger pool serves more concurrent requests
+# (each `Prefer: wait` holds one) and holds more of the server's connections.
+DATABASE_POOL = env_int("GENSERVER_DATABASE_POOL", 0, minimum=0)
+if DATABASE_POOL:
+    DATABASES["default"]["CONN_MAX_AGE"] = 0  # Django's pool takes persistent connections for none
+    if DATABASES["default"]["ENGINE"].endswith("postgresql"):
+        DATABASES["default"].setdefault("OPTIONS", {})["pool"] = {
+            "min_size": 1,
+            "max_size": DATABASE_POOL,
+            "timeout": 10,  # seconds a request waits for a free connection, then 503 (the database is busy)
+        }
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 
 USE_TZ = True
