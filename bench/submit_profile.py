@@ -1,6 +1,6 @@
 """Where the API's submit time goes: py-spy samples of the live API workers under `bench.overhead`'s submit load.
 
-    python -m bench.submit_profile [--clients 8] [--requests 400] [--top 30]
+    python -m bench.submit_profile [--clients 8] [--requests 400] [--top 30] [--paused]
 
 Starts the real stack as `bench.overhead` does (its own Redis, SQLite unless DATABASE_URL is given in the
 environment of this command, simulated cards), runs the same submit load, and meanwhile samples every
@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import os
 import shutil
 import subprocess
@@ -22,7 +23,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from bench.livestack import live_stack
-from bench.overhead import SCALE, ms, submit_load
+from bench.overhead import SCALE, ms, submit_load, workers_paused
 from genserver.scheduling.simulator import pct
 
 
@@ -77,6 +78,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--clients", type=int, default=8)
     parser.add_argument("--requests", type=int, default=400)
     parser.add_argument("--top", type=int, default=30)
+    parser.add_argument("--paused", action="store_true", help="workers paused: the API alone (bench.overhead)")
     parser.add_argument("--rate", type=int, default=250, help="py-spy samples per second per worker")
     args = parser.parse_args(argv)
     env = {
@@ -112,7 +114,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             )
             for pid in pids
         ]
-        latencies, codes, throughput = submit_load(stack, args.clients, args.requests)
+        with workers_paused() if args.paused else contextlib.nullcontext():
+            latencies, codes, throughput = submit_load(stack, args.clients, args.requests)
         for spy in spies:
             spy.send_signal(2)  # SIGINT: py-spy writes its file and exits
         for spy in spies:
