@@ -22,8 +22,8 @@ def live_workers() -> list[dict[str, Any]]:
     (`gpu0@NODE`): each with its node, pool entry, queues, cards and loaded models."""
     r = redis_client()
     found = []
-    for key in r.scan_iter(match=WORKER_KEY.format(name="*"), count=200):
-        raw = r.get(key)
+    keys = list(r.scan_iter(match=WORKER_KEY.format(name="*"), count=200))
+    for raw in r.mget(keys) if keys else []:  # one round trip for every worker (each submit reads them)
         if raw:
             worker = json.loads(raw)
             name = str(worker.get("name", ""))
