@@ -202,3 +202,24 @@ def test_a_job_waits_behind_its_priority_and_ahead_of_later_ties(api):
     active = list(Job.objects.filter(status__in=ACTIVE))
     assert positions == [scan_position(active, j, layout) for j in (Job.objects.get(pk=pk) for pk in ids)]
     assert positions == [0, 2, 2]
+
+
+def test_a_submits_answer_counts_the_new_job_as_a_fresh_read_does(django_user_model, settings):
+    """submit's answer (QueueSnapshot.with_new_job on admission's reads) gives the new job the position, ETA and
+    quote a fresh read of the queue gives it: published and held jobs (the fair window), two users, two classes."""
+    from genserver.jobs.api.serializers import JobCreateSerializer
+
+    settings.FAIR_WINDOW = 1  # alice's burst: one published, the rest held; bob goes ahead
+    settings.MAX_JOBS_IN_FLIGHT, settings.SUBMIT_RATE_LIMIT = 0, 0
+    alice, bob = (django_user_model.objects.create_user(name) for name in ("alice", "bob"))
+    rng = random.Random(7)
+    for i in range(12):
+        owner = bob if i % 4 == 3 else alice
+        data = {"model": rng.choice(MODELS), "prompt": f"answer {i}", "steps": rng.choice((2, 4, 8)), "seed": i}
+        serializer = JobCreateSerializer(data=data)
+        serializer.is_valid(raise_exception=True)
+        job, answer = services.submit(owner, serializer.validated_data)
+        fresh = selectors.QueueSnapshot.load()
+        assert answer.queue_position(job) == fresh.queue_position(job), (i, job.held)
+        assert answer.eta_seconds(job) == pytest.approx(fresh.eta_seconds(job), abs=2e-3), (i, job.held)
+    assert Job.objects.filter(held=True).exists() and Job.objects.filter(held=False).exists()

@@ -259,12 +259,9 @@ class QueueSnapshot:
         mine = (job.queue or job.duration_class, job.duration_class, job.priority)
         wall = job.remaining_seconds * job.clock_scale
         groups = [
-            replace(g, count=g.count + 1, seconds=g.seconds + wall)
-            if (g.queue, g.duration_class, g.priority) == mine
-            else g
-            for g in self.groups
+            replace(g, count=g.count + 1, seconds=g.seconds + wall) if _group_key(g) == mine else g for g in self.groups
         ]
-        if not any((g.queue, g.duration_class, g.priority) == mine for g in self.groups):
+        if not any(_group_key(g) == mine for g in self.groups):
             groups.append(WaitingGroup(*mine, count=1, seconds=wall))
         return QueueSnapshot(groups, self.running, self.layout)
 

@@ -33,6 +33,7 @@ from .submission import (
     cancel_job,
     fingerprint,
     replayed_job,
+    submit,
     submit_job,
     submit_or_replay,
 )
@@ -95,6 +96,7 @@ __all__ = [
     "settle",
     "start_decoding",
     "start_encoding",
+    "submit",
     "submit_job",
     "submit_or_replay",
     "sweep_embeddings",
