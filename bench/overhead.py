@@ -154,6 +154,20 @@ def workers_paused() -> Iterator[None]:
                 app.control.add_consumer(queue["name"], destination=[hostname], reply=True, timeout=2.0)
 
 
+def stack_env() -> dict[str, str]:
+    """The stack this benchmark (and bench.submit_profile) boots: simulated cards on the fast clock, on
+    PostgreSQL when DATABASE_URL is given (a database of its own: it is written to), else a private SQLite."""
+    env = {
+        "GENSERVER_TIME_SCALE": str(SCALE),
+        "GENSERVER_CPU_WORKERS": "4",
+        "GENSERVER_REGISTRY": "genserver/registry.toml:bench/seed-registry.toml",
+        "GENSERVER_METRICS_TOKEN": uuid.uuid4().hex,  # this run's scrape of the workers' boundary timings
+    }
+    if os.environ.get("DATABASE_URL"):
+        env["DATABASE_URL"] = os.environ["DATABASE_URL"]
+    return env
+
+
 def ms(xs: Sequence[float], q: float) -> str:
     return f"{pct(xs, q) * 1000:7.1f} ms"
 
@@ -164,15 +178,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--clients", type=int, default=8)
     parser.add_argument("--requests", type=int, default=200)
     args = parser.parse_args(argv)
-    env = {
-        "GENSERVER_TIME_SCALE": str(SCALE),
-        "GENSERVER_CPU_WORKERS": "4",
-        "GENSERVER_REGISTRY": "genserver/registry.toml:bench/seed-registry.toml",
-        "GENSERVER_METRICS_TOKEN": uuid.uuid4().hex,  # this run's scrape of the workers' boundary timings
-    }
-    if os.environ.get("DATABASE_URL"):  # PostgreSQL when given (a database of its own: it is written to)
-        env["DATABASE_URL"] = os.environ["DATABASE_URL"]
-    with live_stack(env) as stack:
+    with live_stack(stack_env()) as stack:
         bare = bare_round_trip(args.samples)
         miss = dispatch_latency(stack, args.samples, hit=False)
         hit = dispatch_latency(stack, args.samples, hit=True)

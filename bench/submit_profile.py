@@ -14,16 +14,15 @@ from __future__ import annotations
 import argparse
 import collections
 import contextlib
-import os
 import shutil
 import subprocess
+import sys
 import tempfile
-import uuid
 from collections.abc import Sequence
 from pathlib import Path
 
 from bench.livestack import live_stack
-from bench.overhead import SCALE, ms, submit_load, workers_paused
+from bench.overhead import ms, stack_env, submit_load, workers_paused
 from genserver.scheduling.simulator import pct
 
 
@@ -45,7 +44,7 @@ def api_worker_pids(stack_pid: int) -> list[int]:
 
 
 def py_spy() -> str:
-    found = shutil.which("py-spy") or str(Path(os.sys.executable).with_name("py-spy"))
+    found = shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy"))
     if not Path(found).exists():
         raise SystemExit("py-spy is not installed: make .venv/.installed (requirements-dev.txt)")
     return found
@@ -81,16 +80,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--paused", action="store_true", help="workers paused: the API alone (bench.overhead)")
     parser.add_argument("--rate", type=int, default=250, help="py-spy samples per second per worker")
     args = parser.parse_args(argv)
-    env = {
-        "GENSERVER_TIME_SCALE": str(SCALE),
-        "GENSERVER_CPU_WORKERS": "4",
-        "GENSERVER_REGISTRY": "genserver/registry.toml:bench/seed-registry.toml",
-        "GENSERVER_METRICS_TOKEN": uuid.uuid4().hex,
-    }
-    if os.environ.get("DATABASE_URL"):
-        env["DATABASE_URL"] = os.environ["DATABASE_URL"]
     out_dir = Path(tempfile.mkdtemp(prefix="genserver-profile-"))
-    with live_stack(env) as stack:
+    with live_stack(stack_env()) as stack, contextlib.ExitStack() as logs:
         submit_load(stack, args.clients, 40)  # warm: connections, imports, first queries
         pids = api_worker_pids(stack.process.pid)
         spies = [
@@ -110,7 +101,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     str(pid),
                 ],
                 stdout=subprocess.DEVNULL,
-                stderr=open(out_dir / f"{pid}.log", "w"),
+                stderr=logs.enter_context(open(out_dir / f"{pid}.log", "w")),
             )
             for pid in pids
         ]

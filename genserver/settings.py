@@ -119,7 +119,7 @@ if DATABASES["default"]["ENGINE"].endswith("sqlite3"):
     }
 # The API serves each request in a thread of its own (Django under ASGI, genserver.asgi), so a connection kept
 # for DATABASE_CONN_MAX_AGE stays open with a thread that is gone: under a submit load the API's processes
-# left idle connections until PostgreSQL refused new ones (90 of max_connections=100 after 300 submits, then
+# left idle connections until PostgreSQL refused new ones (89 of max_connections=100 in one bench.overhead run, then
 # 503s). With a pool size (genserver.asgi sets it for the API's processes; workers and beat keep their one
 # persistent connection each), a request hands its connection back at its end: to a pool of that many per
 # process on PostgreSQL (psycopg_pool), closed on SQLite. A larger pool serves more concurrent requests

@@ -1,7 +1,7 @@
 """The API's database connections under concurrent requests (genserver/settings.py, DATABASE_POOL).
 
 Under ASGI each request runs in a thread of its own, so a persistent connection stayed open with a thread that
-was gone: a submit load left PostgreSQL with 90 idle connections of its 100 and then 503s. The API's processes
+was gone: a submit load left PostgreSQL with 89 connections of its 100 and then 503s. The API's processes
 now borrow from a pool of GENSERVER_DATABASE_POOL connections and hand each back at the request's end.
 """
 

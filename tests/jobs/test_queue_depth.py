@@ -205,8 +205,8 @@ def test_a_job_waits_behind_its_priority_and_ahead_of_later_ties(api):
 
 
 def test_a_submits_answer_counts_the_new_job_as_a_fresh_read_does(django_user_model, settings):
-    """submit's answer (QueueSnapshot.with_new_job on admission's reads) gives the new job the position, ETA and
-    quote a fresh read of the queue gives it: published and held jobs (the fair window), two users, two classes."""
+    """submit's answer (QueueSnapshot.with_new_job on admission's reads) gives the new job the position and ETA
+    a fresh read of the queue gives it: published and held jobs (the fair window), two users, two classes."""
     from genserver.jobs.api.serializers import JobCreateSerializer
 
     settings.FAIR_WINDOW = 1  # alice's burst: one published, the rest held; bob goes ahead

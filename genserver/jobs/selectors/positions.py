@@ -151,7 +151,11 @@ def backlog_items() -> list[WorkItem]:
     estimates and ETAs the API shows and of the admission limits. Each running job is an item; the
     waiting ones are one item per (queue, priority), their work summed (admission adds work linearly,
     so the answer is the same as with one item per job)."""
-    return QueueSnapshot(waiting_groups(), running_jobs(), PoolLayout((), complete=False)).backlog_items()
+    return _backlog(waiting_groups(), running_jobs())
+
+
+def _backlog(groups: Iterable[WaitingGroup], running: Iterable[Job]) -> list[WorkItem]:
+    return [*(g.item() for g in groups), *(_work_item(j, wall=True) for j in running)]
 
 
 def headwind_for(duration_class: str, queue: str, capacity: PoolLayout) -> Headwind:
@@ -250,7 +254,7 @@ class QueueSnapshot:
 
     def backlog_items(self) -> list[WorkItem]:
         """The active jobs as admission sees them (`backlog_items`), from this snapshot's reads."""
-        return [*(g.item() for g in self.groups), *(_work_item(j, wall=True) for j in self.running)]
+        return _backlog(self.groups, self.running)
 
     def with_new_job(self, job: Job) -> QueueSnapshot:
         """This snapshot as it is once `job`, just recorded and waiting, counts in the tally (its group one
