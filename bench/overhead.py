@@ -17,6 +17,11 @@ Starts the real stack (simulated backend, 4 CPU "cards") and measures, in one ru
    scraped from /metrics: the share at or under each bucket, so the P50's bracket);
 4. the API's submit throughput and latency under concurrent clients: with the workers running the jobs
    beside it on the same cores, and again with every worker paused (the API alone).
+
+    python -m bench.overhead --tiny-boundaries     # instead: the workers' chunk boundaries on the tiny models
+
+boots the stack with GENSERVER_CHUNK_SECONDS=0.001 (one step per chunk), runs a 50-step tiny-sd image and a
+50-step tiny-wan video on the CPU cards, and reads their boundaries from /metrics as in 3.
 """
 
 from __future__ import annotations
@@ -172,12 +177,43 @@ def ms(xs: Sequence[float], q: float) -> str:
     return f"{pct(xs, q) * 1000:7.1f} ms"
 
 
+def boundary_line(label: str, shares: dict[float, float]) -> str:
+    """The share of boundaries at or under each bucket up to 25 ms, and the bucket that holds the P50."""
+    median = next((bound for bound, share in shares.items() if share >= 0.5), None)
+    return (
+        f"{label:27}"
+        + "  ".join(f"≤{bound * 1000:g} ms {share:.0%}" for bound, share in shares.items() if bound <= 0.025)
+        + (f"  → P50 ≤ {median * 1000:g} ms" if median is not None else "")
+    )
+
+
+# The tiny models' jobs of --tiny-boundaries: 50 steps each, one step per chunk (49 boundaries a job).
+TINY_JOBS = (
+    {"model": "tiny-sd", "prompt": "boundary probe", "steps": 50},
+    {"model": "tiny-wan", "prompt": "boundary probe", "steps": 50},
+)
+
+
+def tiny_boundaries() -> int:
+    with live_stack(stack_env() | {"GENSERVER_CHUNK_SECONDS": "0.001"}) as stack:
+        for body in TINY_JOBS:
+            status, job, _ = stack.request("POST", "/api/v1/jobs/", body)
+            assert status == 201, job
+            job = wait_terminal(stack, job["id"], timeout=300)
+            assert job["status"] == "succeeded", job
+            print(boundary_line(f"chunk boundary, {body['model']}", boundary_shares(stack, body["model"])))
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--samples", type=int, default=30)
     parser.add_argument("--clients", type=int, default=8)
     parser.add_argument("--requests", type=int, default=200)
+    parser.add_argument("--tiny-boundaries", action="store_true", help="only the tiny models' chunk boundaries")
     args = parser.parse_args(argv)
+    if args.tiny_boundaries:
+        return tiny_boundaries()
     with live_stack(stack_env()) as stack:
         bare = bare_round_trip(args.samples)
         miss = dispatch_latency(stack, args.samples, hit=False)
@@ -194,12 +230,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"  = {pct(dispatch, 0.5) / pct(bare, 0.5):.2f} × bare at P50"
         )
     print(f"gap between chunks         mean {gap * 1000:7.1f} ms over {boundaries} boundaries")
-    median = next((bound for bound, share in shares.items() if share >= 0.5), None)
-    print(
-        "chunk boundary (workers)   "
-        + "  ".join(f"≤{bound * 1000:g} ms {share:.0%}" for bound, share in shares.items() if bound <= 0.025)
-        + (f"  → P50 ≤ {median * 1000:g} ms" if median is not None else "")
-    )
+    print(boundary_line("chunk boundary (workers)", shares))
     print(
         f"submit under {args.clients} clients     P50 {ms(latencies, 0.5)}  P99 {ms(latencies, 0.99)}  "
         f"{throughput:.0f} req/s  codes {codes}"

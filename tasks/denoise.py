@@ -52,7 +52,8 @@ HEARTBEAT_EVERY_SECONDS = 1.0  # lease renewal + progress write; per step would 
 # How often a running chunk asks whether a job published ahead (the lightest user's) waits for a card: more
 # often starts that job sooner after a step, less often reads Redis less (one pipelined read each time).
 CUT_CHECK_SECONDS = 0.2
-# Work a chunk boundary need not wait for (deleting the previous checkpoint, recording what the boundary took).
+# Work a chunk boundary need not wait for (deleting the previous checkpoint, learning what the chunk and the
+# boundary took).
 _off_the_boundary = ThreadPoolExecutor(max_workers=1, thread_name_prefix="off-the-boundary")
 
 
@@ -231,9 +232,20 @@ def _record_chunk(member: _Member, result: stages.ChunkResult, worker: str, stay
         return result.stopped
     step = member.cursor.offset + result.step  # global over a long video's segments
     if not services.finish_chunk(
-        job_id, worker, step, result.checkpoint_key, result.step_seconds, keep_lease=stay, chunk_seconds=result.seconds
+        job_id,
+        worker,
+        step,
+        result.checkpoint_key,
+        result.step_seconds,
+        keep_lease=stay,
+        chunk_seconds=result.seconds,
+        held=member.job,
+        learn=False,
     ):
         return Outcome.SUPERSEDED
+    _off_the_boundary.submit(services.learn_from_chunk, member.job, result.step_seconds, worker)
+    if stay:
+        member.last_beat = time.monotonic()  # the record renewed the lease: it was this second's heartbeat
     metrics.observe(metrics.CHECKPOINT_BYTES, member.job.model, result.checkpoint_bytes)
     if member.checkpoint_key and member.checkpoint_key != result.checkpoint_key:
         # The older checkpoint is no longer needed; an unlink right after an fsync can take
