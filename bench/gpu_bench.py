@@ -96,14 +96,13 @@ def config_tree_with_tokenizers(spec: ModelSpec, into: Path, data_dir: Path | No
 
 
 def download_free_tokenizer(family: str, name: str, folder: Path) -> Any:
-    from transformers import T5Tokenizer
-
     from workers.runtime import tiny_models, tiny_wan
+    from workers.runtime.tiny_t5 import tiny_t5_tokenizer
 
     if family == "wan":
-        return tiny_wan._tiny_tokenizer()
+        return tiny_t5_tokenizer(tiny_wan.WORDS)
     if family == "flux" and name == "tokenizer_2":
-        return T5Tokenizer(vocab=tiny_models.tiny_t5_vocab(), extra_ids=0, model_max_length=tiny_models.T5_MAX_TOKENS)
+        return tiny_t5_tokenizer(tiny_models.T5_WORDS)
     # SDXL's second CLIP tokenizer pads with "!" (OpenCLIP's choice), the first with its end token.
     return tiny_models._tiny_tokenizer(folder, pad_token="!" if name == "tokenizer_2" else None)
 

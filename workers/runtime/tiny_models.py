@@ -3,11 +3,7 @@
 Nothing is downloaded: the weights are random (seeded) and the tokenizers are
 built here. The CLIP tokenizer's vocab.json / merges.txt hold the 256 byte-level
 symbols, their end-of-word forms and a few merges. FLUX's T5 tokenizer is a real
-T5Tokenizer (transformers' tokenizers-backed Unigram, the class FLUX's
-`tokenizer_2` loads as) over a small vocabulary written here: the printable
-ASCII characters, with and without the word-start marker "▁", and a few words;
-anything else maps to <unk>, as with the real T5 vocabulary. No SentencePiece
-model file is needed.
+T5Tokenizer over a small vocabulary written here (tiny_t5.py).
 
 Each checkpoint is saved by its diffusers pipeline (StableDiffusionPipeline,
 StableDiffusionXLPipeline, FluxPipeline), so the layout is the ordinary
@@ -21,8 +17,8 @@ diffusers pipeline, which the tests use for cross-checks.
 
 Each takes well under a second to write (after the imports).
 
-Over 400 lines because the three checkpoints share their tokenizer, text encoder and VAE builders here;
-tiny-wan (tiny_wan.py) has its own.
+The three checkpoints share their CLIP tokenizer, text encoder and VAE builders here; tiny-wan is in
+tiny_wan.py, and the T5-family encoder and tokenizer FLUX and Wan share in tiny_t5.py.
 """
 
 from __future__ import annotations
@@ -36,6 +32,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from workers.runtime.tiny_t5 import tiny_t5_encoder, tiny_t5_tokenizer
 from workers.runtime.tiny_wan import make_tiny_wan
 
 if TYPE_CHECKING:
@@ -271,24 +268,8 @@ def make_tiny_sdxl(path: Path, seed: int = 0) -> Path:
     return path
 
 
-T5_MAX_TOKENS = 512  # FLUX.1-dev's max_sequence_length (the cost model counts 512 text tokens)
 T5_HIDDEN = 32  # = the transformer's joint_attention_dim
-_T5_WORDS = ("the", "a", "an", "and", "of", "in", "on", "with", "photo", "cat", "dog", "red", "fox", "snow")
-
-
-def tiny_t5_vocab() -> list[tuple[str, float]]:
-    """(piece, log-probability) for a Unigram model in T5's order: <pad>, </s>, <unk>, then pieces.
-
-    Printable ASCII characters alone and with the word-start marker "▁", and a
-    few whole words (more likely, so the Unigram prefers them).
-    """
-    chars = [chr(c) for c in range(ord("!"), ord("~") + 1)]
-    return (
-        [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0), ("▁", -2.0)]
-        + [(c, -5.0) for c in chars]
-        + [("▁" + c, -4.5) for c in chars]
-        + [("▁" + w, -3.0) for w in _T5_WORDS]
-    )
+T5_WORDS = ("the", "a", "an", "and", "of", "in", "on", "with", "photo", "cat", "dog", "red", "fox", "snow")
 
 
 def make_tiny_flux(path: Path, seed: int = 0) -> Path:
@@ -303,12 +284,11 @@ def make_tiny_flux(path: Path, seed: int = 0) -> Path:
     """
     import torch
     from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
-    from transformers import T5Config, T5EncoderModel, T5Tokenizer
 
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     tokenizer = _tiny_tokenizer(path / "tokenizer")
-    tokenizer_2 = T5Tokenizer(vocab=tiny_t5_vocab(), extra_ids=0, model_max_length=T5_MAX_TOKENS)
+    tokenizer_2 = tiny_t5_tokenizer(T5_WORDS)
     latent_channels = 16
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
@@ -332,24 +312,7 @@ def make_tiny_flux(path: Path, seed: int = 0) -> Path:
         torch.manual_seed(seed + 2)
         text_encoder = _tiny_clip_text_encoder(tokenizer)
         torch.manual_seed(seed + 3)
-        text_encoder_2 = T5EncoderModel(
-            T5Config(
-                vocab_size=len(tokenizer_2),
-                d_model=T5_HIDDEN,
-                d_kv=8,
-                d_ff=64,
-                num_layers=2,
-                num_heads=4,
-                relative_attention_num_buckets=8,
-                relative_attention_max_distance=32,
-                feed_forward_proj="gated-gelu",
-                is_encoder_decoder=False,
-                use_cache=False,
-                pad_token_id=tokenizer_2.pad_token_id,
-                eos_token_id=tokenizer_2.eos_token_id,
-                decoder_start_token_id=tokenizer_2.pad_token_id,
-            )
-        )
+        text_encoder_2 = tiny_t5_encoder(tokenizer_2, T5_HIDDEN, umt5=False, position_buckets=8, max_distance=32)
     # FLUX.1-dev's scheduler config.
     scheduler = FlowMatchEulerDiscreteScheduler(
         num_train_timesteps=1000,

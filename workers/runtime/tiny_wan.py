@@ -12,31 +12,23 @@ The components are Wan 2.1's in miniature:
 * vae          AutoencoderKLWan, z_dim 16 (Wan 2.1's latent channels and their
                mean/std), 8× spatial and 4× temporal downsampling like the real one
 * text_encoder UMT5EncoderModel, 2 layers of width 32 (= the transformer's text_dim)
-* tokenizer    transformers' T5Tokenizer (a tokenizers Unigram model, as UMT5's)
-               built from an in-memory vocabulary written here: the special
-               tokens, "▁", the printable ASCII characters, their word-initial
-               "▁x" forms and a few common words. Anything else becomes <unk>.
-               No SentencePiece model file is needed; tokenizer.json is written
-               by save_pretrained and loads with AutoTokenizer.
+* tokenizer    transformers' T5Tokenizer over a small vocabulary of its own (tiny_t5.py)
 * scheduler    UniPCMultistepScheduler with Wan's flow settings
                (flow_prediction, use_flow_sigmas, flow_shift 3.0)
 """
 
 from __future__ import annotations
 
-import string
 from pathlib import Path
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from transformers import T5Tokenizer
+from workers.runtime.tiny_t5 import tiny_t5_encoder, tiny_t5_tokenizer
 
 TEXT_HIDDEN = 32  # UMT5 d_model = the transformer's text_dim
 LATENT_CHANNELS = 16  # Wan 2.1's z_dim
 FLOW_SHIFT = 3.0  # Wan 2.1 uses 3.0 at 480p, 5.0 at 720p
 
 # A few whole words, so the Unigram model prefers real pieces over characters.
-_WORDS = (
+WORDS = (
     "a",
     "the",
     "and",
@@ -61,23 +53,6 @@ _WORDS = (
 )
 
 
-def tiny_t5_vocab() -> list[tuple[str, float]]:
-    """(piece, log-probability) in T5's order: <pad>=0, </s>=1, <unk>=2, then the pieces."""
-    chars = [c for c in string.printable if not c.isspace()]
-    pieces: list[tuple[str, float]] = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0), ("▁", -2.0)]
-    pieces += [(c, -6.0) for c in chars]
-    pieces += [("▁" + c, -5.0) for c in chars]
-    pieces += [("▁" + w, -3.0) for w in _WORDS if len(w) > 1]
-    return pieces
-
-
-def _tiny_tokenizer() -> T5Tokenizer:
-    from transformers import T5Tokenizer
-
-    # extra_ids=0: no sentinel tokens (they only matter for T5's span-corruption training).
-    return T5Tokenizer(vocab=tiny_t5_vocab(), extra_ids=0, model_max_length=512)
-
-
 def make_tiny_wan(path: Path, seed: int = 0) -> Path:
     """Write a tiny Wan-2.1-style diffusers checkpoint to `path`; deterministic given `seed`.
 
@@ -85,11 +60,10 @@ def make_tiny_wan(path: Path, seed: int = 0) -> Path:
     """
     import torch
     from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanPipeline, WanTransformer3DModel
-    from transformers import UMT5Config, UMT5EncoderModel
 
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    tokenizer = _tiny_tokenizer()
+    tokenizer = tiny_t5_tokenizer(WORDS)
 
     # fork_rng: seeding must not leak into the caller's global RNG. Each component is
     # seeded separately, so changing one's shape doesn't change the others' weights.
@@ -120,22 +94,7 @@ def make_tiny_wan(path: Path, seed: int = 0) -> Path:
             temperal_downsample=[False, True, True],
         )
         torch.manual_seed(seed + 2)
-        text_encoder = UMT5EncoderModel(
-            UMT5Config(
-                vocab_size=len(tokenizer),
-                d_model=TEXT_HIDDEN,
-                d_kv=8,
-                d_ff=64,
-                num_layers=2,
-                num_heads=4,
-                relative_attention_num_buckets=32,
-                relative_attention_max_distance=128,
-                feed_forward_proj="gated-gelu",
-                pad_token_id=tokenizer.pad_token_id,
-                eos_token_id=tokenizer.eos_token_id,
-                decoder_start_token_id=tokenizer.pad_token_id,
-            )
-        )
+        text_encoder = tiny_t5_encoder(tokenizer, TEXT_HIDDEN, umt5=True, position_buckets=32, max_distance=128)
     # Wan 2.1's scheduler settings.
     scheduler = UniPCMultistepScheduler(
         num_train_timesteps=1000,
