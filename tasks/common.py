@@ -10,6 +10,7 @@ from contextlib import contextmanager
 from celery.signals import worker_init, worker_process_init
 
 from genserver import config, deployment
+from genserver.jobs import events
 from genserver.jobs.models import Job
 from genserver.storage import default_storage
 from workers.runtime.base import Family, GenerationRequest
@@ -67,12 +68,14 @@ def _warm_up_compiled_models() -> None:
 @worker_init.connect
 def warm_up_in_main_process(**kwargs) -> None:
     if config.worker_pool() in ("solo", "threads"):  # tasks run in this process
+        events.publish_in_background()
         _warm_up_compiled_models()
 
 
 @worker_process_init.connect
 def warm_up_in_pool_process(**kwargs) -> None:
-    _warm_up_compiled_models()  # prefork: each child runs jobs
+    events.publish_in_background()  # prefork: each child runs jobs
+    _warm_up_compiled_models()
 
 
 storage = default_storage

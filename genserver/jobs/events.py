@@ -18,6 +18,11 @@ refreshes the waiting jobs of that queue that someone is watching (Redis'
 PUBSUB NUMSUB says which), so queue position and ETA stay live without any
 client polling the database. Publishing is best effort: Redis down is logged
 and never fails the transition that committed.
+
+A worker publishes from a thread of its own (`publish_in_background`, called at
+its start): rendering the job (its queue position and ETA are several queries)
+must not delay the card. The API publishes at once, so a response that follows
+an event finds it in the log.
 """
 
 from __future__ import annotations
@@ -25,11 +30,12 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 from uuid import UUID
 
 from django.conf import settings
-from django.db import transaction
+from django.db import close_old_connections, transaction
 
 from genserver.jobs.models import Job
 from genserver.redis_client import client as redis_client
@@ -68,9 +74,39 @@ def channel(job_id: UUID | str) -> str:
     return EVENT_CHANNEL.format(job_id=job_id)
 
 
+# Set in a worker process (`publish_in_background`): one thread, so the process's events keep their order.
+_background: ThreadPoolExecutor | None = None
+
+
+def publish_in_background() -> None:
+    """From now on, this process's events are rendered and appended by a thread of their own (a worker's:
+    measured in-process, a first chunk's claim and first heartbeat spent 5 ms of its 13 ms before the first
+    step publishing theirs). They stay in order; one that is pending when the process stops is still sent."""
+    global _background
+    if _background is None:
+        _background = ThreadPoolExecutor(max_workers=1, thread_name_prefix="job-events")
+
+
+def _soon(publishing: Callable[..., Any], *args: Any) -> None:
+    if _background is None:
+        publishing(*args)
+    else:
+        _background.submit(_on_own_connection, publishing, *args)
+
+
+def _on_own_connection(publishing: Callable[..., Any], *args: Any) -> None:
+    close_old_connections()  # this thread's database connection: dropped if it broke (a database restart)
+    publishing(*args)
+
+
+def publish_soon(job_id: UUID | str, kind: str) -> None:
+    """`publish` at once, or on the worker's event thread (a transition that has committed already)."""
+    _soon(publish, job_id, kind)
+
+
 def publish_on_commit(job_id: UUID | str, kind: str) -> None:
     """Publish the job's `kind` event once the transaction that made it true commits (at once outside one)."""
-    transaction.on_commit(lambda: publish(job_id, kind))
+    transaction.on_commit(lambda: publish_soon(job_id, kind))
 
 
 def publish(job_id: UUID | str, kind: str) -> str | None:
@@ -132,4 +168,4 @@ def publish_queue_moved(queue: str) -> int:
 
 
 def publish_queue_moved_on_commit(queue: str) -> None:
-    transaction.on_commit(lambda: publish_queue_moved(queue))
+    transaction.on_commit(lambda: _soon(publish_queue_moved, queue))

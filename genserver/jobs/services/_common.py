@@ -113,7 +113,7 @@ def after_end(job_id: JobId) -> None:
     except Exception:  # noqa: BLE001 - a stale cancel flag expires with its job; Redis down must not block the end
         pass
     if status in TERMINAL:
-        events.publish(job_id, status)  # the stream's last event: open streams end on it
+        events.publish_soon(job_id, status)  # the stream's last event: open streams end on it
         webhooks.emit(job_id, status)
     release_for(job_id)
 
@@ -135,8 +135,8 @@ def emit_on_commit(job_id: JobId, event: str, segment: int | None = None) -> Non
     commits (`segment`: the index of the segment a `segment` event is for)."""
 
     def emit() -> None:
-        events.publish(job_id, event)
-        webhooks.emit(job_id, event, segment=segment)
+        events.publish_soon(job_id, event)
+        webhooks.emit(job_id, event, segment=segment)  # at once: its message is the webhook's delivery
 
     transaction.on_commit(emit)
 
