@@ -40,8 +40,6 @@ def start_encoding(job_id: JobId, worker: str) -> Job | None:
     """Take the job's encode stage. None when it was cancelled, finished, is held elsewhere, or missed its
     start deadline (it ends `expired` here instead of running)."""
     now = timezone.now()
-    if expire_if_overdue(job_id, now):
-        return None
     free = Job.objects.filter(lease_free(now), not_overdue(now), pk=job_id, cancel_requested=False, held=False)
     fields = dict(
         status=JobStatus.ENCODING, stage=JobStage.ENCODING, lease_owner=worker, lease_expires_at=lease_until()
@@ -49,6 +47,7 @@ def start_encoding(job_id: JobId, worker: str) -> Job | None:
     if free.filter(status=JobStatus.QUEUED).update(**fields):  # one UPDATE either way; the first says "from"
         observe.transition(job_id, JobStatus.QUEUED, JobStatus.ENCODING, worker=worker)
     elif not free.filter(status=JobStatus.ENCODING).update(**fields):  # a retried encode
+        expire_if_overdue(job_id, now)  # not taken: an overdue job ends here (the guard refused it)
         return None
     announce_on_commit(job_id, "encoding")
     return Job.objects.filter(pk=job_id).first()  # None if the row was deleted meanwhile (the admin)
@@ -96,8 +95,6 @@ def claim_chunk(job_id: JobId, worker: str, from_step: int) -> Job | None:
     """Take the chunk that starts at `from_step`. None when it already ran, runs elsewhere, or must not run
     (an overdue job that never started ends `expired` here instead)."""
     now = timezone.now()
-    if expire_if_overdue(job_id, now):
-        return None
     taken = Job.objects.filter(
         lease_free(now),
         not_overdue(now),
@@ -110,6 +107,9 @@ def claim_chunk(job_id: JobId, worker: str, from_step: int) -> Job | None:
         stage=JobStage.DENOISING, lease_owner=worker, lease_expires_at=lease_until(), chunks_run=F("chunks_run") + 1
     )
     if not taken:
+        # Only a chunk not taken asks why: one read fewer on the common path (the claim's guard refuses an
+        # overdue job with the same `now`).
+        expire_if_overdue(job_id, now)
         return None
     job = Job.objects.get(pk=job_id)
     announce_on_commit(job_id, "denoising")
