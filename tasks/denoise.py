@@ -239,13 +239,11 @@ def _record_chunk(member: _Member, result: stages.ChunkResult, worker: str, stay
         result.step_seconds,
         keep_lease=stay,
         chunk_seconds=result.seconds,
-        held=member.job,
+        claimed=member.job,
         learn=False,
     ):
         return Outcome.SUPERSEDED
     _off_the_boundary.submit(services.learn_from_chunk, member.job, result.step_seconds, worker)
-    if stay:
-        member.last_beat = time.monotonic()  # the record renewed the lease: it was this second's heartbeat
     metrics.observe(metrics.CHECKPOINT_BYTES, member.job.model, result.checkpoint_bytes)
     if member.checkpoint_key and member.checkpoint_key != result.checkpoint_key:
         # The older checkpoint is no longer needed; an unlink right after an fsync can take

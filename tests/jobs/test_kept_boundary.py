@@ -1,4 +1,4 @@
-"""A chunk boundary where the card keeps the job (services.finish_chunk with `held`): one conditional UPDATE
+"""A chunk boundary where the card keeps the job (services.finish_chunk with `claimed`): one conditional UPDATE
 that records what the locked path records, and every boundary where more happens goes the locked way."""
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ def sent(monkeypatch):
     return capture_sends(monkeypatch, "send_chunk", "send_decode", send_segment_decode=lambda *a: ("segment",))
 
 
-def held_by_the_card(owner, request: dict | None = None, done: int = 4) -> Job:
+def claimed_by_the_card(owner, request: dict | None = None, done: int = 4) -> Job:
     """A job this card claimed, `done` steps checkpointed, its lease running: the row the worker holds."""
     return make_job(
         owner,
@@ -56,9 +56,9 @@ def held_by_the_card(owner, request: dict | None = None, done: int = 4) -> Job:
     )
 
 
-def kept(job: Job, step: int, held: Job | None) -> bool:
+def kept(job: Job, step: int, claimed: Job | None) -> bool:
     key = f"checkpoints/{job.pk}/step-{step:05d}.pt"
-    return services.finish_chunk(job.pk, CARD, step, key, 0.05, keep_lease=True, chunk_seconds=0.2, held=held)
+    return services.finish_chunk(job.pk, CARD, step, key, 0.05, keep_lease=True, chunk_seconds=0.2, claimed=claimed)
 
 
 def recorded(job: Job) -> tuple:
@@ -69,49 +69,49 @@ def recorded(job: Job) -> tuple:
 
 def test_a_kept_boundary_is_one_update_and_records_what_the_locked_path_does(django_user_model, sent):
     owner = django_user_model.objects.create_user("kept")
-    fast, locked = held_by_the_card(owner), held_by_the_card(owner)
+    fast, locked = claimed_by_the_card(owner), claimed_by_the_card(owner)
     with CaptureQueriesContext(connection) as statements:
-        assert kept(fast, 8, held=fast)
-    assert kept(locked, 8, held=None)
+        assert kept(fast, 8, claimed=fast)
+    assert kept(locked, 8, claimed=None)
     on_jobs = [q["sql"] for q in statements.captured_queries if "jobs_job" in q["sql"]]
     assert len(on_jobs) == 1 and on_jobs[0].startswith("UPDATE"), on_jobs
     assert recorded(fast) == recorded(locked)
     row = Job.objects.get(pk=fast.pk)
     assert (row.checkpoint_step, row.chunks_run, row.lease_owner) == (8, 2, CARD)
     assert row.card_seconds == pytest.approx(1.7)
-    assert row.lease_expires_at > fast.lease_expires_at  # renewed: the boundary was a heartbeat too
+    assert row.lease_expires_at > fast.lease_expires_at  # renewed, as the locked path renews it
     assert sent == []  # the card runs the next chunk itself
 
 
 def test_a_step_already_recorded_or_a_lost_lease_records_nothing(django_user_model, sent):
-    job = held_by_the_card(django_user_model.objects.create_user("late"))
-    assert not kept(job, 4, held=job)  # a redelivered boundary: that step is already there
+    job = claimed_by_the_card(django_user_model.objects.create_user("late"))
+    assert not kept(job, 4, claimed=job)  # a redelivered boundary: that step is already there
     Job.objects.filter(pk=job.pk).update(lease_owner="card1@test:1")  # the reaper gave the job away
-    assert not kept(job, 8, held=job)
+    assert not kept(job, 8, claimed=job)
     row = Job.objects.get(pk=job.pk)
     assert (row.checkpoint_step, row.chunks_run, row.lease_owner) == (4, 1, "card1@test:1")
 
 
 def test_a_cancel_asked_meanwhile_ends_the_job_at_the_boundary(django_user_model, sent):
-    job = held_by_the_card(django_user_model.objects.create_user("cancel"))
+    job = claimed_by_the_card(django_user_model.objects.create_user("cancel"))
     Job.objects.filter(pk=job.pk).update(cancel_requested=True)  # the row's flag (its Redis twin missed)
-    assert kept(job, 8, held=job)
+    assert kept(job, 8, claimed=job)
     row = Job.objects.get(pk=job.pk)
     assert (row.status, row.lease_owner, row.checkpoint_step) == (JobStatus.CANCELLED, "", 8)
 
 
 def test_a_total_lowered_meanwhile_ends_the_job_at_its_steps(django_user_model, sent):
-    job = held_by_the_card(django_user_model.objects.create_user("lowered"))
+    job = claimed_by_the_card(django_user_model.objects.create_user("lowered"))
     Job.objects.filter(pk=job.pk).update(steps=6)  # POST /steps/ while the chunk ran; the card runs 20
-    assert kept(job, 8, held=job)
+    assert kept(job, 8, claimed=job)
     row = Job.objects.get(pk=job.pk)
     assert (row.status, row.steps, row.lease_owner) == (JobStatus.DECODING, 8, "")
     assert sent == [("decode", job.pk, row.priority)]
 
 
 def test_the_last_step_publishes_the_decode(django_user_model, sent):
-    job = held_by_the_card(django_user_model.objects.create_user("last"))
-    assert kept(job, 20, held=job)
+    job = claimed_by_the_card(django_user_model.objects.create_user("last"))
+    assert kept(job, 20, claimed=job)
     row = Job.objects.get(pk=job.pk)
     assert (row.status, row.lease_owner) == (JobStatus.DECODING, "")
     assert sent == [("decode", job.pk, row.priority)]
@@ -119,10 +119,10 @@ def test_the_last_step_publishes_the_decode(django_user_model, sent):
 
 def test_a_segments_end_publishes_its_decode(django_user_model, sent):
     video = {"model": "wan-sim", "width": 832, "height": 480, "num_frames": 241, "steps": 20, "seed": 9}
-    job = held_by_the_card(django_user_model.objects.create_user("segments"), video)
+    job = claimed_by_the_card(django_user_model.objects.create_user("segments"), video)
     assert job.segment_count == 3
-    assert kept(job, 10, held=job) and not JobSegment.objects.filter(job=job).exists()
-    assert kept(job, 20, held=job)  # segment 0's last step: its decode overlaps the next segment
+    assert kept(job, 10, claimed=job) and not JobSegment.objects.filter(job=job).exists()
+    assert kept(job, 20, claimed=job)  # segment 0's last step: its decode overlaps the next segment
     assert JobSegment.objects.get(job=job, index=0).checkpoint_key.endswith("step-00020.pt")
     assert sent == [("segment",)]
     assert Job.objects.get(pk=job.pk).lease_owner == CARD

@@ -211,7 +211,7 @@ def finish_chunk(
     step_seconds: float | None,
     keep_lease: bool = False,
     chunk_seconds: float | None = None,
-    held: Job | None = None,
+    claimed: Job | None = None,
     learn: bool = True,
 ) -> bool:
     """Record a saved checkpoint; then either keep the card (`keep_lease`: the worker runs the next
@@ -220,7 +220,7 @@ def finish_chunk(
     `chunk_seconds`: the chunk's measured wall seconds for this job (its share of a merged batch);
     without it, `step_seconds` × the chunk's steps. Times the worker's cards, it adds to the job's
     measured `card_seconds` (what its owner's daily quota is settled with when it ends).
-    `held`: the worker's copy of the row as it claimed it; with it, a boundary where the card keeps the
+    `claimed`: the worker's copy of the job's row as it claimed it; with it, a boundary where the card keeps the
     job and nothing else happens is one conditional UPDATE (`_record_kept_chunk`) instead of a locked
     read and save. `learn=False`: the caller folds the step time into the model's correction itself,
     off its critical path (`learn_from_chunk`). False when this worker no longer holds the job or the
@@ -230,12 +230,12 @@ def finish_chunk(
     group_size = spec.group_size if spec is not None else 1
     if (
         keep_lease
-        and held is not None
+        and claimed is not None
         and chunk_seconds is not None
-        and _record_kept_chunk(held, worker, step, checkpoint_key, step_seconds, chunk_seconds * group_size)
+        and _record_kept_chunk(claimed, worker, step, checkpoint_key, step_seconds, chunk_seconds * group_size)
     ):
         if learn:
-            learn_from_chunk(held, step_seconds, worker)
+            learn_from_chunk(claimed, step_seconds, worker)
         return True
     with transaction.atomic():
         job = Job.objects.select_for_update().filter(pk=job_id, lease_owner=worker, status=JobStatus.DENOISING).first()
@@ -280,29 +280,29 @@ def finish_chunk(
 
 
 def _record_kept_chunk(
-    held: Job, worker: str, step: int, checkpoint_key: str, step_seconds: float | None, card_seconds: float
+    claimed: Job, worker: str, step: int, checkpoint_key: str, step_seconds: float | None, card_seconds: float
 ) -> bool:
     """The common boundary, where the card keeps the job for its next chunk, as one compare-and-set.
 
     It writes what the locked path would (checkpoint, progress, card seconds, the next chunk's priority)
-    and renews the lease, so it is also that moment's heartbeat. It applies only where nothing else
+    and renews the lease. It applies only where nothing else
     happens at the boundary: not the job's last step, not a segment's end, the total it runs is still the
     row's (a change of steps goes the locked way, which rescales), no cancel asked. The priority comes
-    from `held`'s estimate, which only a change of steps changes. False when any of that does not hold
+    from `claimed`'s estimate, which only a change of steps changes. False when any of that does not hold
     (or the lease is gone): the caller then takes the locked path, which decides.
     """
-    if step >= held.total_steps or (held.segment_count > 1 and step % held.steps == 0):
+    if step >= claimed.total_steps or (claimed.segment_count > 1 and step % claimed.steps == 0):
         return False
-    remaining = held.estimated_seconds * (held.total_steps - step) / held.total_steps
+    remaining = claimed.estimated_seconds * (claimed.total_steps - step) / claimed.total_steps
     return bool(
         Job.objects.filter(
-            pk=held.pk,
+            pk=claimed.pk,
             lease_owner=worker,
             status=JobStatus.DENOISING,
             checkpoint_step__lt=step,
             cancel_requested=False,
-            steps=held.steps,
-            segment_count=held.segment_count,
+            steps=claimed.steps,
+            segment_count=claimed.segment_count,
         ).update(
             checkpoint_step=step,
             steps_done=step,
@@ -310,7 +310,7 @@ def _record_kept_chunk(
             measured_step_seconds=step_seconds,
             chunks_run=F("chunks_run") + 1,  # an in-process chunk counts like a claimed one
             card_seconds=F("card_seconds") + card_seconds,
-            priority=priority_for(held.duration_class, remaining, True, deployment.thresholds()),
+            priority=priority_for(claimed.duration_class, remaining, True, deployment.thresholds()),
             lease_expires_at=lease_until(),
             updated_at=timezone.now(),
         )
