@@ -24,7 +24,6 @@ from genserver.jobs import selectors, services
 from genserver.jobs.models import ACTIVE, Job, JobStatus
 from genserver.jobs.services import transitions
 from genserver.jobs.services.priority import priority_bounds
-from genserver.redis_client import STAGE_SECONDS_KEY, client as redis_client
 from genserver.scheduling.admission import WorkItem, expected_wait
 from genserver.scheduling.pools import PoolLayout
 from tests.conftest import submit
@@ -173,8 +172,7 @@ def test_positions_etas_and_backlog_equal_the_full_scan_under_random_transitions
     # stages (tests/jobs/test_stage_seconds.py): none is learned here. Without this, a decode finished in one
     # example taught its model a tail (up to seconds, after a tie moved its `published_at` back) that every
     # later example's ETAs then counted and the scan did not.
-    monkeypatch.setattr(transitions, "learn_stage_seconds", lambda *args: None)
-    redis_client().delete(STAGE_SECONDS_KEY)
+    monkeypatch.setattr(transitions, "learn_stage_seconds", lambda *args: None)  # (the fixture emptied them)
     settings.MAX_JOBS_IN_FLIGHT = 0
     # One owner's 16 submits would be a burst the fair window holds, and the positions of held jobs (and of
     # jobs behind them) are the round-robin's, not this first-come scan's: tests/jobs/test_fairness.py.
