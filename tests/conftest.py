@@ -6,6 +6,7 @@ Helpers live in tests/support/; the stack boot in workers/local_workers.py (shar
 from __future__ import annotations
 
 import os
+from collections import Counter
 from collections.abc import Callable, Iterator
 
 import pytest
@@ -128,6 +129,20 @@ def _storage_env_set(request) -> None:
         request.getfixturevalue("storage_env")
 
 
+def pytest_itemcollected(item: pytest.Item) -> None:
+    """Every test has a node id of its own: pytest-xdist (`make test`) hands tests out by node id.
+
+    schemathesis names each operation's case (`test_…[GET /api/v1/jobs/]`), but on pytest 9.2 (whose node ids are
+    structured) all of its cases keep the function's id: xdist would run one and silently skip the others. The
+    case's name makes it unique (`pytest_collection_modifyitems` refuses any repeat that is left).
+    """
+    head, _, last = item.nodeid.rpartition("::")
+    if last != item.name and head:
+        from _pytest.nodeid import coerce_node_id  # the structured id pytest 9.2 reads `nodeid` from
+
+        item._id = coerce_node_id(f"{head}::{item.name}")
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Every test without the stack runs before the first stack test, and stack tests on s3 run last.
 
@@ -136,6 +151,9 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     stay `queued`) would otherwise have its job taken by a live worker, depending
     on where it falls in the order. On s3 the stack reboots once, not per test.
     pytest-django's own ordering (tryfirst) stays within each group: the sort is stable.
+    Under pytest-xdist (`make test`) each worker has its own database, Redis and stack
+    (tests/support/parallel.py), and xdist hands tests out in this order, so each
+    worker too runs every test it gets without the stack before its first stack test.
     """
 
     def uses_stack(item: pytest.Item) -> bool:
@@ -146,6 +164,9 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         return params.get("storage_backend") == "s3" and uses_stack(item)
 
     items.sort(key=lambda item: (uses_stack(item), on_s3_stack(item)))
+    repeated = [nodeid for nodeid, n in Counter(item.nodeid for item in items).items() if n > 1]
+    if repeated:  # xdist would run one of each and report the rest as never collected
+        raise pytest.UsageError(f"tests share a node id, give them distinct ids: {repeated[:5]}")
 
 
 @pytest.fixture

