@@ -1,7 +1,7 @@
 """The queue picture at any depth: waiting sums per (queue, class, priority), running jobs, and each
 job's position, ETA and quote (QueueSnapshot).
 
-Just over 400 lines: the tally reads, the neighbour counts and QueueSnapshot are one algorithm (a
+Over 500 lines: the tally reads, the neighbour counts, the middle sums and QueueSnapshot are one algorithm (a
 position at any depth in a few queries), with the headwind its ETAs share with admission.
 """
 
@@ -15,7 +15,20 @@ from datetime import datetime, timedelta
 from typing import Any
 
 from django.conf import settings
-from django.db.models import Count, ExpressionWrapper, F, FloatField, Q, QuerySet, Sum, Value
+from django.db.models import (
+    Case,
+    Count,
+    ExpressionWrapper,
+    F,
+    FloatField,
+    IntegerField,
+    Max,
+    Q,
+    QuerySet,
+    Sum,
+    Value,
+    When,
+)
 from django.db.models.functions import Coalesce, Greatest
 from django.utils import timezone
 
@@ -129,16 +142,39 @@ def waiting_groups() -> list[WaitingGroup]:
     return _groups({**r, "n": r["count"]} for r in rows)
 
 
-def _waiting_sums(priority: int, wait_key: Q) -> list[WaitingGroup]:
-    rows = (
+def _middle_sums(priority: int, jobs: list[Job]) -> dict[Any, list[WaitingGroup]]:
+    """For waiting jobs of one priority (sorted by wait key), the waiting jobs of that priority at or before
+    each one's key, itself excluded: in one aggregate for all of them (a page's jobs in the middle of a deep
+    priority), not one per job. The rows up to the last job's key fall into spans between successive jobs'
+    keys (span i: after job i-1's key, up to job i's), each job of `jobs` into a span of its own (so that
+    it can count for the others at the key the database holds, and not for itself); a job's answer is the
+    spans up to its own plus those jobs that are not it and wait at or before its key."""
+    keys = [_key(j) for j in jobs]
+    span = Case(
+        *(When(pk=job.pk, then=Value(-1 - i)) for i, job in enumerate(jobs)),
+        *(When(wait_key__lte=key, then=Value(i)) for i, key in enumerate(keys)),
+        output_field=IntegerField(),
+    )
+    rows = list(
         Job.objects.filter(_WAITING, priority=priority)
         .annotate(wait_key=_WAIT_KEY)
-        .filter(wait_key)
+        .filter(wait_key__lte=keys[-1])
+        .annotate(span=span)
         .order_by()
-        .values("queue", "duration_class", "priority")
-        .annotate(n=Count("id"), seconds=Sum(_WALL_REMAINING))
+        .values("span", "queue", "duration_class")
+        .annotate(n=Count("id"), seconds=Sum(_WALL_REMAINING), last=Max("wait_key"))
     )
-    return _groups(rows)
+    answers = {}
+    for i, job in enumerate(jobs):
+        sums: dict[tuple[str, str], tuple[int, float]] = {}
+        for r in rows:
+            s = r["span"]
+            if (s >= 0 and s <= i) or (s < 0 and -1 - s != i and r["last"] <= keys[i]):
+                group = (r["queue"] or r["duration_class"], r["duration_class"])
+                count, seconds = sums.get(group, (0, 0.0))
+                sums[group] = (count + r["n"], seconds + float(r["seconds"] or 0.0))
+        answers[job.pk] = [WaitingGroup(q, c, priority, n, sec) for (q, c), (n, sec) in sums.items()]
+    return answers
 
 
 def running_jobs() -> list[Job]:
@@ -282,8 +318,8 @@ class QueueSnapshot:
         them, the NEAR_END waiting jobs at the back of it and, for the jobs with more behind them, the
         NEAR_END at its front: at most two indexed reads. A job with fewer than NEAR_END behind is its
         priority's tally less those behind it; else one with fewer than NEAR_END ahead counts them from
-        the front ones; a job with more on both sides (the middle of a very deep queue) is summed on its
-        own (`_same_priority_ahead`)."""
+        the front ones; the jobs with more on both sides (the middle of a very deep queue) are summed, in
+        one aggregate for all of them (`_middle_sums`): at most three reads per priority."""
         waiting = [j for j in jobs if self._waits(j) and j.pk not in self._peers]
         for priority in sorted({j.priority for j in waiting}):
             mine = sorted((j for j in waiting if j.priority == priority), key=_key)
@@ -299,10 +335,15 @@ class QueueSnapshot:
             if not rest:
                 continue
             front = _Neighbours.read(priority, Q(wait_key__lte=_key(rest[-1])), ascending=True)
+            middle = []
             for job in rest:
                 ahead = front.ahead_of(job)
-                if ahead is not None:
+                if ahead is None:
+                    middle.append(job)
+                else:
                     self._peers[job.pk] = ahead
+            if middle:  # NEAR_END or more on both sides: summed, all of them in one read
+                self._peers.update(_middle_sums(priority, middle))
 
     def _waits(self, job: Job) -> bool:
         return not job.is_terminal and not _is_running(job) and job.status != JobStatus.DECODING
@@ -310,8 +351,6 @@ class QueueSnapshot:
     def _same_priority_ahead(self, job: Job) -> list[WaitingGroup]:
         """The waiting jobs at the job's priority that wait at least as long as it (itself excluded)."""
         self.prepare([job])
-        if job.pk not in self._peers:  # NEAR_END or more on both sides: sum those ahead
-            self._peers[job.pk] = _waiting_sums(job.priority, Q(wait_key__lte=_key(job)) & ~Q(pk=job.pk))
         return self._peers[job.pk]
 
     def _all_but(self, job: Job, behind: list[WaitingGroup]) -> list[WaitingGroup]:
