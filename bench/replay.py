@@ -10,7 +10,9 @@ modelled H100). The simulator runs the same workload through the same
 scheduling code with the same layout, chunk length and admission limits.
 
 Also reports ETA accuracy: each job's `eta_seconds` in the 201 answer against
-its actual time to finish, per class.
+its actual time to finish, per class. `--save` keeps the raw run, with the queue
+overview (GET /api/v1/queues/) read right after each video's answer: what its
+ETA's wait was made of (each class's depth, running jobs and backlog seconds).
 """
 
 from __future__ import annotations
@@ -79,6 +81,8 @@ def replay(requests: Sequence[Request], scale: float) -> dict:
                     "expected_start_at": body.get("expected_start_at") if status == 201 else None,
                     "expected_finish_at": body.get("expected_finish_at") if status == 201 else None,
                     "submitted": time.time(),
+                    # What the queue looked like as a video was answered: where its ETA's wait comes from.
+                    "queues": stack.request("GET", "/api/v1/queues/")[1] if req.kind == "video" else None,
                 }
             )
         ids = {s["id"] for s in sent if s["id"]}
