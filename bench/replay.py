@@ -80,6 +80,7 @@ def replay(requests: Sequence[Request], scale: float) -> dict:
                     "eta": body.get("eta_seconds") if status == 201 else None,
                     "expected_start_at": body.get("expected_start_at") if status == 201 else None,
                     "expected_finish_at": body.get("expected_finish_at") if status == 201 else None,
+                    "queue_position": body.get("queue_position") if status == 201 else None,
                     "submitted": time.time(),
                     # What the queue looked like as a video was answered: where its ETA's wait comes from.
                     "queues": stack.request("GET", "/api/v1/queues/")[1] if req.kind == "video" else None,

@@ -24,7 +24,7 @@ from genserver.jobs import selectors, services
 from genserver.jobs.models import ACTIVE, Job, JobStatus
 from genserver.jobs.services import transitions
 from genserver.jobs.services.priority import priority_bounds
-from genserver.scheduling.admission import WorkItem, expected_wait
+from genserver.scheduling.admission import WorkItem, expected_start, expected_wait
 from genserver.scheduling.pools import PoolLayout
 from tests.conftest import submit
 
@@ -76,7 +76,7 @@ def scan_eta(jobs: list[Job], job: Job, layout: PoolLayout) -> float | None:
     own = job.remaining_seconds * job.clock_scale / layout.job_speedup(job.queue or job.duration_class)
     if _running(job) or job.status == JobStatus.DECODING:
         return round(own, 3)
-    wait = expected_wait(job.queue or job.duration_class, job.priority, [_item(o) for o in _ahead(jobs, job)], layout)
+    wait = expected_start(job.queue or job.duration_class, job.priority, [_item(o) for o in _ahead(jobs, job)], layout)
     return None if math.isinf(wait) else round(wait + own, 3)
 
 

@@ -11,7 +11,7 @@ import math
 import pytest
 
 from genserver.registry import load_registry
-from genserver.scheduling.admission import AdmissionLimits, WorkItem, decide, expected_wait, work_ahead
+from genserver.scheduling.admission import AdmissionLimits, WorkItem, decide, expected_start, expected_wait, work_ahead
 from genserver.scheduling.chunking import chunk_plan, steps_per_chunk
 from genserver.scheduling.classes import (
     DEFAULT_PRIORITY,
@@ -249,3 +249,39 @@ def test_invalid_layouts_are_refused():
         PoolLayout((WorkerSpec("x", ("short", "medium", "long", "encode", "decode")),) * 2)
     with pytest.raises(ValueError):
         parse_layout({"workers": [{"queues": ["short"]}]})
+
+
+def test_an_eta_starts_a_job_once_the_whole_jobs_ahead_have_started():
+    """bench.replay's case: three video cards, two running videos about to end and one 120 s video later, two
+    300 s videos waiting. The first two cards to free take the two waiting videos; the new one takes the third."""
+    layout = default_layout(4)  # one image-only card, three that also run video
+    running = [
+        WorkItem(LONG, 6, 1.0, running=True, chunk_remaining_seconds=1.0),
+        WorkItem(LONG, 6, 2.1, running=True, chunk_remaining_seconds=2.1),
+        WorkItem(LONG, 6, 3.1, running=True, chunk_remaining_seconds=3.1),
+    ]
+    waiting = [WorkItem(LONG, 7, 15.0), WorkItem(LONG, 7, 15.0)]
+    assert expected_start(LONG, 7, running + waiting, layout) == pytest.approx(3.1)
+    # The fluid level (admission's) spreads the 30 s over the three cards: 12.07 s, later than the start.
+    assert expected_wait(LONG, 7, running + waiting, layout) == pytest.approx((1.0 + 2.1 + 3.1 + 30.0) / 3)
+    # A group of the live service's tally (two jobs summed in one item) is the same two jobs.
+    grouped = [WorkItem(LONG, 7, 30.0, count=2)]
+    assert expected_start(LONG, 7, running + grouped, layout) == pytest.approx(3.1)
+    # A third waiting video goes on the card the first one left: 1.0 + 15.
+    assert expected_start(LONG, 7, running + waiting + [WorkItem(LONG, 7, 15.0)], layout) == pytest.approx(16.0)
+    # Worse jobs waiting are not ahead; better ones are, in priority order; an idle card starts it at once.
+    assert expected_start(LONG, 6, running + [WorkItem(LONG, 7, 15.0)], layout) == pytest.approx(1.0)
+    assert expected_start(LONG, 7, running[:2], layout) == 0.0
+
+
+def test_an_eta_spreads_work_that_only_partly_lands_on_its_cards_and_falls_back_to_the_fluid_level():
+    layout = default_layout(4)
+    # Images (served by all four cards, three of them the video cards) fill the video cards as a fluid: 4 s of
+    # image work, three quarters of it on the three idle video cards, puts each at 1 s.
+    images = [WorkItem(SHORT, 1, 4.0)]
+    assert expected_start(LONG, 7, images, layout) == pytest.approx(1.0)
+    assert expected_start(LONG, 7, images, layout) == pytest.approx(expected_wait(LONG, 7, images, layout))
+    # More whole jobs ahead than it places one by one: the fluid level.
+    many = [WorkItem(LONG, 7, 1.0, count=300)]
+    assert expected_start(LONG, 7, many, layout) == pytest.approx(expected_wait(LONG, 7, many, layout))
+    assert math.isinf(expected_start("nobody-serves-this", 7, [], layout))

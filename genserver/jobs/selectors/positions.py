@@ -34,7 +34,7 @@ from django.utils import timezone
 
 from genserver.jobs.models import ACTIVE, Job, JobStatus, QueueTally
 from genserver.redis_client import BOUNDARY, HOP, LEAD_IN, STAGE_SECONDS_KEY, TAIL, client as redis_client
-from genserver.scheduling.admission import CALM, HIGHER_CLASSES, Headwind, WorkItem, expected_wait, headwind
+from genserver.scheduling.admission import CALM, HIGHER_CLASSES, Headwind, WorkItem, expected_start, headwind
 from genserver.scheduling.fairness import held_jobs_ahead
 from genserver.scheduling.pools import PoolLayout
 
@@ -120,7 +120,7 @@ class WaitingGroup:
     seconds: float
 
     def item(self) -> WorkItem:
-        return WorkItem(queue=self.queue, priority=self.priority, remaining_seconds=self.seconds)
+        return WorkItem(queue=self.queue, priority=self.priority, remaining_seconds=self.seconds, count=self.count)
 
 
 def _group_key(g: WaitingGroup) -> tuple[str, str, int]:
@@ -488,7 +488,7 @@ class QueueSnapshot:
         items = [g.item() for g in self._waiting_ahead(job)]
         items += [_work_item(o, wall=True) for o in self.running if o.pk != job.pk]
         queue = job.queue or job.duration_class
-        wait = expected_wait(queue, job.priority, items, self.layout, self._headwind(job.duration_class, queue))
+        wait = expected_start(queue, job.priority, items, self.layout, self._headwind(job.duration_class, queue))
         return wait + before, own
 
     def _stage(self, model: str, stage: str) -> float:
