@@ -202,6 +202,7 @@ def expected_start(
     and the running jobs' rests there, fill the cards first as the fluid level does. With cards that are
     groups (group_speedup), merged batches holding more cards than there are, or more than WHOLE_JOBS_AHEAD
     whole jobs ahead, it is the fluid level."""
+    items = list(items)  # read twice: for the fluid picture and for the whole jobs
     ahead = _ahead(queue, priority, items, layout)
     if ahead.cards == 0:
         return math.inf

@@ -262,6 +262,7 @@ def test_an_eta_starts_a_job_once_the_whole_jobs_ahead_have_started():
     ]
     waiting = [WorkItem(LONG, 7, 15.0), WorkItem(LONG, 7, 15.0)]
     assert expected_start(LONG, 7, running + waiting, layout) == pytest.approx(3.1)
+    assert expected_start(LONG, 7, iter(running + waiting), layout) == pytest.approx(3.1)  # read twice: any iterable
     # The fluid level (admission's) spreads the 30 s over the three cards: 12.07 s, later than the start.
     assert expected_wait(LONG, 7, running + waiting, layout) == pytest.approx((1.0 + 2.1 + 3.1 + 30.0) / 3)
     # A group of the live service's tally (two jobs summed in one item) is the same two jobs.
