@@ -122,6 +122,9 @@ class _Ahead:
     cards: float  # card-equivalents serving its queue
     queued: float  # of those seconds, the work at its priority or better that waits unstarted
     busy: tuple[tuple[float, float], ...]  # per running job on those cards: (seconds until it frees its card, share)
+    # Of `queued`, the jobs whose queue only these cards serve, per (priority, queue): (jobs, seconds). They take
+    # a card each, whole (expected_start); the rest of `queued` lands on these cards only in part.
+    whole: tuple[tuple[tuple[int, str], int, float], ...] = ()
 
 
 def _ahead(queue: str, priority: int, items: Iterable[WorkItem], layout: PoolLayout) -> _Ahead:
@@ -131,6 +134,7 @@ def _ahead(queue: str, priority: int, items: Iterable[WorkItem], layout: PoolLay
     serving_cache: dict[str, dict[str, float]] = {}
     total = queued = 0.0
     busy: list[tuple[float, float]] = []
+    whole: dict[tuple[int, str], tuple[int, float]] = {}
     for item in items:
         theirs = serving_cache.setdefault(item.queue, _serving(layout, item.queue))
         if not theirs:
@@ -145,12 +149,15 @@ def _ahead(queue: str, priority: int, items: Iterable[WorkItem], layout: PoolLay
                 busy.append((item.remaining_seconds, share))
             else:
                 queued += item.remaining_seconds * share
+                if share >= 1.0:
+                    count, seconds = whole.get((item.priority, item.queue), (0, 0.0))
+                    whole[(item.priority, item.queue)] = (count + item.count, seconds + item.remaining_seconds)
         elif item.running:
             # Worse priority, but it holds a card until its chunk boundary.
             until = min(item.chunk_remaining_seconds, item.remaining_seconds)
             total += until * share
             busy.append((until, share))
-    return _Ahead(total, sum(mine.values()), queued, tuple(busy))
+    return _Ahead(total, sum(mine.values()), queued, tuple(busy), tuple((k, n, sec) for k, (n, sec) in whole.items()))
 
 
 def _start_level(ahead: _Ahead) -> float:
@@ -202,43 +209,22 @@ def expected_start(
     and the running jobs' rests there, fill the cards first as the fluid level does. With cards that are
     groups (group_speedup), merged batches holding more cards than there are, or more than WHOLE_JOBS_AHEAD
     whole jobs ahead, it is the fluid level."""
-    items = list(items)  # read twice: for the fluid picture and for the whole jobs
     ahead = _ahead(queue, priority, items, layout)
     if ahead.cards == 0:
         return math.inf
-    mine = _serving(layout, queue)
-    cards = len(mine)
-    counts: dict[tuple[int, str], int] = {}
-    seconds: dict[tuple[int, str], float] = {}
-    partial_work = 0.0
-    for item in items:
-        if item.running or item.priority > priority:
-            continue
-        theirs = _serving(layout, item.queue)
-        if not theirs or not (mine.keys() & theirs.keys()):
-            continue
-        if theirs.keys() <= mine.keys():
-            key = (item.priority, item.queue)
-            counts[key] = counts.get(key, 0) + item.count
-            seconds[key] = seconds.get(key, 0.0) + item.remaining_seconds
-        else:
-            partial_work += (
-                item.remaining_seconds * sum(theirs[n] for n in mine.keys() & theirs.keys()) / sum(theirs.values())
-            )
-    jobs = sum(counts.values())
+    cards = len(_serving(layout, queue))
+    jobs = sum(n for _, n, _ in ahead.whole)
     full_cards = [until for until, share in ahead.busy if share >= 1.0]
-    if any(speedup != 1.0 for speedup in mine.values()) or len(full_cards) > cards or jobs > WHOLE_JOBS_AHEAD:
-        return expected_wait(queue, priority, items, layout, wind)
-    # The cards' free times: each running job's on its card, the others now; then the partial work and the
-    # running rests that only partly hold them, water-filled from the lowest.
-    free = sorted(full_cards + [0.0] * (cards - len(full_cards)))
-    spread = partial_work + sum(until * share for until, share in ahead.busy if share < 1.0)
-    free = _fill(free, spread)
-    heapq.heapify(free)
-    for key in sorted(counts):  # priority order (then the queue's name: a fixed order among equals)
-        size = seconds[key] / counts[key] if counts[key] else 0.0
-        for _ in range(counts[key]):
-            heapq.heappush(free, heapq.heappop(free) + size)
+    if ahead.cards != cards or len(full_cards) > cards or jobs > WHOLE_JOBS_AHEAD:
+        return _start_level(ahead) * wind.stretch()
+    # The cards' free times: each running job's on its card, the others now; then the work that only partly
+    # lands on them and the running rests that only partly hold them, water-filled from the lowest.
+    free = full_cards + [0.0] * (cards - len(full_cards))
+    partial = ahead.queued - sum(seconds for _, _, seconds in ahead.whole)
+    free = _fill(free, max(0.0, partial) + sum(until * share for until, share in ahead.busy if share < 1.0))
+    for _, count, seconds in sorted(ahead.whole):  # priority order (then the queue's name: fixed among equals)
+        for _ in range(count):
+            heapq.heappush(free, heapq.heappop(free) + seconds / count)
     return free[0] * wind.stretch()
 
 
