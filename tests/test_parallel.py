@@ -1,4 +1,4 @@
-"""Each xdist worker of the suite gets its own database, Redis database and data directory (support/parallel.py)."""
+"""Each xdist worker gets its own database, Redis database, data and metrics directories (support/parallel.py)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,14 @@ from tests.support import parallel
 
 @pytest.fixture
 def clean_env(monkeypatch, tmp_path):
-    for name in ("PYTEST_XDIST_WORKER", parallel.ISOLATED_FOR, "DATABASE_URL", "REDIS_URL", "GENSERVER_DATA_DIR"):
+    for name in (
+        "PYTEST_XDIST_WORKER",
+        parallel.ISOLATED_FOR,
+        "DATABASE_URL",
+        "REDIS_URL",
+        "GENSERVER_DATA_DIR",
+        "PROMETHEUS_MULTIPROC_DIR",
+    ):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("GENSERVER_DATA_DIR", str(tmp_path))
     return monkeypatch
@@ -27,15 +34,28 @@ def test_outside_xdist_nothing_changes(clean_env, tmp_path):
 def test_each_worker_takes_the_next_redis_database_and_a_data_directory_of_its_own(clean_env, tmp_path):
     clean_env.setenv("REDIS_URL", "redis://127.0.0.1:6379/3")
     clean_env.setenv("DATABASE_URL", f"sqlite:///{tmp_path / 'db.sqlite3'}")  # SQLite: unchanged (its own data dir)
+    clean_env.setenv("PROMETHEUS_MULTIPROC_DIR", str(tmp_path / "prometheus"))  # the controller's metrics import
     clean_env.setenv("PYTEST_XDIST_WORKER", "gw1")
     parallel.isolate_worker_environment()
     assert os.environ["REDIS_URL"] == "redis://127.0.0.1:6379/5"
     assert os.environ["GENSERVER_DATA_DIR"] == str(tmp_path / "gw1") and (tmp_path / "gw1").is_dir()
+    assert os.environ["PROMETHEUS_MULTIPROC_DIR"] == str(tmp_path / "prometheus" / "gw1")
     assert os.environ["DATABASE_URL"] == f"sqlite:///{tmp_path / 'db.sqlite3'}"
     # A process the worker starts (its stack's) imports the test settings again: nothing moves twice.
     parallel.isolate_worker_environment()
     assert os.environ["REDIS_URL"] == "redis://127.0.0.1:6379/5"
     assert os.environ["GENSERVER_DATA_DIR"] == str(tmp_path / "gw1")
+    assert os.environ["PROMETHEUS_MULTIPROC_DIR"] == str(tmp_path / "prometheus" / "gw1")
+
+
+@pytest.mark.skipif(parallel.worker_id() is None, reason="only an xdist worker has a neighbour to share with")
+def test_this_workers_metrics_files_are_its_own():
+    # The controller's Django setup imported genserver.metrics, which set the directory in the environment every
+    # worker inherits; a shared one let the other worker's submits move this one's counters (test_scrape.py).
+    from genserver import metrics
+
+    assert metrics.MULTIPROCESS_DIR.name == parallel.worker_id(), metrics.MULTIPROCESS_DIR
+    assert os.environ["PROMETHEUS_MULTIPROC_DIR"] == str(metrics.MULTIPROCESS_DIR)
 
 
 def test_a_redis_database_past_the_last_is_refused_with_what_to_change(clean_env):

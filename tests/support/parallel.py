@@ -9,7 +9,10 @@ processes inherit) at its own:
 - Redis database: the configured number plus 1 plus the worker's index, on the same
   server (Celery's broadcasts are prefixed by the database number, so they stay apart);
   without REDIS_URL each worker starts its own bundled server anyway;
-- data directory (SQLite file, models, outputs): a sub-directory named for the worker.
+- data directory (SQLite file, models, outputs): a sub-directory named for the worker;
+- Prometheus's multiprocess directory, when the controller already set it (its Django
+  setup imports genserver.metrics, which sets it under the shared data directory): a
+  sub-directory named for the worker, else one worker's submits move the other's counters.
 
 Outside xdist (`pytest` alone, `make test PYTEST_WORKERS=0`) nothing changes.
 """
@@ -30,7 +33,7 @@ def worker_id() -> str | None:
 
 
 def isolate_worker_environment() -> None:
-    """Point this worker's DATABASE_URL, REDIS_URL and GENSERVER_DATA_DIR at its own (see the module's text)."""
+    """Point this worker's DATABASE_URL, REDIS_URL, data and metrics directories at their own."""
     worker = worker_id()
     if worker is None or os.environ.get(ISOLATED_FOR) == worker:
         return  # outside xdist, or a process the worker started (a stack's), which inherits the result
@@ -43,6 +46,10 @@ def isolate_worker_environment() -> None:
         own = os.path.join(os.environ["GENSERVER_DATA_DIR"], worker)
         os.makedirs(own, exist_ok=True)
         os.environ["GENSERVER_DATA_DIR"] = own
+    if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):  # inherited from the controller: every worker's files together
+        own = os.path.join(os.environ["PROMETHEUS_MULTIPROC_DIR"], worker)
+        os.makedirs(own, exist_ok=True)
+        os.environ["PROMETHEUS_MULTIPROC_DIR"] = own
     os.environ[ISOLATED_FOR] = worker
 
 
