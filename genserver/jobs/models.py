@@ -185,6 +185,13 @@ class Job(models.Model):
                 name="job_held",
                 condition=models.Q(held=True),
             ),
+            # The held jobs of each priority in the order they were submitted: a published job's place reads
+            # the ones submitted after it from the newest end (selectors.QueueSnapshot._other_users_held_ahead).
+            models.Index(
+                fields=["priority", "created_at"],
+                name="job_held_order",
+                condition=models.Q(held=True, status__in=ACTIVE),
+            ),
             # A user's fair window in a queue: published, not started (a few rows per user at any depth).
             models.Index(
                 fields=["owner", "queue"],
@@ -281,6 +288,35 @@ class QueueTally(models.Model):
 
     def __str__(self) -> str:
         return f"{self.queue or self.duration_class} p{self.priority}: {self.count} jobs, {self.seconds:.1f} s"
+
+
+class HeldTally(models.Model):
+    """The jobs the fair window holds for one user in one (queue, class, priority): how many, and their wall
+    seconds of work left.
+
+    Kept by database triggers on the job table (migration 0015), as QueueTally is, over the active
+    jobs with `held` set: the fair window's reads (who holds jobs in a queue, the held jobs ahead of a
+    job, a held job's round-robin share) read these few rows instead of every held job of a burst.
+    Never written by Python code; the same rule for later migrations that remake the job table on
+    SQLite holds for its triggers (0015's `install`).
+    """
+
+    queue = models.CharField(max_length=120)
+    duration_class = models.CharField(max_length=10)
+    priority = models.PositiveSmallIntegerField()
+    owner_id = models.BigIntegerField(help_text="the jobs' owner (no foreign key: only triggers write the row)")
+    count = models.BigIntegerField(default=0)
+    seconds = models.FloatField(default=0.0, help_text="Σ remaining_seconds × clock_scale of its jobs")
+
+    class Meta:
+        constraints = [
+            models.UniqueConstraint(
+                fields=["queue", "duration_class", "priority", "owner_id"], name="unique_held_tally"
+            ),
+        ]
+
+    def __str__(self) -> str:
+        return f"user {self.owner_id} {self.queue or self.duration_class} p{self.priority}: {self.count} held"
 
 
 class Quota(models.Model):

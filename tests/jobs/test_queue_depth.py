@@ -229,3 +229,65 @@ def test_a_submits_answer_counts_the_new_job_as_a_fresh_read_does(django_user_mo
         assert answer.queue_position(job) == fresh.queue_position(job), (i, job.held)
         assert answer.eta_seconds(job) == pytest.approx(fresh.eta_seconds(job), abs=2e-3), (i, job.held)
     assert Job.objects.filter(held=True).exists() and Job.objects.filter(held=False).exists()
+
+
+# --- The fair window's held jobs (migration 0015's tally) -------------------------------
+def _held_by_rows() -> dict[tuple, tuple[int, float]]:
+    """The held tally as a scan of the rows would give it: every active held job per (queue, class, priority, owner)."""
+    sums: dict[tuple, tuple[int, float]] = {}
+    for job in Job.objects.filter(held=True, status__in=ACTIVE):
+        key = (job.queue, job.duration_class, job.priority, job.owner_id)
+        count, seconds = sums.get(key, (0, 0.0))
+        sums[key] = (count + 1, seconds + job.remaining_seconds * job.clock_scale)
+    return sums
+
+
+def _answers(layout: PoolLayout, jobs: list[Job]) -> list[tuple]:
+    snapshot = selectors.QueueSnapshot(selectors.waiting_groups(), selectors.running_jobs(), layout)
+    return [(job.pk, snapshot.queue_position(job), snapshot.eta_seconds(job)) for job in jobs]
+
+
+@hsettings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(seed=st.integers(min_value=0, max_value=2**32), submits=st.integers(min_value=6, max_value=14))
+def test_the_held_tally_and_the_positions_read_from_it_agree_with_the_rows_under_random_transitions(
+    django_user_model, settings, monkeypatch, seed, submits
+):
+    """Three users' bursts under the fair window (1): held, released as their jobs start or end, cancelled,
+    reprioritised. After every move the held tally is the rows' grouped sums, and every position and ETA is
+    the same whether the held jobs around a job are read from the nearer end (NEAR_END 500) or summed in the
+    database (NEAR_END 1: any job with one held after it)."""
+    rng = random.Random(seed)
+    monkeypatch.setattr(transitions, "learn_stage_seconds", lambda *args: None)
+    settings.MAX_JOBS_IN_FLIGHT, settings.SUBMIT_RATE_LIMIT, settings.FAIR_WINDOW = 0, 0, 1
+    with transaction.atomic():
+        Job.objects.all().delete()
+        owners = [django_user_model.objects.get_or_create(username=f"held{i}")[0] for i in range(3)]
+        layout = deployment.layout()
+        most_held = 0
+        for step in range(submits * 4):
+            active = list(Job.objects.filter(status__in=ACTIVE).order_by("created_at"))
+            if step < submits or not active or rng.random() < 0.2:
+                _submit(rng.choice(owners), rng)
+                if rng.random() < 0.2 and active:  # a tie in submit time with an earlier job
+                    newest = Job.objects.order_by("-created_at").first()
+                    Job.objects.filter(pk=newest.pk).update(created_at=rng.choice(active).created_at)
+            else:
+                _move(rng.choice(active), rng)
+            tally = {
+                (t.queue, t.duration_class, t.priority, t.owner_id): (t.count, t.seconds) for t in selectors.held_rows()
+            }
+            rows = _held_by_rows()
+            most_held = max(most_held, sum(count for count, _ in rows.values()))
+            assert tally.keys() == rows.keys(), step
+            for key, (count, seconds) in rows.items():
+                assert tally[key][0] == count and tally[key][1] == pytest.approx(seconds, abs=1e-6), (step, key)
+            jobs = list(Job.objects.all())
+            near = _answers(layout, jobs)
+            monkeypatch.setattr(selectors.positions, "NEAR_END", 1)
+            summed = _answers(layout, jobs)
+            monkeypatch.setattr(selectors.positions, "NEAR_END", 500)
+            for a, b in zip(near, summed, strict=True):
+                assert a[:2] == b[:2], (step, a, b)
+                assert (a[2] is None) == (b[2] is None) and (a[2] is None or a[2] == pytest.approx(b[2], abs=2e-3))
+        assert most_held >= 2  # the bursts were held (the users' first jobs fill their windows)
+        transaction.set_rollback(True)

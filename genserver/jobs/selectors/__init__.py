@@ -24,7 +24,18 @@ from .capacity import (
 )
 from .jobs import jobs_visible_to, model_of, queue_and_priority
 from .overview import QUEUE_SUMMARY_FIELDS, queue_overview, step_time_corrections
-from .positions import NEAR_END, QueueSnapshot, WaitingGroup, backlog_items, headwind_for, running_jobs, waiting_groups
+from .positions import (
+    NEAR_END,
+    HeldRow,
+    QueueSnapshot,
+    WaitingGroup,
+    backlog_items,
+    headwind_for,
+    held_rows,
+    running_jobs,
+    unstarted_by_owner,
+    waiting_groups,
+)
 from .quotas import (
     EffectiveQuota,
     Usage,
@@ -46,6 +57,7 @@ from .waits import (
 
 __all__ = [
     "EffectiveQuota",
+    "HeldRow",
     "LongCapState",
     "NEAR_END",
     "QUEUE_SUMMARY_FIELDS",
@@ -64,6 +76,7 @@ __all__ = [
     "charged_card_seconds",
     "effective_quota",
     "headwind_for",
+    "held_rows",
     "in_flight_jobs",
     "jobs",
     "jobs_visible_to",
@@ -82,6 +95,7 @@ __all__ = [
     "queue_overview",
     "quotas",
     "running_jobs",
+    "unstarted_by_owner",
     "step_time_corrections",
     "tokens",
     "usage_of",

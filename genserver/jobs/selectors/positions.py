@@ -24,7 +24,6 @@ from django.db.models import (
     IntegerField,
     Max,
     Q,
-    QuerySet,
     Sum,
     Value,
     When,
@@ -32,7 +31,7 @@ from django.db.models import (
 from django.db.models.functions import Coalesce, Greatest
 from django.utils import timezone
 
-from genserver.jobs.models import ACTIVE, Job, JobStatus, QueueTally
+from genserver.jobs.models import ACTIVE, HeldTally, Job, JobStatus, QueueTally
 from genserver.redis_client import BOUNDARY, HOP, LEAD_IN, STAGE_SECONDS_KEY, TAIL, client as redis_client
 from genserver.scheduling.admission import CALM, HIGHER_CLASSES, Headwind, WorkItem, expected_start, headwind
 from genserver.scheduling.fairness import held_jobs_ahead
@@ -140,6 +139,57 @@ def waiting_groups() -> list[WaitingGroup]:
     """Every waiting job, counted and summed per (queue, class, priority): the tally's few rows."""
     rows = QueueTally.objects.filter(count__gt=0).values("queue", "duration_class", "priority", "count", "seconds")
     return _groups({**r, "n": r["count"]} for r in rows)
+
+
+@dataclass(frozen=True)
+class HeldRow:
+    """One row of the held tally: the jobs the fair window holds for one user in one (queue, class, priority)."""
+
+    queue: str  # as recorded (blank for a row recorded without one)
+    duration_class: str
+    priority: int
+    owner_id: Any
+    count: int
+    seconds: float
+
+
+def held_rows() -> list[HeldRow]:
+    """Every held job, counted and summed per (queue, class, priority, owner): the held tally's few rows."""
+    fields = ("queue", "duration_class", "priority", "owner_id", "count", "seconds")
+    return [HeldRow(*r) for r in HeldTally.objects.filter(count__gt=0).values_list(*fields)]
+
+
+def _held_sums(rows: Iterable[HeldRow]) -> dict[tuple[str, str, int], WaitingGroup]:
+    """Held tally rows summed over their owners, per (queue, class, priority)."""
+    sums: dict[tuple[str, str, int], WaitingGroup] = {}
+    for r in rows:
+        k = (r.queue or r.duration_class, r.duration_class, r.priority)
+        g = sums.get(k)
+        sums[k] = (
+            replace(g, count=g.count + r.count, seconds=g.seconds + r.seconds)
+            if g
+            else WaitingGroup(*k, r.count, r.seconds)
+        )
+    return sums
+
+
+# The published, unstarted jobs read to weigh the users of a queue (the fair window keeps them few: at most
+# the window per heavy user, and the light users' backlog); beyond it the counts are partial.
+PUBLISHED_READ = 2000
+
+
+def unstarted_by_owner(queue: str, held: Iterable[HeldRow] | None = None) -> dict[Any, int]:
+    """Per user with unstarted jobs in the queue, how many: published and not started (over the partial
+    index job_fair_window, at most PUBLISHED_READ rows read) and held (the held tally's rows; `held` when the
+    caller read them already)."""
+    counts: dict[Any, int] = {}
+    published = Job.objects.filter(queue=queue, status__in=ACTIVE, held=False, chunks_run=0).order_by()
+    for owner_id in published.values_list("owner_id", flat=True)[:PUBLISHED_READ]:
+        counts[owner_id] = counts.get(owner_id, 0) + 1
+    for r in held_rows() if held is None else held:
+        if r.queue == queue:
+            counts[r.owner_id] = counts.get(r.owner_id, 0) + r.count
+    return counts
 
 
 def _middle_sums(priority: int, jobs: list[Job]) -> dict[Any, list[WaitingGroup]]:
@@ -308,7 +358,7 @@ class QueueSnapshot:
     def __post_init__(self) -> None:
         self._peers: dict[Any, list[WaitingGroup]] = {}
         self._ahead: dict[Any, list[WaitingGroup]] = {}
-        self._any_held: bool | None = None
+        self._held_rows: list[HeldRow] | None = None
         self._winds: dict[tuple[str, str], Headwind] = {}
         self._memo: dict[tuple[Any, ...], Any] = {}  # the fair window's reads that a page's jobs share
         self._stages: dict[str, float] | None = None  # the learned stage seconds, read on first use
@@ -381,28 +431,24 @@ class QueueSnapshot:
 
     # The fair window (services/fairness.py) holds a burst's jobs unpublished: they are counted in the tally
     # (real work, for admission), but a job another user published is not behind them, and a held job waits
-    # about round-robin behind the other users, not first-come. Only read while some job is held.
+    # about round-robin behind the other users, not first-come. Read from the held tally (HeldTally: per
+    # queue, class, priority and owner, kept by triggers), once per snapshot, and only while some job is held.
+    def _held(self) -> list[HeldRow]:
+        if self._held_rows is None:
+            self._held_rows = held_rows()
+        return self._held_rows
+
     def _held_exist(self) -> bool:
-        if self._any_held is None:
-            self._any_held = Job.objects.filter(held=True, status__in=ACTIVE).exists()
-        return self._any_held
+        return bool(self._held())
 
     def _fair(self, job: Job, plain: list[WaitingGroup]) -> list[WaitingGroup]:
         """`plain` (the waiting jobs ahead, first-come) without the held jobs that are not ahead of `job`
         (another user's for a published job, every one for a held job), and for a held job the round-robin
         share of the other users' jobs that go before it (scheduling.fairness.held_jobs_ahead)."""
         if job.held:  # every held job at its priority or better (itself included: the tally counts it)
-            key = ("held at or before", job.priority)
-            if key not in self._memo:  # the same for every held job of a page at that priority
-                self._memo[key] = self._held_sums(
-                    Job.objects.filter(held=True, status__in=ACTIVE, priority__lte=job.priority)
-                )
-            less = self._memo[key]
-        else:  # the other users' held jobs that `plain` counts ahead of it
-            ahead = Q(priority__lt=job.priority) | Q(priority=job.priority, created_at__lte=_key(job))
-            less = self._held_sums(
-                Job.objects.filter(ahead, held=True, status__in=ACTIVE).exclude(owner_id=job.owner_id)
-            )
+            less = _held_sums(r for r in self._held() if r.priority <= job.priority)
+        else:
+            less = self._other_users_held_ahead(job)
         out = []
         for g in plain:
             b = less.get((g.queue, g.duration_class, g.priority))
@@ -414,38 +460,69 @@ class QueueSnapshot:
             out += self._round_robin(job)
         return out
 
-    @staticmethod
-    def _held_sums(held: QuerySet[Job]) -> dict[tuple[str, str, int], WaitingGroup]:
-        rows = held.order_by().values("queue", "duration_class", "priority")
+    def _other_users_held_ahead(self, job: Job) -> dict[tuple[str, str, int], WaitingGroup]:
+        """The other users' held jobs that `plain` counts ahead of a published job: every one at a better
+        priority, and at its own those submitted up to its wait key: the tally's rows at its priority less
+        the ones submitted after it, read from the newest end (job_held_order), or, when NEAR_END or more
+        are, the ones up to it summed in the database."""
+        others = [r for r in self._held() if r.owner_id != job.owner_id and r.priority <= job.priority]
+        if not any(r.priority == job.priority for r in others):
+            return _held_sums(others)
+        key = _key(job)
+        at_priority = Job.objects.filter(held=True, status__in=ACTIVE, priority=job.priority)
+        newer = list(
+            at_priority.filter(created_at__gt=key)
+            .annotate(wall=_WALL_REMAINING)
+            .order_by("-priority", "-created_at")
+            .values_list("queue", "duration_class", "owner_id", "wall")[:NEAR_END]
+        )
+        if len(newer) < NEAR_END:  # all of them: subtract the other users' from the tally
+            sums = _held_sums(others)
+            for queue, cls, owner_id, wall in newer:
+                g = sums.get((queue or cls, cls, job.priority))
+                if owner_id != job.owner_id and g is not None:
+                    sums[_group_key(g)] = replace(g, count=g.count - 1, seconds=max(0.0, g.seconds - float(wall or 0)))
+            return {k: g for k, g in sums.items() if g.count > 0}
+        older = at_priority.filter(created_at__lte=key).exclude(owner_id=job.owner_id).order_by()
+        rows = older.values("queue", "duration_class", "priority").annotate(n=Count("id"), seconds=Sum(_WALL_REMAINING))
         return {
-            (g.queue, g.duration_class, g.priority): g
-            for g in _groups(rows.annotate(n=Count("id"), seconds=Sum(_WALL_REMAINING)))
+            **_held_sums(r for r in others if r.priority < job.priority),
+            **{_group_key(g): g for g in _groups(rows)},
         }
 
     def _round_robin(self, job: Job) -> list[WaitingGroup]:
         """A held job's share of what waits before it: its owner's held jobs released first, and about one
         job of every other user waiting in its queue per one of those (capped by what the others hold)."""
         queue = job.queue or job.duration_class
-        same = Job.objects.filter(held=True, status__in=ACTIVE, queue=job.queue, priority__lte=job.priority)
-        own = Q(owner_id=job.owner_id) & (Q(priority__lt=job.priority) | Q(created_at__lt=job.created_at))
-        others_q = ~Q(owner_id=job.owner_id)
-        # Its owner's held jobs ahead of it and the other users' held jobs there, in one read.
-        sums = same.aggregate(
-            n_own=Count("id", filter=own),
-            s_own=Sum(_WALL_REMAINING, filter=own),
-            n_others=Count("id", filter=others_q),
-            s_others=Sum(_WALL_REMAINING, filter=others_q),
+        same = [r for r in self._held() if r.queue == job.queue and r.priority <= job.priority]
+        others = [r for r in same if r.owner_id != job.owner_id]
+        n_others, s_others = sum(r.count for r in others), sum(r.seconds for r in others)
+        # Its owner's held jobs ahead of it: every one at a better priority, and at its own those submitted
+        # before it: the tally's less the ones from it on, read from the newest end (job_held), or, when
+        # NEAR_END or more are, the ones before it summed in the database.
+        mine = [r for r in same if r.owner_id == job.owner_id]
+        n_own, s_own = sum(r.count for r in mine), sum(r.seconds for r in mine)
+        own_at = Job.objects.filter(
+            held=True, status__in=ACTIVE, queue=job.queue, owner_id=job.owner_id, priority=job.priority
         )
+        rest = [
+            float(wall or 0.0)
+            for wall in own_at.filter(created_at__gte=job.created_at)
+            .annotate(wall=_WALL_REMAINING)
+            .order_by("-created_at")
+            .values_list("wall", flat=True)[:NEAR_END]
+        ]
+        if len(rest) < NEAR_END:
+            n_own, s_own = n_own - len(rest), max(0.0, s_own - sum(rest))
+        else:
+            earlier = own_at.filter(created_at__lt=job.created_at).aggregate(n=Count("id"), s=Sum(_WALL_REMAINING))
+            at_priority = sum(r.count for r in mine if r.priority == job.priority)
+            n_own = n_own - at_priority + (earlier["n"] or 0)
+            s_own = sum(r.seconds for r in mine if r.priority < job.priority) + float(earlier["s"] or 0.0)
         key = ("owners waiting", job.queue)
-        if key not in self._memo:
-            # The users with unstarted jobs in the queue (published and not started, or held): one read.
-            unstarted = Job.objects.filter(queue=job.queue, status__in=ACTIVE).order_by()
-            unstarted = unstarted.filter(Q(held=False, chunks_run=0) | Q(held=True))
-            self._memo[key] = set(unstarted.values_list("owner_id", flat=True).distinct())
-        owners = self._memo[key]
-        users = len(owners - {job.owner_id}) + 1
-        n_own, s_own = sums["n_own"] or 0, float(sums["s_own"] or 0.0)
-        n_others, s_others = sums["n_others"] or 0, float(sums["s_others"] or 0.0)
+        if key not in self._memo:  # the users with unstarted jobs in the queue (published, or held)
+            self._memo[key] = set(unstarted_by_owner(job.queue, self._held()))
+        users = len(self._memo[key] - {job.owner_id}) + 1
         # Their published jobs are counted already; their turns beyond those come from what they hold.
         from_held = min(held_jobs_ahead(n_own, users) - n_own, n_others)
         seconds = s_own + (s_others * from_held / n_others if n_others else 0.0)

@@ -29,11 +29,11 @@ from typing import Any
 
 from django.conf import settings
 from django.db import transaction
-from django.db.models import Count, Q
+from django.db.models import Q
 from django.utils import timezone
 
 from genserver import deployment
-from genserver.jobs import broker, events
+from genserver.jobs import broker, events, selectors
 from genserver.jobs.models import ACTIVE, Job, JobStage, JobStatus
 from genserver.registry import RegistryError
 from genserver.scheduling.fairness import FairWindow, ahead_priority, release_key
@@ -56,22 +56,9 @@ def in_window(owner_id: Any, queue: str) -> int:
     return Job.objects.filter(_window_jobs(owner_id, queue)).count()
 
 
-# The published, unstarted jobs a submit reads to weigh the other users (the window keeps them few: at
-# most the window per heavy user, and the light users' backlog); beyond it the counts are partial.
-PUBLISHED_READ = 2000
-
-
 def waiting_by_owner(queue: str) -> dict[Any, int]:
-    """Per user with unstarted jobs in the queue, how many (published and held): over the partial indexes
-    job_fair_window (published, unstarted: at most PUBLISHED_READ rows read) and job_held (a grouped count)."""
-    counts: dict[Any, int] = {}
-    published = Job.objects.filter(queue=queue, status__in=ACTIVE, held=False, chunks_run=0).order_by()
-    for owner_id in published.values_list("owner_id", flat=True)[:PUBLISHED_READ]:
-        counts[owner_id] = counts.get(owner_id, 0) + 1
-    held = Job.objects.filter(queue=queue, status__in=ACTIVE, held=True).order_by()
-    for owner_id, n in held.values("owner_id").annotate(n=Count("id")).values_list("owner_id", "n"):
-        counts[owner_id] = counts.get(owner_id, 0) + n
-    return counts
+    """Per user with unstarted jobs in the queue, how many (published and held): selectors.unstarted_by_owner."""
+    return selectors.unstarted_by_owner(queue)
 
 
 def place_new_job(owner_id: Any, queue: str, priority: int, duration_class: str) -> tuple[bool, int]:
@@ -173,5 +160,5 @@ def _release_one(pk: Any) -> bool:
 
 def release_all_with_room() -> int:
     """The reaper's pass: every (user, queue) with held jobs releases what its window has room for."""
-    pairs = set(Job.objects.filter(held=True, status__in=ACTIVE).order_by().values_list("owner_id", "queue").distinct())
+    pairs = {(r.owner_id, r.queue) for r in selectors.held_rows()}  # the held tally's rows
     return sum(release_held(owner_id, queue) for owner_id, queue in pairs)
