@@ -463,8 +463,8 @@ class QueueSnapshot:
     def _other_users_held_ahead(self, job: Job) -> dict[tuple[str, str, int], WaitingGroup]:
         """The other users' held jobs that `plain` counts ahead of a published job: every one at a better
         priority, and at its own those submitted up to its wait key: the tally's rows at its priority less
-        the ones submitted after it, read from the newest end (job_held_order), or, when NEAR_END or more
-        are, the ones up to it summed in the database."""
+        the ones submitted after it, read from the newest end (job_held_order), else the ones up to it read
+        from the oldest end, or, when NEAR_END or more are on both sides, summed in the database."""
         others = [r for r in self._held() if r.owner_id != job.owner_id and r.priority <= job.priority]
         if not any(r.priority == job.priority for r in others):
             return _held_sums(others)
@@ -483,12 +483,22 @@ class QueueSnapshot:
                 if owner_id != job.owner_id and g is not None:
                     sums[_group_key(g)] = replace(g, count=g.count - 1, seconds=max(0.0, g.seconds - float(wall or 0)))
             return {k: g for k, g in sums.items() if g.count > 0}
-        older = at_priority.filter(created_at__lte=key).exclude(owner_id=job.owner_id).order_by()
-        rows = older.values("queue", "duration_class", "priority").annotate(n=Count("id"), seconds=Sum(_WALL_REMAINING))
-        return {
-            **_held_sums(r for r in others if r.priority < job.priority),
-            **{_group_key(g): g for g in _groups(rows)},
-        }
+        better = _held_sums(r for r in others if r.priority < job.priority)
+        older = at_priority.filter(created_at__lte=key).exclude(owner_id=job.owner_id)
+        front = list(
+            older.annotate(wall=_WALL_REMAINING)
+            .order_by("priority", "created_at")
+            .values_list("queue", "duration_class", "wall")[:NEAR_END]
+        )
+        if len(front) < NEAR_END:  # all of them, from the oldest end
+            for queue, cls, wall in front:
+                k = (queue or cls, cls, job.priority)
+                g = better.get(k) or WaitingGroup(*k, 0, 0.0)
+                better[k] = replace(g, count=g.count + 1, seconds=g.seconds + float(wall or 0.0))
+            return better
+        rows = older.order_by().values("queue", "duration_class", "priority")
+        summed = _groups(rows.annotate(n=Count("id"), seconds=Sum(_WALL_REMAINING)))
+        return {**better, **{_group_key(g): g for g in summed}}
 
     def _round_robin(self, job: Job) -> list[WaitingGroup]:
         """A held job's share of what waits before it: its owner's held jobs released first, and about one
