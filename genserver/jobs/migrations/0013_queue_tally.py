@@ -2,87 +2,18 @@
 
 from django.db import migrations, models
 
+from genserver.jobs.migrations._tally_triggers import Tally
+
 WAITING = "{t}.status IN ('queued', 'encoding', 'denoising', 'decoding') AND NOT ({t}.status = 'denoising' AND {t}.lease_owner <> '')"
-SECONDS = (
-    "{t}.estimated_seconds * {greatest}(0, {t}.steps * {t}.segment_count - {t}.steps_done)"
-    " / ({t}.steps * {t}.segment_count) * {t}.clock_scale"
-)
-KEY = "queue = {t}.queue AND duration_class = {t}.duration_class AND priority = {t}.priority"
-# Leave a job's group: one fewer, its seconds less (the last one leaves an exact 0, no float residue).
-SUBTRACT = (
-    "UPDATE jobs_queuetally SET count = count - 1, seconds = CASE WHEN count <= 1 THEN 0 ELSE seconds - ("
-    + SECONDS
-    + ") END WHERE "
-    + KEY
-)
-ADD = (
-    "INSERT INTO jobs_queuetally (queue, duration_class, priority, count, seconds) "
-    "VALUES ({t}.queue, {t}.duration_class, {t}.priority, 1, " + SECONDS + ") "
-    "ON CONFLICT (queue, duration_class, priority) DO UPDATE "
-    "SET count = jobs_queuetally.count + 1, seconds = jobs_queuetally.seconds + excluded.seconds"
-)
-FILL = (
-    "INSERT INTO jobs_queuetally (queue, duration_class, priority, count, seconds) "
-    "SELECT queue, duration_class, priority, COUNT(*), SUM("
-    + SECONDS
-    + ") FROM jobs_job AS j WHERE "
-    + WAITING
-    + " GROUP BY queue, duration_class, priority"
-)
-
-
-def _postgresql() -> list[str]:
-    def fmt(text: str, t: str) -> str:
-        return text.format(t=t, greatest="GREATEST")
-
-    return [
-        "CREATE OR REPLACE FUNCTION jobs_queue_tally() RETURNS trigger AS $$\n"
-        "BEGIN\n"
-        f"  IF TG_OP IN ('UPDATE', 'DELETE') AND {fmt(WAITING, 'OLD')} THEN\n"
-        f"    {fmt(SUBTRACT, 'OLD')};\n"
-        "  END IF;\n"
-        f"  IF TG_OP IN ('INSERT', 'UPDATE') AND {fmt(WAITING, 'NEW')} THEN\n"
-        f"    {fmt(ADD, 'NEW')};\n"
-        "  END IF;\n"
-        "  RETURN NULL;\n"
-        "END $$ LANGUAGE plpgsql",
-        "CREATE TRIGGER jobs_queue_tally AFTER INSERT OR UPDATE OR DELETE ON jobs_job "
-        "FOR EACH ROW EXECUTE FUNCTION jobs_queue_tally()",
-        FILL.format(t="j", greatest="GREATEST"),
-    ]
-
-
-def _sqlite() -> list[str]:
-    def fmt(text: str, t: str) -> str:
-        return text.format(t=t, greatest="MAX")
-
-    def trigger(name: str, event: str, row: str, body: str) -> str:
-        return f"CREATE TRIGGER {name} AFTER {event} ON jobs_job WHEN {fmt(WAITING, row)} BEGIN {fmt(body, row)}; END"
-
-    return [
-        trigger("jobs_queue_tally_insert", "INSERT", "NEW", ADD),
-        trigger("jobs_queue_tally_update_old", "UPDATE", "OLD", SUBTRACT),
-        trigger("jobs_queue_tally_update_new", "UPDATE", "NEW", ADD),
-        trigger("jobs_queue_tally_delete", "DELETE", "OLD", SUBTRACT),
-        FILL.format(t="j", greatest="MAX"),
-    ]
+TALLY = Tally("jobs_queuetally", "jobs_queue_tally", WAITING, ("queue", "duration_class", "priority"))
 
 
 def install(apps, schema_editor):
-    vendor = schema_editor.connection.vendor
-    if vendor not in ("postgresql", "sqlite"):
-        raise RuntimeError(f"the queue tally's triggers are written for PostgreSQL and SQLite, not {vendor}")
-    for statement in _postgresql() if vendor == "postgresql" else _sqlite():
-        schema_editor.execute(statement)
+    TALLY.install(schema_editor)
 
 
 def uninstall(apps, schema_editor):
-    if schema_editor.connection.vendor == "postgresql":
-        schema_editor.execute("DROP TRIGGER IF EXISTS jobs_queue_tally ON jobs_job")
-        schema_editor.execute("DROP FUNCTION IF EXISTS jobs_queue_tally()")
-    else:
-        for name in ("insert", "update_old", "update_new", "delete"):
-            schema_editor.execute(f"DROP TRIGGER IF EXISTS jobs_queue_tally_{name}")
+    TALLY.uninstall(schema_editor)
 
 
 class Migration(migrations.Migration):
