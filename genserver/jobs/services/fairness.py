@@ -56,11 +56,6 @@ def in_window(owner_id: Any, queue: str) -> int:
     return Job.objects.filter(_window_jobs(owner_id, queue)).count()
 
 
-def waiting_by_owner(queue: str) -> dict[Any, int]:
-    """Per user with unstarted jobs in the queue, how many (published and held): selectors.unstarted_by_owner."""
-    return selectors.unstarted_by_owner(queue)
-
-
 def place_new_job(owner_id: Any, queue: str, priority: int, duration_class: str) -> tuple[bool, int]:
     """Inside submit's transaction (after the owner's row is locked): (whether the new job is held, the
     priority it is recorded and published at). The lightest user's job goes one step ahead of its own
@@ -69,7 +64,7 @@ def place_new_job(owner_id: Any, queue: str, priority: int, duration_class: str)
     policy = window()
     if not policy.enabled:
         return False, priority
-    waiting = waiting_by_owner(queue)
+    waiting = selectors.unstarted_by_owner(queue)  # published and not started, and held
     mine = waiting.get(owner_id, 0)
     others = [n for owner, n in waiting.items() if owner != owner_id]
     if policy.holds(in_window(owner_id, queue) if mine else 0, mine, others):
