@@ -242,8 +242,10 @@ def _held_by_rows() -> dict[tuple, tuple[int, float]]:
     return sums
 
 
-def _answers(layout: PoolLayout, jobs: list[Job]) -> list[tuple]:
+def _answers(layout: PoolLayout, jobs: list[Job], page: bool = False) -> list[tuple]:
     snapshot = selectors.QueueSnapshot(selectors.waiting_groups(), selectors.running_jobs(), layout)
+    if page:  # as the list view does: the neighbours of all of them read together
+        snapshot.prepare(jobs)
     return [(job.pk, snapshot.queue_position(job), snapshot.eta_seconds(job)) for job in jobs]
 
 
@@ -255,7 +257,8 @@ def test_the_held_tally_and_the_positions_read_from_it_agree_with_the_rows_under
     """Three users' bursts under the fair window (1): held, released as their jobs start or end, cancelled,
     reprioritised. After every move the held tally is the rows' grouped sums, and every position and ETA is
     the same whether the held jobs around a job are read from the newest end (NEAR_END 500), from the oldest
-    (3), or summed in the database (1: any job with one held after it and one before)."""
+    (3), or summed in the database (1: any job with one held after it and one before), for each job alone
+    and for all of them read as one page."""
     rng = random.Random(seed)
     monkeypatch.setattr(transitions, "learn_stage_seconds", lambda *args: None)
     settings.MAX_JOBS_IN_FLIGHT, settings.SUBMIT_RATE_LIMIT, settings.FAIR_WINDOW = 0, 0, 1
@@ -283,13 +286,14 @@ def test_the_held_tally_and_the_positions_read_from_it_agree_with_the_rows_under
                 assert tally[key][0] == count and tally[key][1] == pytest.approx(seconds, abs=1e-6), (step, key)
             jobs = list(Job.objects.all())
             near = _answers(layout, jobs)
-            for near_end in (3, 1):  # 3: some from the oldest end; 1: summed in the database
+            # 3: some from the oldest end; 1: summed in the database; each job alone, and all as one page
+            for near_end, page in ((500, True), (3, False), (3, True), (1, False), (1, True)):
                 monkeypatch.setattr(selectors.positions, "NEAR_END", near_end)
-                other = _answers(layout, jobs)
+                other = _answers(layout, jobs, page)
                 monkeypatch.setattr(selectors.positions, "NEAR_END", 500)
                 for a, b in zip(near, other, strict=True):
-                    assert a[:2] == b[:2], (step, near_end, a, b)
-                    assert (a[2] is None) == (b[2] is None), (step, near_end, a, b)
-                    assert a[2] is None or a[2] == pytest.approx(b[2], abs=2e-3), (step, near_end, a, b)
+                    assert a[:2] == b[:2], (step, near_end, page, a, b)
+                    assert (a[2] is None) == (b[2] is None), (step, near_end, page, a, b)
+                    assert a[2] is None or a[2] == pytest.approx(b[2], abs=2e-3), (step, near_end, page, a, b)
         assert most_held >= 2  # the bursts were held (the users' first jobs fill their windows)
         transaction.set_rollback(True)

@@ -322,6 +322,74 @@ class _Neighbours:
         return self._sums(bisect_right(self.keys, key), len(self.keys))
 
 
+_HELD_FIELDS = ("created_at", "queue", "duration_class", "owner_id", "wall")
+
+
+def _held_at(priority: int) -> Any:
+    return Job.objects.filter(held=True, status__in=ACTIVE, priority=priority)
+
+
+def _held_read(priority: int, side: Q, ascending: bool) -> tuple[list[tuple[Any, ...]], bool]:
+    """Up to NEAR_END held jobs of one priority from one end of their submit order (job_held_order):
+    (created_at, queue, class, owner, wall) rows in the order read, and whether that was all of them."""
+    order = ("priority", "created_at") if ascending else ("-priority", "-created_at")
+    rows = list(
+        _held_at(priority)
+        .filter(side)
+        .annotate(wall=_WALL_REMAINING)
+        .order_by(*order)
+        .values_list(*_HELD_FIELDS)[:NEAR_END]
+    )
+    return rows, len(rows) < NEAR_END
+
+
+def _held_group_sums(
+    rows: Iterable[tuple[Any, ...]], priority: int, owner_id: Any
+) -> dict[tuple[str, str, int], WaitingGroup]:
+    """The rows of users other than `owner_id` (created_at, queue, class, owner, count, seconds), summed
+    per (queue, class) at `priority`."""
+    sums: dict[tuple[str, str, int], WaitingGroup] = {}
+    for _, queue, cls, owner, count, seconds in rows:
+        if owner != owner_id:
+            k = (queue or cls, cls, priority)
+            g = sums.get(k) or WaitingGroup(*k, 0, 0.0)
+            sums[k] = replace(g, count=g.count + count, seconds=g.seconds + float(seconds or 0.0))
+    return sums
+
+
+def _less(
+    sums: dict[tuple[str, str, int], WaitingGroup], less: dict[tuple[str, str, int], WaitingGroup]
+) -> dict[tuple[str, str, int], WaitingGroup]:
+    """`sums` less `less`, group by group, without the groups left empty."""
+    out = {}
+    for k, g in sums.items():
+        b = less.get(k)
+        left = g if b is None else replace(g, count=g.count - b.count, seconds=max(0.0, g.seconds - b.seconds))
+        if left.count > 0:
+            out[k] = left
+    return out
+
+
+def _held_middle_sums(priority: int, jobs: list[Job]) -> dict[Any, dict[tuple[str, str, int], WaitingGroup]]:
+    """For published jobs of one priority (sorted by wait key), the other users' held jobs of that priority
+    submitted at or before each one's key: in one aggregate for all of them, its rows split into spans
+    between the jobs' keys (span i: after job i-1's key, up to job i's) and grouped by owner; a job's
+    answer is the spans up to its own, less its owner's."""
+    keys = [_key(j) for j in jobs]
+    span = Case(*(When(created_at__lte=k, then=Value(i)) for i, k in enumerate(keys)), output_field=IntegerField())
+    rows = list(
+        _held_at(priority)
+        .filter(created_at__lte=keys[-1])
+        .annotate(span=span)
+        .order_by()
+        .values_list("span", "queue", "duration_class", "owner_id")
+        .annotate(n=Count("id"), seconds=Sum(_WALL_REMAINING))
+    )
+    return {
+        job.pk: _held_group_sums((r for r in rows if r[0] <= i), priority, job.owner_id) for i, job in enumerate(jobs)
+    }
+
+
 @dataclass
 class QueueSnapshot:
     """The queue's picture loaded once per request (the waiting jobs' sums per priority from the tally,
@@ -359,6 +427,8 @@ class QueueSnapshot:
         self._peers: dict[Any, list[WaitingGroup]] = {}
         self._ahead: dict[Any, list[WaitingGroup]] = {}
         self._held_rows: list[HeldRow] | None = None
+        # Per published job, the other users' held jobs at its priority submitted up to its wait key.
+        self._held_peers: dict[Any, dict[tuple[str, str, int], WaitingGroup]] = {}
         self._winds: dict[tuple[str, str], Headwind] = {}
         self._memo: dict[tuple[Any, ...], Any] = {}  # the fair window's reads that a page's jobs share
         self._stages: dict[str, float] | None = None  # the learned stage seconds, read on first use
@@ -394,6 +464,53 @@ class QueueSnapshot:
                     self._peers[job.pk] = ahead
             if middle:  # NEAR_END or more on both sides: summed, all of them in one read
                 self._peers.update(_middle_sums(priority, middle))
+        if waiting and self._held_exist():
+            self._prepare_held(waiting)
+
+    def _prepare_held(self, jobs: Iterable[Job]) -> None:
+        """For the published jobs among these, the other users' held jobs at their priority submitted up to
+        their wait key, for all of them at once, per priority: the held tally less those submitted after
+        the oldest of them, read from the newest end; for the jobs that read does not reach, the held jobs
+        up to the newest of them, read from the oldest end; the jobs with NEAR_END or more on both sides
+        summed in one aggregate (`_held_middle_sums`): at most three reads per priority."""
+        published = [j for j in jobs if not j.held and j.pk not in self._held_peers]
+        for priority in sorted({j.priority for j in published}):
+            tally = [r for r in self._held() if r.priority == priority]
+            owners = {r.owner_id for r in tally}
+            mine = []
+            for job in sorted((j for j in published if j.priority == priority), key=_key):
+                if owners - {job.owner_id}:
+                    mine.append(job)
+                else:  # nobody else holds a job at its priority
+                    self._held_peers[job.pk] = {}
+            if not mine:
+                continue
+            counted = [(None, r.queue, r.duration_class, r.owner_id, r.count, r.seconds) for r in tally]
+            newer, complete = _held_read(priority, Q(created_at__gt=_key(mine[0])), ascending=False)
+            rest = []
+            for job in mine:
+                key = _key(job)
+                if complete or key >= newer[-1][0]:  # every held job submitted after it was read
+                    after = ((c, q, d, o, 1, w) for c, q, d, o, w in newer if c > key)
+                    self._held_peers[job.pk] = _less(
+                        _held_group_sums(counted, priority, job.owner_id),
+                        _held_group_sums(after, priority, job.owner_id),
+                    )
+                else:
+                    rest.append(job)
+            if not rest:
+                continue
+            front, complete = _held_read(priority, Q(created_at__lte=_key(rest[-1])), ascending=True)
+            middle = []
+            for job in rest:
+                key = _key(job)
+                if complete or front[-1][0] > key:  # every held job submitted up to it was read
+                    upto = ((c, q, d, o, 1, w) for c, q, d, o, w in front if c <= key)
+                    self._held_peers[job.pk] = _held_group_sums(upto, priority, job.owner_id)
+                else:
+                    middle.append(job)
+            if middle:  # NEAR_END or more on both sides: summed, all of them in one read
+                self._held_peers.update(_held_middle_sums(priority, middle))
 
     def _waits(self, job: Job) -> bool:
         return not job.is_terminal and not _is_running(job) and job.status != JobStatus.DECODING
@@ -462,43 +579,10 @@ class QueueSnapshot:
 
     def _other_users_held_ahead(self, job: Job) -> dict[tuple[str, str, int], WaitingGroup]:
         """The other users' held jobs that `plain` counts ahead of a published job: every one at a better
-        priority, and at its own those submitted up to its wait key: the tally's rows at its priority less
-        the ones submitted after it, read from the newest end (job_held_order), else the ones up to it read
-        from the oldest end, or, when NEAR_END or more are on both sides, summed in the database."""
-        others = [r for r in self._held() if r.owner_id != job.owner_id and r.priority <= job.priority]
-        if not any(r.priority == job.priority for r in others):
-            return _held_sums(others)
-        key = _key(job)
-        at_priority = Job.objects.filter(held=True, status__in=ACTIVE, priority=job.priority)
-        newer = list(
-            at_priority.filter(created_at__gt=key)
-            .annotate(wall=_WALL_REMAINING)
-            .order_by("-priority", "-created_at")
-            .values_list("queue", "duration_class", "owner_id", "wall")[:NEAR_END]
-        )
-        if len(newer) < NEAR_END:  # all of them: subtract the other users' from the tally
-            sums = _held_sums(others)
-            for queue, cls, owner_id, wall in newer:
-                g = sums.get((queue or cls, cls, job.priority))
-                if owner_id != job.owner_id and g is not None:
-                    sums[_group_key(g)] = replace(g, count=g.count - 1, seconds=max(0.0, g.seconds - float(wall or 0)))
-            return {k: g for k, g in sums.items() if g.count > 0}
-        better = _held_sums(r for r in others if r.priority < job.priority)
-        older = at_priority.filter(created_at__lte=key).exclude(owner_id=job.owner_id)
-        front = list(
-            older.annotate(wall=_WALL_REMAINING)
-            .order_by("priority", "created_at")
-            .values_list("queue", "duration_class", "wall")[:NEAR_END]
-        )
-        if len(front) < NEAR_END:  # all of them, from the oldest end
-            for queue, cls, wall in front:
-                k = (queue or cls, cls, job.priority)
-                g = better.get(k) or WaitingGroup(*k, 0, 0.0)
-                better[k] = replace(g, count=g.count + 1, seconds=g.seconds + float(wall or 0.0))
-            return better
-        rows = older.order_by().values("queue", "duration_class", "priority")
-        summed = _groups(rows.annotate(n=Count("id"), seconds=Sum(_WALL_REMAINING)))
-        return {**better, **{_group_key(g): g for g in summed}}
+        priority (the held tally's rows), and at its own those submitted up to its wait key (`_prepare_held`)."""
+        better = _held_sums(r for r in self._held() if r.owner_id != job.owner_id and r.priority < job.priority)
+        self._prepare_held([job])
+        return {**better, **self._held_peers[job.pk]}
 
     def _round_robin(self, job: Job) -> list[WaitingGroup]:
         """A held job's share of what waits before it: its owner's held jobs released first, and about one
