@@ -429,6 +429,8 @@ class QueueSnapshot:
         self._held_rows: list[HeldRow] | None = None
         # Per published job, the other users' held jobs at its priority submitted up to its wait key.
         self._held_peers: dict[Any, dict[tuple[str, str, int], WaitingGroup]] = {}
+        # Per held job, (count, wall seconds) of its owner's held jobs in its queue and priority before it.
+        self._own_earlier: dict[Any, tuple[int, float]] = {}
         self._winds: dict[tuple[str, str], Headwind] = {}
         self._memo: dict[tuple[Any, ...], Any] = {}  # the fair window's reads that a page's jobs share
         self._stages: dict[str, float] | None = None  # the learned stage seconds, read on first use
@@ -440,7 +442,9 @@ class QueueSnapshot:
         priority's tally less those behind it; else one with fewer than NEAR_END ahead counts them from
         the front ones; the jobs with more on both sides (the middle of a very deep queue) are summed, in
         one aggregate for all of them (`_middle_sums`): at most three reads per priority."""
-        waiting = [j for j in jobs if self._waits(j) and j.pk not in self._peers]
+        jobs = [j for j in jobs if self._waits(j)]
+        # A held job's place is the round-robin's (`_fair`), not first-come among its priority's waiting jobs.
+        waiting = [j for j in jobs if not j.held and j.pk not in self._peers]
         for priority in sorted({j.priority for j in waiting}):
             mine = sorted((j for j in waiting if j.priority == priority), key=_key)
             # The back first: the jobs a response shows are mostly recent ones (a submit's, a page's).
@@ -464,8 +468,9 @@ class QueueSnapshot:
                     self._peers[job.pk] = ahead
             if middle:  # NEAR_END or more on both sides: summed, all of them in one read
                 self._peers.update(_middle_sums(priority, middle))
-        if waiting and self._held_exist():
-            self._prepare_held(waiting)
+        if jobs and self._held_exist():
+            self._prepare_held(jobs)
+            self._prepare_own_held(jobs)
 
     def _prepare_held(self, jobs: Iterable[Job]) -> None:
         """For the published jobs among these, the other users' held jobs at their priority submitted up to
@@ -577,6 +582,49 @@ class QueueSnapshot:
             out += self._round_robin(job)
         return out
 
+    def _prepare_own_held(self, jobs: Iterable[Job]) -> None:
+        """For the held jobs among these, how many of their owner's held jobs in their queue and priority were
+        submitted before them (released first), and their wall seconds, for all of them at once, per (queue,
+        owner, priority): the held tally less the ones from the oldest of them on, read from the newest end
+        (job_held_order); the jobs that read does not reach summed in one aggregate: at most two reads each."""
+        groups: dict[tuple[str, Any, int], list[Job]] = {}
+        for job in jobs:
+            if job.held and job.pk not in self._own_earlier:
+                groups.setdefault((job.queue, job.owner_id, job.priority), []).append(job)
+        for (queue, owner_id, priority), mine in groups.items():
+            mine.sort(key=lambda j: j.created_at)
+            tally = [r for r in self._held() if (r.queue, r.owner_id, r.priority) == (queue, owner_id, priority)]
+            n_all, s_all = sum(r.count for r in tally), sum(r.seconds for r in tally)
+            own_at = Job.objects.filter(held=True, status__in=ACTIVE, queue=queue, owner_id=owner_id, priority=priority)
+            newer = list(
+                own_at.filter(created_at__gte=mine[0].created_at)
+                .annotate(wall=_WALL_REMAINING)
+                .order_by("-created_at")
+                .values_list("created_at", "wall")[:NEAR_END]
+            )
+            middle = []
+            for job in mine:
+                if len(newer) < NEAR_END or job.created_at > newer[-1][0]:  # every one from it on was read
+                    from_it = [float(wall or 0.0) for at, wall in newer if at >= job.created_at]
+                    self._own_earlier[job.pk] = (n_all - len(from_it), max(0.0, s_all - sum(from_it)))
+                else:
+                    middle.append(job)
+            if middle:  # NEAR_END or more from it on: the ones before each summed, all of them in one read
+                keys = [j.created_at for j in middle]
+                span = Case(
+                    *(When(created_at__lt=k, then=Value(i)) for i, k in enumerate(keys)), output_field=IntegerField()
+                )
+                spans = list(
+                    own_at.filter(created_at__lt=keys[-1])
+                    .annotate(span=span)
+                    .order_by()
+                    .values_list("span")
+                    .annotate(n=Count("id"), seconds=Sum(_WALL_REMAINING))
+                )
+                for i, job in enumerate(middle):
+                    upto = [(n, float(sec or 0.0)) for at_span, n, sec in spans if at_span <= i]
+                    self._own_earlier[job.pk] = (sum(n for n, _ in upto), sum(sec for _, sec in upto))
+
     def _other_users_held_ahead(self, job: Job) -> dict[tuple[str, str, int], WaitingGroup]:
         """The other users' held jobs that `plain` counts ahead of a published job: every one at a better
         priority (the held tally's rows), and at its own those submitted up to its wait key (`_prepare_held`)."""
@@ -592,27 +640,11 @@ class QueueSnapshot:
         others = [r for r in same if r.owner_id != job.owner_id]
         n_others, s_others = sum(r.count for r in others), sum(r.seconds for r in others)
         # Its owner's held jobs ahead of it: every one at a better priority, and at its own those submitted
-        # before it: the tally's less the ones from it on, read from the newest end (job_held), or, when
-        # NEAR_END or more are, the ones before it summed in the database.
-        mine = [r for r in same if r.owner_id == job.owner_id]
-        n_own, s_own = sum(r.count for r in mine), sum(r.seconds for r in mine)
-        own_at = Job.objects.filter(
-            held=True, status__in=ACTIVE, queue=job.queue, owner_id=job.owner_id, priority=job.priority
-        )
-        rest = [
-            float(wall or 0.0)
-            for wall in own_at.filter(created_at__gte=job.created_at)
-            .annotate(wall=_WALL_REMAINING)
-            .order_by("-created_at")
-            .values_list("wall", flat=True)[:NEAR_END]
-        ]
-        if len(rest) < NEAR_END:
-            n_own, s_own = n_own - len(rest), max(0.0, s_own - sum(rest))
-        else:
-            earlier = own_at.filter(created_at__lt=job.created_at).aggregate(n=Count("id"), s=Sum(_WALL_REMAINING))
-            at_priority = sum(r.count for r in mine if r.priority == job.priority)
-            n_own = n_own - at_priority + (earlier["n"] or 0)
-            s_own = sum(r.seconds for r in mine if r.priority < job.priority) + float(earlier["s"] or 0.0)
+        # before it (`_prepare_own_held`).
+        self._prepare_own_held([job])
+        n_earlier, s_earlier = self._own_earlier[job.pk]
+        mine = [r for r in same if r.owner_id == job.owner_id and r.priority < job.priority]
+        n_own, s_own = sum(r.count for r in mine) + n_earlier, sum(r.seconds for r in mine) + s_earlier
         key = ("owners waiting", job.queue)
         if key not in self._memo:  # the users with unstarted jobs in the queue (published, or held)
             self._memo[key] = set(unstarted_by_owner(job.queue, self._held()))
