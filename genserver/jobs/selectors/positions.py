@@ -84,7 +84,7 @@ _WALL_REMAINING = ExpressionWrapper(
 _WAIT_KEY = Coalesce(F("published_at"), F("created_at"))
 # A job's place among its priority's waiting jobs is counted from the nearer end when fewer than this
 # many wait on that side (QueueSnapshot.prepare), else summed in the database.
-NEAR_END = 500
+NEAR_END = 100
 
 _RUNNING_FIELDS = (
     "id",
