@@ -256,10 +256,11 @@ def test_the_held_tally_and_the_positions_read_from_it_agree_with_the_rows_under
 ):
     """Three users' bursts under the fair window (1): held, released as their jobs start or end, cancelled,
     reprioritised. After every move the held tally is the rows' grouped sums, and every position and ETA is
-    the same whether the held jobs around a job are read from the newest end (NEAR_END 500), from the oldest
+    the same whether the held jobs around a job are read from the newest end (NEAR_END as set), from the oldest
     (3), or summed in the database (1: any job with one held after it and one before), for each job alone
     and for all of them read as one page."""
     rng = random.Random(seed)
+    default = selectors.positions.NEAR_END
     monkeypatch.setattr(transitions, "learn_stage_seconds", lambda *args: None)
     settings.MAX_JOBS_IN_FLIGHT, settings.SUBMIT_RATE_LIMIT, settings.FAIR_WINDOW = 0, 0, 1
     with transaction.atomic():
@@ -287,10 +288,10 @@ def test_the_held_tally_and_the_positions_read_from_it_agree_with_the_rows_under
             jobs = list(Job.objects.all())
             near = _answers(layout, jobs)
             # 3: some from the oldest end; 1: summed in the database; each job alone, and all as one page
-            for near_end, page in ((500, True), (3, False), (3, True), (1, False), (1, True)):
+            for near_end, page in ((default, True), (3, False), (3, True), (1, False), (1, True)):
                 monkeypatch.setattr(selectors.positions, "NEAR_END", near_end)
                 other = _answers(layout, jobs, page)
-                monkeypatch.setattr(selectors.positions, "NEAR_END", 500)
+                monkeypatch.setattr(selectors.positions, "NEAR_END", default)
                 for a, b in zip(near, other, strict=True):
                     assert a[:2] == b[:2], (step, near_end, page, a, b)
                     assert (a[2] is None) == (b[2] is None), (step, near_end, page, a, b)
