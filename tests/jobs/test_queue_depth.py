@@ -288,7 +288,7 @@ def test_the_held_tally_and_the_positions_read_from_it_agree_with_the_rows_under
             jobs = list(Job.objects.all())
             near = _answers(layout, jobs)
             # 3: some from the oldest end; 1: summed in the database; each job alone, and all as one page
-            for near_end, page in ((default, True), (3, False), (3, True), (1, False), (1, True)):
+            for near_end, page in ((default, True), (3, True), (1, False), (1, True)):
                 monkeypatch.setattr(selectors.positions, "NEAR_END", near_end)
                 other = _answers(layout, jobs, page)
                 monkeypatch.setattr(selectors.positions, "NEAR_END", default)
