@@ -441,7 +441,8 @@ class QueueSnapshot:
         NEAR_END at its front: at most two indexed reads. A job with fewer than NEAR_END behind is its
         priority's tally less those behind it; else one with fewer than NEAR_END ahead counts them from
         the front ones; the jobs with more on both sides (the middle of a very deep queue) are summed, in
-        one aggregate for all of them (`_middle_sums`): at most three reads per priority."""
+        one aggregate for all of them (`_middle_sums`): at most three reads per priority. While some job is
+        held, the held jobs around them are read the same way (`_prepare_held`, `_prepare_own_held`)."""
         jobs = [j for j in jobs if self._waits(j)]
         # A held job's place is the round-robin's (`_fair`), not first-come among its priority's waiting jobs.
         waiting = [j for j in jobs if not j.held and j.pk not in self._peers]
@@ -586,7 +587,8 @@ class QueueSnapshot:
         """For the held jobs among these, how many of their owner's held jobs in their queue and priority were
         submitted before them (released first), and their wall seconds, for all of them at once, per (queue,
         owner, priority): the held tally less the ones from the oldest of them on, read from the newest end
-        (job_held_order); the jobs that read does not reach summed in one aggregate: at most two reads each."""
+        (job_held_order); the jobs that read does not reach summed in one aggregate: at most two reads per
+        (queue, owner, priority)."""
         groups: dict[tuple[str, Any, int], list[Job]] = {}
         for job in jobs:
             if job.held and job.pk not in self._own_earlier:
