@@ -1,8 +1,9 @@
 """The queue picture at any depth: waiting sums per (queue, class, priority), running jobs, and each
 job's position, ETA and quote (QueueSnapshot).
 
-Over 500 lines: the tally reads, the neighbour counts, the middle sums and QueueSnapshot are one algorithm (a
-position at any depth in a few queries), with the headwind its ETAs share with admission.
+Over 700 lines: the tally reads, the neighbour counts, the middle sums, their held-job counterparts and
+QueueSnapshot are one algorithm (a position at any depth in a few queries per priority, NEAR_END the knob they
+share), with the headwind its ETAs share with admission.
 """
 
 from __future__ import annotations
