@@ -193,38 +193,61 @@ def unstarted_by_owner(queue: str, held: Iterable[HeldRow] | None = None) -> dic
     return counts
 
 
-def _middle_sums(priority: int, jobs: list[Job]) -> dict[Any, list[WaitingGroup]]:
-    """For waiting jobs of one priority (sorted by wait key), the waiting jobs of that priority at or before
-    each one's key, itself excluded: in one aggregate for all of them (a page's jobs in the middle of a deep
-    priority), not one per job. The rows up to the last job's key fall into spans between successive jobs'
-    keys (span i: after job i-1's key, up to job i's), each job of `jobs` into a span of its own (so that
-    it can count for the others at the key the database holds, and not for itself); a job's answer is the
-    spans up to its own plus those jobs that are not it and wait at or before its key."""
+@dataclass
+class _MiddleSums:
+    """What `_middle_sums` answers per job: the waiting jobs at or before its key (itself excluded), and the
+    other users' held jobs submitted at or before it, per (queue, class, priority)."""
+
+    waiting: dict[Any, list[WaitingGroup]]
+    held: dict[Any, dict[tuple[str, str, int], WaitingGroup]]
+
+
+def _middle_sums(priority: int, jobs: list[Job]) -> _MiddleSums:
+    """For published waiting jobs of one priority (sorted by wait key), the waiting jobs of that priority at
+    or before each one's key, itself excluded, and the other users' held jobs submitted at or before it: in
+    one aggregate for all of them (a page's jobs in the middle of a deep priority), not one per job. The
+    rows up to the last job's key fall into spans between successive jobs' keys (span i: after job i-1's
+    key, up to job i's), each job of `jobs` into a span of its own (so that it can count for the others at
+    the key the database holds, and not for itself); a job's answer is the spans up to its own plus those
+    jobs that are not it and wait at or before its key. The held jobs among the rows (they wait too) also
+    fall into spans by their submit time, and are grouped by owner."""
     keys = [_key(j) for j in jobs]
     span = Case(
         *(When(pk=job.pk, then=Value(-1 - i)) for i, job in enumerate(jobs)),
         *(When(wait_key__lte=key, then=Value(i)) for i, key in enumerate(keys)),
+        default=None,
+        output_field=IntegerField(),
+    )
+    held_span = Case(
+        *(When(held=True, created_at__lte=key, then=Value(i)) for i, key in enumerate(keys)),
+        default=None,
         output_field=IntegerField(),
     )
     rows = list(
         Job.objects.filter(_WAITING, priority=priority)
         .annotate(wait_key=_WAIT_KEY)
-        .filter(wait_key__lte=keys[-1])
-        .annotate(span=span)
+        .filter(Q(wait_key__lte=keys[-1]) | Q(held=True, created_at__lte=keys[-1]))
+        .annotate(span=span, held_span=held_span, holder=Case(When(held=True, then=F("owner_id")), default=None))
         .order_by()
-        .values("span", "queue", "duration_class")
+        .values("span", "held_span", "queue", "duration_class", "holder")
         .annotate(n=Count("id"), seconds=Sum(_WALL_REMAINING), last=Max("wait_key"))
     )
-    answers = {}
+    answers = _MiddleSums({}, {})
     for i, job in enumerate(jobs):
         sums: dict[tuple[str, str], tuple[int, float]] = {}
         for r in rows:
             s = r["span"]
-            if (s >= 0 and s <= i) or (s < 0 and -1 - s != i and r["last"] <= keys[i]):
+            if s is not None and ((s >= 0 and s <= i) or (s < 0 and -1 - s != i and r["last"] <= keys[i])):
                 group = (r["queue"] or r["duration_class"], r["duration_class"])
                 count, seconds = sums.get(group, (0, 0.0))
                 sums[group] = (count + r["n"], seconds + float(r["seconds"] or 0.0))
-        answers[job.pk] = [WaitingGroup(q, c, priority, n, sec) for (q, c), (n, sec) in sums.items()]
+        answers.waiting[job.pk] = [WaitingGroup(q, c, priority, n, sec) for (q, c), (n, sec) in sums.items()]
+        held = [
+            (None, r["queue"], r["duration_class"], r["holder"], r["n"], r["seconds"])
+            for r in rows
+            if r["held_span"] is not None and r["held_span"] <= i
+        ]
+        answers.held[job.pk] = _held_group_sums(held, priority, job.owner_id)
     return answers
 
 
@@ -469,7 +492,9 @@ class QueueSnapshot:
                 else:
                     self._peers[job.pk] = ahead
             if middle:  # NEAR_END or more on both sides: summed, all of them in one read
-                self._peers.update(_middle_sums(priority, middle))
+                sums = _middle_sums(priority, middle)
+                self._peers.update(sums.waiting)
+                self._held_peers.update(sums.held)  # the same read's: `_prepare_held` reads nothing for them
         if jobs and self._held_exist():
             self._prepare_held(jobs)
             self._prepare_own_held(jobs)
