@@ -394,26 +394,6 @@ def _less(
     return out
 
 
-def _held_middle_sums(priority: int, jobs: list[Job]) -> dict[Any, dict[tuple[str, str, int], WaitingGroup]]:
-    """For published jobs of one priority (sorted by wait key), the other users' held jobs of that priority
-    submitted at or before each one's key: in one aggregate for all of them, its rows split into spans
-    between the jobs' keys (span i: after job i-1's key, up to job i's) and grouped by owner; a job's
-    answer is the spans up to its own, less its owner's."""
-    keys = [_key(j) for j in jobs]
-    span = Case(*(When(created_at__lte=k, then=Value(i)) for i, k in enumerate(keys)), output_field=IntegerField())
-    rows = list(
-        _held_at(priority)
-        .filter(created_at__lte=keys[-1])
-        .annotate(span=span)
-        .order_by()
-        .values_list("span", "queue", "duration_class", "owner_id")
-        .annotate(n=Count("id"), seconds=Sum(_WALL_REMAINING))
-    )
-    return {
-        job.pk: _held_group_sums((r for r in rows if r[0] <= i), priority, job.owner_id) for i, job in enumerate(jobs)
-    }
-
-
 @dataclass
 class QueueSnapshot:
     """The queue's picture loaded once per request (the waiting jobs' sums per priority from the tally,
@@ -504,7 +484,7 @@ class QueueSnapshot:
         their wait key, for all of them at once, per priority: the held tally less those submitted after
         the oldest of them, read from the newest end; for the jobs that read does not reach, the held jobs
         up to the newest of them, read from the oldest end; the jobs with NEAR_END or more on both sides
-        summed in one aggregate (`_held_middle_sums`): at most three reads per priority."""
+        summed in one aggregate (`_middle_sums`): at most three reads per priority."""
         published = [j for j in jobs if not j.held and j.pk not in self._held_peers]
         for priority in sorted({j.priority for j in published}):
             tally = [r for r in self._held() if r.priority == priority]
@@ -541,8 +521,8 @@ class QueueSnapshot:
                     self._held_peers[job.pk] = _held_group_sums(upto, priority, job.owner_id)
                 else:
                     middle.append(job)
-            if middle:  # NEAR_END or more on both sides: summed, all of them in one read
-                self._held_peers.update(_held_middle_sums(priority, middle))
+            if middle:  # NEAR_END or more on both sides: one read (prepare's own gave most of these already)
+                self._held_peers.update(_middle_sums(priority, middle).held)
 
     def _waits(self, job: Job) -> bool:
         return not job.is_terminal and not _is_running(job) and job.status != JobStatus.DECODING
