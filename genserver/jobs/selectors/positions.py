@@ -578,13 +578,7 @@ class QueueSnapshot:
             less = _held_sums(r for r in self._held() if r.priority <= job.priority)
         else:
             less = self._other_users_held_ahead(job)
-        out = []
-        for g in plain:
-            b = less.get((g.queue, g.duration_class, g.priority))
-            if b is None:
-                out.append(g)
-            elif g.count - b.count > 0:
-                out.append(replace(g, count=g.count - b.count, seconds=max(0.0, g.seconds - b.seconds)))
+        out = list(_less({_group_key(g): g for g in plain}, less).values())  # one group per key in `plain`
         if job.held:
             out += self._round_robin(job)
         return out
