@@ -242,12 +242,11 @@ def _middle_sums(priority: int, jobs: list[Job]) -> _MiddleSums:
                 count, seconds = sums.get(group, (0, 0.0))
                 sums[group] = (count + r["n"], seconds + float(r["seconds"] or 0.0))
         answers.waiting[job.pk] = [WaitingGroup(q, c, priority, n, sec) for (q, c), (n, sec) in sums.items()]
-        held = [
-            (None, r["queue"], r["duration_class"], r["holder"], r["n"], r["seconds"])
+        answers.held[job.pk] = _held_sums(
+            HeldRow(r["queue"], r["duration_class"], priority, r["holder"], r["n"], float(r["seconds"] or 0.0))
             for r in rows
-            if r["held_span"] is not None and r["held_span"] <= i
-        ]
-        answers.held[job.pk] = _held_group_sums(held, priority, job.owner_id)
+            if r["held_span"] is not None and r["held_span"] <= i and r["holder"] != job.owner_id
+        )
     return answers
 
 
@@ -346,39 +345,23 @@ class _Neighbours:
         return self._sums(bisect_right(self.keys, key), len(self.keys))
 
 
-_HELD_FIELDS = ("created_at", "queue", "duration_class", "owner_id", "wall")
-
-
 def _held_at(priority: int) -> Any:
     return Job.objects.filter(held=True, status__in=ACTIVE, priority=priority)
 
 
-def _held_read(priority: int, side: Q, ascending: bool) -> tuple[list[tuple[Any, ...]], bool]:
-    """Up to NEAR_END held jobs of one priority from one end of their submit order (job_held_order):
-    (created_at, queue, class, owner, wall) rows in the order read, and whether that was all of them."""
+def _held_read(priority: int, side: Q, ascending: bool) -> tuple[list[tuple[datetime, HeldRow]], bool]:
+    """Up to NEAR_END held jobs of one priority from one end of their submit order (job_held_order): each
+    job's submit time and the job as a held row of one, in the order read, and whether that was all of them."""
     order = ("priority", "created_at") if ascending else ("-priority", "-created_at")
-    rows = list(
+    rows = (
         _held_at(priority)
         .filter(side)
         .annotate(wall=_WALL_REMAINING)
         .order_by(*order)
-        .values_list(*_HELD_FIELDS)[:NEAR_END]
+        .values_list("created_at", "queue", "duration_class", "owner_id", "wall")[:NEAR_END]
     )
-    return rows, len(rows) < NEAR_END
-
-
-def _held_group_sums(
-    rows: Iterable[tuple[Any, ...]], priority: int, owner_id: Any
-) -> dict[tuple[str, str, int], WaitingGroup]:
-    """The rows of users other than `owner_id` (created_at, queue, class, owner, count, seconds), summed
-    per (queue, class) at `priority`."""
-    sums: dict[tuple[str, str, int], WaitingGroup] = {}
-    for _, queue, cls, owner, count, seconds in rows:
-        if owner != owner_id:
-            k = (queue or cls, cls, priority)
-            g = sums.get(k) or WaitingGroup(*k, 0, 0.0)
-            sums[k] = replace(g, count=g.count + count, seconds=g.seconds + float(seconds or 0.0))
-    return sums
+    read = [(at, HeldRow(queue, cls, priority, owner, 1, float(wall or 0.0))) for at, queue, cls, owner, wall in rows]
+    return read, len(read) < NEAR_END
 
 
 def _less(
@@ -497,16 +480,14 @@ class QueueSnapshot:
                     self._held_peers[job.pk] = {}
             if not mine:
                 continue
-            counted = [(None, r.queue, r.duration_class, r.owner_id, r.count, r.seconds) for r in tally]
             newer, complete = _held_read(priority, Q(created_at__gt=_key(mine[0])), ascending=False)
             rest = []
             for job in mine:
                 key = _key(job)
                 if complete or key >= newer[-1][0]:  # every held job submitted after it was read
-                    after = ((c, q, d, o, 1, w) for c, q, d, o, w in newer if c > key)
                     self._held_peers[job.pk] = _less(
-                        _held_group_sums(counted, priority, job.owner_id),
-                        _held_group_sums(after, priority, job.owner_id),
+                        _held_sums(r for r in tally if r.owner_id != job.owner_id),
+                        _held_sums(r for at, r in newer if at > key and r.owner_id != job.owner_id),
                     )
                 else:
                     rest.append(job)
@@ -517,8 +498,8 @@ class QueueSnapshot:
             for job in rest:
                 key = _key(job)
                 if complete or front[-1][0] > key:  # every held job submitted up to it was read
-                    upto = ((c, q, d, o, 1, w) for c, q, d, o, w in front if c <= key)
-                    self._held_peers[job.pk] = _held_group_sums(upto, priority, job.owner_id)
+                    upto = (r for at, r in front if at <= key and r.owner_id != job.owner_id)
+                    self._held_peers[job.pk] = _held_sums(upto)
                 else:
                     middle.append(job)
             if middle:  # NEAR_END or more on both sides: one read (prepare's own gave most of these already)
