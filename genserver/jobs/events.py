@@ -87,21 +87,26 @@ def publish_in_background() -> None:
         _background = ThreadPoolExecutor(max_workers=1, thread_name_prefix="job-events")
 
 
-def _soon(publishing: Callable[..., Any], *args: Any) -> None:
+def in_background(work: Callable[..., Any], *args: Any) -> None:
+    """`work(*args)` on the worker's event thread, after the events already queued there; at once in a process
+    without one (the API). For what a card must not wait for and a later pass repairs if it is lost."""
     if _background is None:
-        publishing(*args)
+        work(*args)
     else:
-        _background.submit(_on_own_connection, publishing, *args)
+        _background.submit(_on_own_connection, work, *args)
 
 
-def _on_own_connection(publishing: Callable[..., Any], *args: Any) -> None:
+def _on_own_connection(work: Callable[..., Any], *args: Any) -> None:
     close_old_connections()  # this thread's database connection: dropped if it broke (a database restart)
-    publishing(*args)
+    try:
+        work(*args)
+    except Exception:  # an executor keeps a failure in a future nobody reads: say it here
+        log.warning("background work %s%r failed", getattr(work, "__name__", work), args, exc_info=True)
 
 
 def publish_soon(job_id: UUID | str, kind: str) -> None:
     """`publish` at once, or on the worker's event thread (a transition that has committed already)."""
-    _soon(publish, job_id, kind)
+    in_background(publish, job_id, kind)
 
 
 def publish_on_commit(job_id: UUID | str, kind: str) -> None:
@@ -168,4 +173,4 @@ def publish_queue_moved(queue: str) -> int:
 
 
 def publish_queue_moved_on_commit(queue: str) -> None:
-    transaction.on_commit(lambda: _soon(publish_queue_moved, queue))
+    transaction.on_commit(lambda: in_background(publish_queue_moved, queue))

@@ -12,12 +12,13 @@ import logging
 import os
 from collections.abc import Callable
 from datetime import datetime, timedelta
-from typing import Any
+from typing import Any, cast
 from uuid import UUID
 
 from django.conf import settings
-from django.db import transaction
+from django.db import connections, transaction
 from django.db.models import Q
+from django.db.models.sql import UpdateQuery
 from django.utils import timezone
 
 from genserver import webhooks
@@ -173,3 +174,22 @@ def disk_full(error: str) -> str | None:
     if any(marker in last for marker in _DISK_FULL):
         return last.split(": ", 1)[-1].strip()
     return None
+
+
+def update_returning(job_id: JobId, conditions: Q, **values: Any) -> Job | None:
+    """`Job.objects.filter(conditions, pk=job_id).update(**values)`, and the row as the update left it, in one
+    statement: None when the conditions did not hold (nothing changed).
+
+    An UPDATE … RETURNING (PostgreSQL; SQLite since 3.35), where the ORM needs the UPDATE and a re-read: a
+    chunk's claim is on the path from submit to first step. Django's own compiler writes the UPDATE, so the
+    conditions and F() expressions mean what they mean in `.update()`; `raw()` turns the returned columns into
+    a Job as a read would (UUIDs, datetimes, JSON).
+    """
+    queryset = Job.objects.filter(conditions, pk=job_id)
+    query = cast(UpdateQuery, queryset.query.chain(UpdateQuery))
+    query.add_update_values(values)
+    statement, params = query.get_compiler(queryset.db).as_sql()
+    quote = connections[queryset.db].ops.quote_name
+    columns = ", ".join(quote(field.column) for field in Job._meta.concrete_fields)
+    rows = list(Job.objects.raw(f"{statement} RETURNING {columns}", params))
+    return rows[0] if rows else None

@@ -10,7 +10,7 @@ import logging
 from typing import Any
 
 from django.db import transaction
-from django.db.models import F
+from django.db.models import F, Q
 from django.utils import timezone
 
 from genserver import deployment, metrics
@@ -29,6 +29,7 @@ from ._common import (
     lease_free,
     lease_until,
     release_for,
+    update_returning,
 )
 from .deadlines import expire_if_overdue, not_overdue
 from .estimates import learn_stage_seconds, learn_step_time, rescale_to_total
@@ -95,28 +96,27 @@ def claim_chunk(job_id: JobId, worker: str, from_step: int) -> Job | None:
     """Take the chunk that starts at `from_step`. None when it already ran, runs elsewhere, or must not run
     (an overdue job that never started ends `expired` here instead)."""
     now = timezone.now()
-    taken = Job.objects.filter(
-        lease_free(now),
-        not_overdue(now),
-        pk=job_id,
-        status=JobStatus.DENOISING,
-        checkpoint_step=from_step,
-        cancel_requested=False,
-        held=False,
-    ).update(
-        stage=JobStage.DENOISING, lease_owner=worker, lease_expires_at=lease_until(), chunks_run=F("chunks_run") + 1
+    job = update_returning(
+        job_id,
+        lease_free(now)
+        & not_overdue(now)
+        & Q(status=JobStatus.DENOISING, checkpoint_step=from_step, cancel_requested=False, held=False),
+        stage=JobStage.DENOISING,
+        lease_owner=worker,
+        lease_expires_at=lease_until(),
+        chunks_run=F("chunks_run") + 1,
     )
-    if not taken:
+    if job is None:
         # Only a chunk not taken asks why: one read fewer on the common path (the claim's guard refuses an
         # overdue job with the same `now`).
         expire_if_overdue(job_id, now)
         return None
-    job = Job.objects.get(pk=job_id)
     announce_on_commit(job_id, "denoising")
     events.publish_queue_moved_on_commit(job.queue)  # the jobs behind it moved up
     if job.chunks_run == 1:  # its first chunk: it started, and leaves its owner's fair window
-        transaction.on_commit(lambda: release_for(job_id))
-        transaction.on_commit(lambda: fairness.clear_ahead(job_id))  # and no longer cuts another user's chunk
+        # Both off the card's path (a worker's background thread); the reaper releases what a crash left held.
+        transaction.on_commit(lambda: events.in_background(release_for, job_id))
+        transaction.on_commit(lambda: events.in_background(fairness.clear_ahead, job_id))  # it cuts no chunk now
     return job
 
 

@@ -1,0 +1,83 @@
+"""A chunk's claim (services.claim_chunk): one UPDATE … RETURNING that takes the job and hands back its row as
+a re-read would, or takes nothing; and the first chunk's fair-window follow-ups still run."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import pytest
+from django.db import connection, transaction
+from django.test.utils import CaptureQueriesContext
+from django.utils import timezone
+
+from genserver.jobs import services
+from genserver.jobs.models import Job, JobStage, JobStatus
+from tests.support.jobs import make_job
+
+pytestmark = pytest.mark.django_db(transaction=True)  # the claim's follow-ups run on commit
+
+CARD = "card0@test:1"
+
+
+def waiting_to_denoise(owner, **fields) -> Job:
+    waiting = {"status": JobStatus.DENOISING, "stage": JobStage.WAITING, "embeddings_key": "embeddings/x.pt"}
+    return make_job(owner, **(waiting | fields))
+
+
+def test_a_claim_is_one_statement_on_the_job_and_returns_the_row_a_read_gives(django_user_model):
+    job = waiting_to_denoise(django_user_model.objects.create_user("claims"), webhook_events=["succeeded"])
+    with transaction.atomic():  # its follow-ups (events, the fair window) run on commit, after the capture
+        with CaptureQueriesContext(connection) as statements:
+            claimed = services.claim_chunk(job.pk, CARD, 0)
+    on_the_job = [q["sql"] for q in statements.captured_queries if "jobs_job" in q["sql"]]
+    assert len(on_the_job) == 1 and on_the_job[0].startswith("UPDATE") and "RETURNING" in on_the_job[0], on_the_job
+    read = Job.objects.get(pk=job.pk)
+    assert claimed is not None and claimed.pk == job.pk
+    # Every column as the ORM reads it: UUIDs, datetimes, JSON and booleans come back typed, not as raw text.
+    for field in Job._meta.concrete_fields:
+        assert getattr(claimed, field.attname) == getattr(read, field.attname), field.name
+    assert (read.stage, read.lease_owner, read.chunks_run) == (JobStage.DENOISING, CARD, 1)
+    assert read.lease_expires_at > timezone.now() and claimed.webhook_events == ["succeeded"]
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"lease_owner": "card1@test:1", "lease_expires_at": timezone.now() + timedelta(hours=1)},  # held elsewhere
+        {"checkpoint_step": 4},  # this chunk already ran
+        {"cancel_requested": True},
+        {"held": True},  # its owner's fair window holds it
+        {"status": JobStatus.SUCCEEDED},
+    ],
+    ids=["leased", "ran", "cancel", "held", "ended"],
+)
+def test_a_claim_that_must_not_take_the_job_changes_nothing(django_user_model, change):
+    job = waiting_to_denoise(django_user_model.objects.create_user("refused"), **change)
+    before = {f.attname: getattr(Job.objects.get(pk=job.pk), f.attname) for f in Job._meta.concrete_fields}
+    assert services.claim_chunk(job.pk, CARD, 0) is None
+    after = Job.objects.get(pk=job.pk)
+    assert {f.attname: getattr(after, f.attname) for f in Job._meta.concrete_fields} == before
+
+
+def test_an_expired_lease_is_taken_over(django_user_model):
+    job = waiting_to_denoise(
+        django_user_model.objects.create_user("takeover"),
+        lease_owner="card1@test:1",
+        lease_expires_at=timezone.now() - timedelta(seconds=1),
+        chunks_run=3,
+    )
+    claimed = services.claim_chunk(job.pk, CARD, 0)
+    assert claimed is not None and (claimed.lease_owner, claimed.chunks_run) == (CARD, 4)
+
+
+def test_a_first_claim_releases_the_owners_next_held_job(django_user_model, monkeypatch):
+    """The first chunk leaves its owner's fair window: the claim's follow-up publishes the next held job."""
+    released = []
+    monkeypatch.setattr(services.fairness, "release_held", lambda owner, queue: released.append((owner, queue)))
+    job = waiting_to_denoise(django_user_model.objects.create_user("window"))
+    services.claim_chunk(job.pk, CARD, 0)
+    assert released == [(job.owner_id, job.queue)]
+    # A later chunk of the same job is not its start: nothing more to release.
+    Job.objects.filter(pk=job.pk).update(lease_owner="", checkpoint_step=2)
+    services.claim_chunk(job.pk, CARD, 2)
+    assert released == [(job.owner_id, job.queue)]
