@@ -81,3 +81,24 @@ def test_a_first_claim_releases_the_owners_next_held_job(django_user_model, monk
     Job.objects.filter(pk=job.pk).update(lease_owner="", checkpoint_step=2)
     services.claim_chunk(job.pk, CARD, 2)
     assert released == [(job.owner_id, job.queue)]
+
+
+def test_an_encode_claim_is_one_statement_and_a_retried_encode_is_taken_again(django_user_model):
+    owner = django_user_model.objects.create_user("encodes")
+    job = make_job(owner, status=JobStatus.QUEUED, stage=JobStage.WAITING)
+    with transaction.atomic():
+        with CaptureQueriesContext(connection) as statements:
+            taken = services.start_encoding(job.pk, CARD)
+    on_the_job = [q["sql"] for q in statements.captured_queries if "jobs_job" in q["sql"]]
+    assert len(on_the_job) == 1 and "RETURNING" in on_the_job[0], on_the_job
+    read = Job.objects.get(pk=job.pk)
+    assert taken is not None and (read.status, read.lease_owner) == (JobStatus.ENCODING, CARD)
+    assert all(getattr(taken, f.attname) == getattr(read, f.attname) for f in Job._meta.concrete_fields)
+    # Its worker died: once the lease is over, the redelivered encode takes it again (from encoding).
+    Job.objects.filter(pk=job.pk).update(lease_expires_at=timezone.now() - timedelta(seconds=1))
+    again = services.start_encoding(job.pk, "card1@test:1")
+    assert again is not None and again.lease_owner == "card1@test:1"
+    # A cancel asked meanwhile: not taken.
+    other = make_job(owner, status=JobStatus.QUEUED, stage=JobStage.WAITING, cancel_requested=True)
+    assert services.start_encoding(other.pk, CARD) is None
+    assert Job.objects.get(pk=other.pk).lease_owner == ""

@@ -41,17 +41,18 @@ def start_encoding(job_id: JobId, worker: str) -> Job | None:
     """Take the job's encode stage. None when it was cancelled, finished, is held elsewhere, or missed its
     start deadline (it ends `expired` here instead of running)."""
     now = timezone.now()
-    free = Job.objects.filter(lease_free(now), not_overdue(now), pk=job_id, cancel_requested=False, held=False)
+    free = lease_free(now) & not_overdue(now) & Q(cancel_requested=False, held=False)
     fields = dict(
         status=JobStatus.ENCODING, stage=JobStage.ENCODING, lease_owner=worker, lease_expires_at=lease_until()
     )
-    if free.filter(status=JobStatus.QUEUED).update(**fields):  # one UPDATE either way; the first says "from"
+    # One UPDATE … RETURNING either way; the first says "from".
+    if job := update_returning(job_id, free & Q(status=JobStatus.QUEUED), **fields):
         observe.transition(job_id, JobStatus.QUEUED, JobStatus.ENCODING, worker=worker)
-    elif not free.filter(status=JobStatus.ENCODING).update(**fields):  # a retried encode
+    elif not (job := update_returning(job_id, free & Q(status=JobStatus.ENCODING), **fields)):  # a retried encode
         expire_if_overdue(job_id, now)  # not taken: an overdue job ends here (the guard refused it)
         return None
     announce_on_commit(job_id, "encoding")
-    return Job.objects.filter(pk=job_id).first()  # None if the row was deleted meanwhile (the admin)
+    return job
 
 
 def claim_encode_batch(job: Job, worker: str, limit: int) -> list[Job]:
