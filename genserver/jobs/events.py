@@ -89,18 +89,23 @@ def publish_in_background() -> None:
 
 def in_background(work: Callable[..., Any], *args: Any) -> None:
     """`work(*args)` on the worker's event thread, after the events already queued there; at once in a process
-    without one (the API). For what a card must not wait for and a later pass repairs if it is lost."""
+    without one (the API). For what a card must not wait for and a later pass repairs if it is lost: a failure
+    is logged either way, never raised (an executor would keep it in a future nobody reads)."""
     if _background is None:
-        work(*args)
+        _logged(work, *args)
     else:
         _background.submit(_on_own_connection, work, *args)
 
 
 def _on_own_connection(work: Callable[..., Any], *args: Any) -> None:
     close_old_connections()  # this thread's database connection: dropped if it broke (a database restart)
+    _logged(work, *args)
+
+
+def _logged(work: Callable[..., Any], *args: Any) -> None:
     try:
         work(*args)
-    except Exception:  # an executor keeps a failure in a future nobody reads: say it here
+    except Exception:
         log.warning("background work %s%r failed", getattr(work, "__name__", work), args, exc_info=True)
 
 

@@ -102,3 +102,16 @@ def test_an_encode_claim_is_one_statement_and_a_retried_encode_is_taken_again(dj
     other = make_job(owner, status=JobStatus.QUEUED, stage=JobStage.WAITING, cancel_requested=True)
     assert services.start_encoding(other.pk, CARD) is None
     assert Job.objects.get(pk=other.pk).lease_owner == ""
+
+
+def test_a_release_that_fails_is_logged_and_the_claim_stands(django_user_model, monkeypatch, caplog):
+    """The reaper releases what a failed release left held: the card's claim does not fail for it."""
+
+    def broken(owner, queue):
+        raise RuntimeError("database went away")
+
+    monkeypatch.setattr(services.fairness, "release_held", broken)
+    job = waiting_to_denoise(django_user_model.objects.create_user("broken-release"))
+    assert services.claim_chunk(job.pk, CARD, 0) is not None
+    assert Job.objects.get(pk=job.pk).lease_owner == CARD
+    assert "background work broken(" in caplog.text and "database went away" in caplog.text

@@ -28,7 +28,6 @@ from ._common import (
     end_if_cancelled,
     lease_free,
     lease_until,
-    release_for,
     update_returning,
 )
 from .deadlines import expire_if_overdue, not_overdue
@@ -116,7 +115,7 @@ def claim_chunk(job_id: JobId, worker: str, from_step: int) -> Job | None:
     events.publish_queue_moved_on_commit(job.queue)  # the jobs behind it moved up
     if job.chunks_run == 1:  # its first chunk: it started, and leaves its owner's fair window
         # Both off the card's path (a worker's background thread); the reaper releases what a crash left held.
-        transaction.on_commit(lambda: events.in_background(release_for, job_id))
+        transaction.on_commit(lambda: events.in_background(fairness.release_held, job.owner_id, job.queue))
         transaction.on_commit(lambda: events.in_background(fairness.clear_ahead, job_id))  # it cuts no chunk now
     return job
 
