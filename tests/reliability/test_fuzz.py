@@ -116,26 +116,33 @@ def test_schema_fuzz_never_500_and_refusals_leave_no_row(case, token, wsgi_reque
         # The schema types `model` as a string; name a real one so generated jobs also get accepted.
         names = deployment.registry().names()
         case.body["model"] = names[TALLY["requests"] % len(names)]
-    before = Job.objects.count()
+    before_ids = set(Job.objects.values_list("pk", flat=True))
+    before = len(before_ids)
     response = case.call(headers={"Authorization": f"Token {token}"})
     TALLY["requests"] += 1
     TALLY[f"status {response.status_code}"] += 1
     case.validate_response(response, checks=[not_a_server_error])
     assert response.status_code < 500
-    after = Job.objects.count()
+    after_ids = set(Job.objects.values_list("pk", flat=True))
+    after = len(after_ids)
+    # What the request did to the table, named when an assertion below fails: the rows it made and took
+    # away, and the job its answer names (a flake once saw a 202 that left the count as it was).
+    changed = f"made {sorted(map(str, after_ids - before_ids))}, gone {sorted(map(str, before_ids - after_ids))}, " + (
+        f"answer {response.text[:300]!r}, headers {dict(response.headers)}"
+    )
     # Accepted work: a native submit's 201, or the OpenAI endpoint's 202 (the job runs on; the answer names it).
     # (POST /api/v1/tokens/'s 201 makes a token, not a job.)
     accepted = (response.status_code == 201 and case.path == "/api/v1/jobs/") or (
         case.path == "/v1/images/generations" and response.status_code == 202
     )
     if accepted and response.headers.get("Idempotent-Replayed") == "true":
-        assert after == before  # a generated Idempotency-Key used twice: the first request's job, no new row
+        assert after == before, changed  # a generated Idempotency-Key used twice: the first request's job, no row
     elif accepted:
         TALLY["created"] += 1
-        assert after == before + 1
+        assert after == before + 1, changed
     else:
         TALLY["rows_from_refused"] += after - before
-        assert after == before, f"{case.method} {case.path} → {response.status_code} left a row"
+        assert after == before, f"{case.method} {case.path} → {response.status_code} left a row: {changed}"
     if response.status_code >= 400:
         assert response.status_code < 500
         readable(response)
