@@ -31,3 +31,25 @@ def test_the_api_does_not_import_torch():
     )
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "clean", f"importing genserver.urls loaded: {done.stdout.strip()}"
+
+
+def test_beat_does_not_import_torch_and_a_worker_registers_the_tasks():
+    """Beat starts as celery/apps/beat.py does (the loader's worker init: `imports` and autodiscovered
+    modules) and loads no torch; a worker's start (the `celeryd_init` signal) then registers tasks/."""
+    program = (
+        "import sys, django; django.setup(); from celery import signals; from genserver.celery import app; "
+        "app.loader.init_worker(); "
+        "beat = sorted(m for m in sys.modules if m == 'torch' or m.split('.')[0] == 'tasks'); "
+        "signals.celeryd_init.send(sender='card0@test', instance=None, conf=app.conf, options={}); "
+        "names = sorted(n for n in app.tasks if n.startswith('tasks.')); "
+        "print(' '.join(beat) or 'clean'); print(len(names), 'torch' in sys.modules)"
+    )
+    env = os.environ | {"DJANGO_SETTINGS_MODULE": "genserver.settings"}
+    done = subprocess.run(
+        [sys.executable, "-c", program], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    beat, worker = done.stdout.strip().splitlines()
+    assert beat == "clean", f"beat's start loaded: {beat}"
+    registered, torch_loaded = worker.split()
+    assert int(registered) >= 5 and torch_loaded == "True", worker
