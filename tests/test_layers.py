@@ -18,6 +18,16 @@ def test_import_contracts_hold():
     assert "0 broken" in done.stdout, done.stdout
 
 
+def run_with_django(program: str) -> str:
+    """`program`'s standard output, run in a fresh interpreter with the service's settings (it must succeed)."""
+    env = os.environ | {"DJANGO_SETTINGS_MODULE": "genserver.settings"}
+    done = subprocess.run(
+        [sys.executable, "-c", program], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    return done.stdout
+
+
 def test_the_api_does_not_import_torch():
     """A fresh process that loads the API's URLconf (every view, serializer and the job service) has no torch."""
     program = (
@@ -25,12 +35,8 @@ def test_the_api_does_not_import_torch():
         "loaded = sorted(m for m in sys.modules if m == 'torch' or m.split('.')[0] in ('torch', 'tasks', 'workers')); "
         "print(' '.join(loaded) or 'clean')"
     )
-    env = os.environ | {"DJANGO_SETTINGS_MODULE": "genserver.settings"}
-    done = subprocess.run(
-        [sys.executable, "-c", program], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120
-    )
-    assert done.returncode == 0, done.stderr
-    assert done.stdout.strip() == "clean", f"importing genserver.urls loaded: {done.stdout.strip()}"
+    stdout = run_with_django(program)
+    assert stdout.strip() == "clean", f"importing genserver.urls loaded: {stdout.strip()}"
 
 
 def test_beat_does_not_import_torch_and_a_worker_registers_the_tasks():
@@ -44,12 +50,7 @@ def test_beat_does_not_import_torch_and_a_worker_registers_the_tasks():
         "names = sorted(n for n in app.tasks if n.startswith('tasks.')); "
         "print(' '.join(beat) or 'clean'); print(len(names), 'torch' in sys.modules)"
     )
-    env = os.environ | {"DJANGO_SETTINGS_MODULE": "genserver.settings"}
-    done = subprocess.run(
-        [sys.executable, "-c", program], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120
-    )
-    assert done.returncode == 0, done.stderr
-    beat, worker = done.stdout.strip().splitlines()
+    beat, worker = run_with_django(program).strip().splitlines()
     assert beat == "clean", f"beat's start loaded: {beat}"
     registered, torch_loaded = worker.split()
     assert int(registered) >= 5 and torch_loaded == "True", worker
