@@ -1,4 +1,9 @@
-"""The Job: one row per accepted request, the source of truth for its state."""
+"""The Job: one row per accepted request, the source of truth for its state.
+
+Over 400 lines because Django keeps an app's models in one module: the Job (about 170 lines of fields, each with
+what it is for, and the constraints the job service relies on), its segments, the queue and held tallies, quotas
+and API tokens.
+"""
 
 from __future__ import annotations
 
