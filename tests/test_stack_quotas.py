@@ -6,6 +6,7 @@ import pytest
 
 from genserver.jobs import services
 from genserver.jobs.models import Quota
+from genserver.jobs.services.quotas import charge_of
 from tests.support.api import submit
 from tests.support.waits import finished, job_row, wait_for
 
@@ -33,7 +34,7 @@ def test_a_jobs_measured_card_time_is_settled_into_the_days_usage(stack, api):
     # first job, and from earlier tests of the session, moves the next estimate, once by more than half.)
     shape = ("model", "width", "height", "num_frames", "steps", "guidance_scale", "num_outputs")
     next_estimate = services.estimate({name: getattr(job, name) for name in shape})
-    charge = next_estimate.seconds * next_estimate.clock_scale
+    charge = charge_of(next_estimate.seconds, next_estimate.clock_scale)
     Quota.objects.create(user=api.user, card_seconds_per_day=charge + job.card_seconds / 2)
     refused = submit(api, model="tiny-sd", prompt="one more", width=64, height=64, steps=6)
     assert refused.status_code == 429, refused.json()
