@@ -17,6 +17,15 @@ from tests.support.waits import finished, job_row, wait_for
 
 pytestmark = pytest.mark.stack
 PNG = b"\x89PNG\r\n\x1a\n"
+# `python -m genserver_cli` with Ctrl-C as a terminal's foreground process gets it. A suite started in the
+# background (`make test &`, a CI runner without job control) ignores SIGINT, its children inherit that, and Python
+# then installs no KeyboardInterrupt handler: the CLI would never see the test's Ctrl-C.
+CLI_WITH_CTRL_C = [
+    sys.executable,
+    "-c",
+    "import runpy, signal; signal.signal(signal.SIGINT, signal.default_int_handler); "
+    "runpy.run_module('genserver_cli', run_name='__main__', alter_sys=True)",
+]
 
 
 def cli_env(server, token: str | None) -> dict[str, str]:
@@ -151,9 +160,7 @@ def test_ctrl_c_offers_to_cancel_the_job(stack, asgi_server, api_token, tmp_path
     token = api_token("cli-interrupter")
     process = subprocess.Popen(
         [
-            sys.executable,
-            "-m",
-            "genserver_cli",
+            *CLI_WITH_CTRL_C,
             "submit",
             "--model",
             "wan-sim",
