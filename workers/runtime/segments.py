@@ -70,12 +70,11 @@ def assemble(storage: Storage, job_id: str, clip_keys: list[str]) -> list[dict[s
     Streamed clip by clip and frame by frame (a 60 s 720p video would be gigabytes of frames in memory)."""
     import io
     import tempfile
-    from fractions import Fraction
     from pathlib import Path
 
     import av
 
-    from .video import CRF, _even_rgb
+    from .video import _even_rgb, add_h264_stream
 
     first: Image.Image | None = None
     with tempfile.TemporaryDirectory(prefix="genserver-assemble-") as tmp:
@@ -90,10 +89,7 @@ def assemble(storage: Storage, job_id: str, clip_keys: list[str]) -> list[dict[s
                             first = image.convert("RGB")
                             width = max(2, image.width + image.width % 2)
                             height = max(2, image.height + image.height % 2)
-                            stream = out.add_stream("libx264", rate=Fraction(DEFAULT_FPS, 1))
-                            stream.width, stream.height, stream.pix_fmt = width, height, "yuv420p"
-                            stream.options = {"crf": str(CRF), "preset": "medium", "threads": "1"}
-                            stream.codec_context.thread_count = 1
+                            stream = add_h264_stream(out, width, height, DEFAULT_FPS)
                         picture = av.VideoFrame.from_ndarray(
                             _even_rgb(image, stream.width, stream.height), format="rgb24"
                         )

@@ -9,16 +9,27 @@ repeating the last row/column, so no picture is lost.
 
 from __future__ import annotations
 
+import functools
 import io
 import tempfile
 from fractions import Fraction
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 from PIL import Image
 
 DEFAULT_FPS = 16  # Wan's native frame rate (81 frames = 5 s)
 CRF = 18  # x264 quality: visually lossless for generated content, still small
+
+# x264 chooses its SIMD code from the CPU, and its AVX-512 code reads memory it never wrote: in a process whose heap
+# holds old data, the same frames then encode to other bytes (a segment and the lone job of its seed differed in one
+# frame by 25 levels). `python -m bench.mp4` (PyAV 18.1's x264, one AVX-512 CPU): of 200 encodes of one tiny-wan clip
+# 183 differed at 64×64 and 169 at 192×192, none capped; valgrind, whose CPU has no AVX-512, finds no such read in the
+# code below it. Capped at AVX2 (which every AVX-512 CPU has), x264 writes the same bytes for the same frames every
+# time, the same as an AVX2-only machine writes (its bytes follow its SIMD level: SSE2 gives its C code's bytes,
+# SSSE3 and later their own), and no slower (0.91-0.97× the uncapped time in the same run).
+X264_AVX512_CAP = "asm=avx2"
 
 
 def _even_rgb(frame: Image.Image, width: int, height: int) -> np.ndarray:
@@ -50,15 +61,47 @@ def encode_mp4(frames: list[Image.Image], fps: int = DEFAULT_FPS) -> bytes:
         return path.read_bytes()
 
 
+def cpu_flags(cpuinfo: str) -> frozenset[str]:
+    """The feature flags of the first CPU in a /proc/cpuinfo text (empty where there is no such line)."""
+    for line in cpuinfo.splitlines():
+        name, _, value = line.partition(":")
+        if name.strip() == "flags":
+            return frozenset(value.split())
+    return frozenset()
+
+
+@functools.cache
+def _this_cpu_flags() -> frozenset[str]:
+    try:
+        return cpu_flags(Path("/proc/cpuinfo").read_text())
+    except OSError:  # not Linux: x264 keeps its own choice
+        return frozenset()
+
+
+def x264_params(flags: frozenset[str] | None = None) -> str:
+    """The x264-params that keep its output deterministic on a CPU with `flags` (default: this one's)."""
+    flags = _this_cpu_flags() if flags is None else flags
+    return X264_AVX512_CAP if "avx512f" in flags else ""
+
+
+def add_h264_stream(container: Any, width: int, height: int, fps: int) -> Any:
+    """The H.264 stream of every MP4 written here: the same frames give the same bytes (one thread, no
+    wall-clock metadata, x264's SIMD level capped where it is not deterministic)."""
+    stream = container.add_stream("libx264", rate=Fraction(int(fps), 1))
+    stream.width, stream.height, stream.pix_fmt = width, height, "yuv420p"
+    options = {"crf": str(CRF), "preset": "medium", "threads": "1"}
+    if params := x264_params():
+        options["x264-params"] = params
+    stream.options = options
+    stream.codec_context.thread_count = 1
+    return stream
+
+
 def _write_mp4(path: Path, frames: list[Image.Image], fps: int, width: int, height: int) -> None:
     import av
 
     with av.open(str(path), mode="w", format="mp4", options={"movflags": "+faststart"}) as container:
-        stream = container.add_stream("libx264", rate=Fraction(int(fps), 1))
-        stream.width, stream.height, stream.pix_fmt = width, height, "yuv420p"
-        # Deterministic bytes for the same frames: one thread, no wall-clock metadata.
-        stream.options = {"crf": str(CRF), "preset": "medium", "threads": "1"}
-        stream.codec_context.thread_count = 1
+        stream = add_h264_stream(container, width, height, fps)
         for frame in frames:
             picture = av.VideoFrame.from_ndarray(_even_rgb(frame, width, height), format="rgb24")
             container.mux(stream.encode(picture))
