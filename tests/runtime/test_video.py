@@ -12,7 +12,7 @@ from workers.runtime.wan import WanFamily
 
 from .conftest import make_request, run_to_end
 
-# What /proc/cpuinfo says on an AVX-512 machine (this development machine's first lines, cut) and on an older one.
+# /proc/cpuinfo's first CPU on an AVX-512 machine and on an AVX2-only one (flags cut to the ones that matter).
 AVX512_CPUINFO = "processor\t: 0\nflags\t\t: fpu sse2 ssse3 fma sse4_2 avx bmi1 avx2 bmi2 avx512f avx512bw\n\n"
 AVX2_CPUINFO = "processor\t: 0\nflags\t\t: fpu sse2 ssse3 fma sse4_2 avx bmi1 avx2 bmi2\n\n"
 
@@ -29,8 +29,8 @@ def wan_frames(wan_family: WanFamily) -> list:
 
 def test_the_same_frames_encode_to_the_same_bytes_in_a_used_heap(wan_frames: list) -> None:
     # A long-lived decode worker's freed memory holds old data; x264 must not read any of it. Uncapped on an
-    # AVX-512 CPU, about one encode in ten of this clip differed (docs/BENCHMARKS.md), so 100 would all but
-    # surely show it. On a CPU without AVX-512 this checks the same promise with nothing to cap.
+    # AVX-512 CPU, 86 of 100 encodes of this clip differed (183 of 200 in bench.mp4, docs/BENCHMARKS.md). On a
+    # CPU without AVX-512 this checks the same promise with nothing to cap.
     first = video.encode_mp4(wan_frames)
     draw, garbage, differing = random.Random(0), [], 0
     for _ in range(100):
