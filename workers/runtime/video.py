@@ -25,10 +25,11 @@ CRF = 18  # x264 quality: visually lossless for generated content, still small
 # x264 chooses its SIMD code from the CPU, and its AVX-512 code reads memory it never wrote: in a process whose heap
 # holds old data, the same frames then encode to other bytes (a segment and the lone job of its seed differed in one
 # frame by 25 levels). `python -m bench.mp4` (PyAV 18.1's x264, one AVX-512 CPU): of 200 encodes of one tiny-wan clip
-# 183 differed at 64×64 and 169 at 192×192, none capped; valgrind, whose CPU has no AVX-512, finds no such read in
-# x264's AVX2 code. Capped at AVX2 (which every AVX-512 CPU has), x264 writes the same bytes for the same frames every
-# time, the same as an AVX2-only machine writes (its bytes follow its SIMD level: SSE2 gives its C code's bytes,
-# SSSE3 and later their own), and no slower (0.91-0.97× the uncapped time in the same run).
+# 183 differed at 64×64 and 169 at 192×192 (14 and 40 of 100 in a second run), none capped. Valgrind, whose CPU has
+# no AVX-512, finds no such read in x264's AVX2 code. Capped at AVX2 (which every AVX-512 CPU has), x264 writes the
+# same bytes for the same frames every time, the same as an AVX2-only machine writes (its bytes follow its SIMD
+# level: SSE2 gives its C code's bytes, SSSE3 and later their own), and no slower (0.78-1.00× the uncapped time,
+# side by side, in two runs).
 X264_AVX512_CAP = "asm=avx2"
 
 
