@@ -7,7 +7,12 @@ backend on 4 CPU "cards" and the clock compressed by `--scale`, sends every
 request at its arrival time × scale, waits for all of them, and measures the
 seed's table from the job records (wall seconds ÷ scale = seconds of the
 modelled H100). The simulator runs the same workload through the same
-scheduling code with the same layout, chunk length and admission limits.
+scheduling code with the service's policy as `make up` deploys it
+(`service_policy_config`: the generated layout, chunk length, admission limits
+and headwind, yield on demand with the checkpoint written at every boundary,
+the overload cap, the fair window), at three costs per chunk boundary. On the
+seed's generator it also prints the issue-16 targets: images' P99 against 0.6 ×
+the seed's pools', videos' against 1.1 × the seed's FCFS'.
 
 Also reports ETA accuracy: each job's `eta_seconds` in the 201 answer against
 its actual time to finish, per class. `--save` keeps the raw run, with the queue
@@ -25,10 +30,19 @@ from datetime import datetime
 from pathlib import Path
 
 from bench.livestack import live_stack
-from genserver.scheduling.admission import AdmissionLimits
 from genserver.scheduling.chunking import DEFAULT_CHUNK_SECONDS
 from genserver.scheduling.pools import default_layout
-from genserver.scheduling.simulator import KINDS, Request, SimConfig, pct, seed_workload, simulate
+from genserver.scheduling.simulator import (
+    IMAGE,
+    KINDS,
+    VIDEO,
+    Request,
+    pct,
+    seed_waits,
+    seed_workload,
+    service_policy_config,
+    simulate,
+)
 
 CARDS = 4
 # The request that has each of the seed's durations under bench/seed-registry.toml.
@@ -120,19 +134,40 @@ def measured(run: dict, scale: float) -> dict:
     return out
 
 
+# GENSERVER_FAIR_WINDOW's default: the replay's requests are one user's, published one per queue at a time.
+FAIR_WINDOW = 1
+
+
 def predicted(requests: Sequence[Request], checkpoint_seconds: float) -> dict:
-    cfg = SimConfig(
+    """The simulator's run of `requests` with the live defaults; one simulated model per kind, so no switches."""
+    cfg = service_policy_config(
+        CARDS,
         layout=default_layout(0, CARDS),
-        chunk_seconds=DEFAULT_CHUNK_SECONDS,
+        yield_on_demand=True,
+        in_process_seconds=None,  # the denoise task writes the checkpoint at every boundary, in process too
         checkpoint_seconds=checkpoint_seconds,
         switch_seconds=0.0,
-        limits=AdmissionLimits(),
+        fair_window=FAIR_WINDOW,
     )
     result = simulate(requests, cfg)
     return {
         k: {"waits": c.waits, "delays": c.delays, "accepted": c.accepted, "refused": c.refused}
         for k, c in result.classes.items()
     }
+
+
+def targets(live: dict, args: argparse.Namespace) -> str:
+    """Issue 16's P99 targets for the live figures: the seed's own policies on the same generated workload."""
+    workload = dict(arrivals=args.arrivals, rate=args.rate, seed=args.seed)
+    image_bound = 0.6 * pct(seed_waits("pools", **workload)[IMAGE], 0.99)
+    video_bound = 1.1 * pct(seed_waits("fcfs", **workload)[VIDEO], 0.99)
+    cells = []
+    for kind, bound, name in ((IMAGE, image_bound, "0.6 × pools'"), (VIDEO, video_bound, "1.1 × FCFS'")):
+        for metric in ("waits", "delays"):
+            p99 = pct(live[kind][metric], 0.99)
+            cells.append(f"{kind} {metric[:-1]} {p99:.1f} {'met' if p99 <= bound else 'MISSED'}")
+        cells[-2] = f"P99 ≤ {name} {bound:.1f} s: " + cells[-2]
+    return "targets: " + "; ".join(cells)
 
 
 def row(label: str, data: dict) -> str:
@@ -162,12 +197,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     live = measured(run, args.scale)
     print(
         f"workload: {len(requests)} requests, rate {args.rate}/s, seed {args.seed}; clock ×{args.scale}; "
-        f"{CARDS} cards (default layout), chunks of {DEFAULT_CHUNK_SECONDS} s"
+        f"{CARDS} cards (the generated layout: every card takes every class), chunks of {DEFAULT_CHUNK_SECONDS} s"
     )
     print(f"{'':<26} {'images wait':>13} | {'delay':>13}  ‖  {'videos wait':>13} | {'delay':>13}   (P50 P99, s)")
     print(row("live stack (measured)", live))
     for ckpt in (0.0, 0.2, 0.4):
         print(row(f"simulator, {ckpt} s/boundary", predicted(requests, ckpt)))
+    if not args.trace:
+        print(targets(live, args))
     for kind in KINDS:
         d = live[kind]
         errs = d["eta_errors"]

@@ -254,7 +254,7 @@ def section_targets(all_outcomes: dict[float, dict[str, Outcome]]) -> str:
 def section_overload(base: dict[str, Outcome]) -> str:
     rows = []
     limit = AdmissionLimits().long
-    configs = {"image card (default_layout)": SimConfig(), **{n: f() for n, f in OUR_POLICIES.items()}}
+    configs = {"image card (one of four)": SimConfig(), **{n: f() for n, f in OUR_POLICIES.items()}}
     for name, cfg in configs.items():
         o = Outcome.sim(name, cfg, OVERLOAD_RATE)
         b = base.get(name) or Outcome.sim(name, cfg, 0.06)
@@ -292,7 +292,7 @@ def section_overload(base: dict[str, Outcome]) -> str:
 
 def _curve_configs(chunk: float) -> dict[str, SimConfig]:
     return {
-        "image card (default_layout)": SimConfig(chunk_seconds=chunk),
+        "image card (one of four)": SimConfig(chunk_seconds=chunk),
         OURS: ours(chunk_seconds=chunk),
         OURS_YOD: ours_yod(chunk_seconds=chunk),
     }
@@ -328,7 +328,7 @@ def section_tradeoff(points: dict[tuple[str, float, float], Outcome]) -> str:
 
 def section_caps() -> str:
     variants = {
-        "image card (default_layout): gpu0 never runs video": SimConfig(),
+        "image card (one of four): gpu0 never runs video": SimConfig(),
         "all cards, cap 3 always": SimConfig(layout=mixed_layout(4, 0), long_cap=3),
         "all cards, cap 2 always": SimConfig(layout=mixed_layout(4, 0), long_cap=2),
         "all cards, no cap": SimConfig(layout=mixed_layout(4, 0)),
@@ -497,7 +497,7 @@ def write_plots(
 
     plain = FuncFormatter(lambda v, _: f"{v:g}")
 
-    colors = {"image card (default_layout)": "tab:purple", OURS: "tab:blue", OURS_YOD: "tab:green"}
+    colors = {"image card (one of four)": "tab:purple", OURS: "tab:blue", OURS_YOD: "tab:green"}
     fig, axes = plt.subplots(1, 2, figsize=(13, 5))
     for ax, kind in zip(axes, KINDS):
         for name, color in colors.items():

@@ -216,11 +216,17 @@ def default_layout(
 ) -> PoolLayout:
     """The generated layout for a machine.
 
-    With N cards: `image_cards` of them (default about a quarter, at least one)
-    serve images only (short, medium); the rest serve video and also take images
-    first (the priority bands put short chunks ahead of long ones on every card).
-    `max_long_cards` caps the cards that run long work at once (the seed's
-    "at most 2 cards on video"): cards beyond the cap serve images only. Text
+    With N cards, every card serves every class (short, medium, long) and takes
+    images first: the priority bands put short chunks ahead of long ones on every
+    card, and a running video yields at its next step boundary. This is the policy
+    the simulator measured ("ours" in docs/BENCHMARKS.md): an image-only card keeps
+    images' P99 a little lower but leaves video three cards at 84-112 % of their
+    capacity (videos P99 2-3.3 x FCFS'); under overload the long cap
+    (scheduling/overload.py) keeps one card off video instead. `image_cards` of
+    them (default 0) serve images only (short, medium), for a fleet whose image
+    latency must not depend on the cap. `max_long_cards` caps the cards that run
+    long work at all times (the seed's "at most 2 cards on video"): cards beyond
+    the cap serve images only. Text
     encode and VAE decode get their own processes, sharing the last card (CPU
     when there is none); the encode process also delivers webhooks. With no GPU, `cpu_workers` CPU processes play the
     cards with the same logic.
@@ -256,7 +262,7 @@ def default_layout(
             )
         )
     if image_cards is None:
-        image_cards = max(1, round(cards / 4)) if cards > 1 else 0
+        image_cards = 0
     if max_long_cards is not None:
         if max_long_cards < 1:
             raise ValueError("max_long_cards must be at least 1: some card has to run long work")

@@ -209,21 +209,35 @@ def test_admission_on_a_one_card_layout_and_unknown_classes():
 
 
 def test_default_layout_for_four_cards():
+    # Every card takes every class (the simulator's measured policy); images go first by priority.
     layout = default_layout(4)
     denoise = [w for w in layout.workers if w.denoises]
-    assert [w.queues for w in denoise] == [("short", "medium")] + [("short", "medium", "long")] * 3
+    assert [w.queues for w in denoise] == [("short", "medium", "long")] * 4
     assert [w.devices for w in denoise] == [(0,), (1,), (2,), (3,)]
-    assert (layout.capacity(SHORT), layout.capacity(MEDIUM), layout.capacity(LONG)) == (4, 4, 3)
+    assert (layout.capacity(SHORT), layout.capacity(MEDIUM), layout.capacity(LONG)) == (4, 4, 4)
     assert layout.queues_of("encode") == ("encode", "control", "webhooks") and layout.capacity("decode") == 1
 
 
-@pytest.mark.parametrize("gpus, image_only", [(1, 0), (2, 1), (8, 2)])
-def test_default_layout_scales(gpus, image_only):
-    layout = default_layout(gpus)
+@pytest.mark.parametrize("gpus", [1, 2, 8])
+@pytest.mark.parametrize("image_cards", [None, 0, 1])
+def test_default_layout_scales(gpus, image_cards):
+    if image_cards == 1 and gpus == 1:
+        with pytest.raises(ValueError, match="image_cards must be within 0..0"):
+            default_layout(gpus, image_cards=image_cards)  # the one card must take long work
+        return
+    layout = default_layout(gpus, image_cards=image_cards)
     denoise = [w for w in layout.workers if w.denoises]
     assert len(denoise) == gpus
-    assert sum(1 for w in denoise if LONG not in w.queues) == image_only
-    assert layout.capacity(LONG) >= 1
+    assert [w.name for w in denoise if LONG not in w.queues] == (["gpu0"] if image_cards else [])
+    assert layout.capacity(LONG) == gpus - (image_cards or 0)
+    assert layout.capacity(SHORT) == gpus
+
+
+def test_a_cap_on_long_cards_keeps_the_others_on_images():
+    layout = default_layout(4, max_long_cards=2)
+    assert [LONG in w.queues for w in layout.workers if w.denoises] == [False, False, True, True]
+    with pytest.raises(ValueError, match="at least 1"):
+        default_layout(4, max_long_cards=0)
 
 
 def test_cpu_layout_and_overrides():
@@ -254,7 +268,7 @@ def test_invalid_layouts_are_refused():
 def test_an_eta_starts_a_job_once_the_whole_jobs_ahead_have_started():
     """bench.replay's case: three video cards, two running videos about to end and one 120 s video later, two
     300 s videos waiting. The first two cards to free take the two waiting videos; the new one takes the third."""
-    layout = default_layout(4)  # one image-only card, three that also run video
+    layout = default_layout(4, image_cards=1)  # one image-only card, three that also run video
     running = [
         WorkItem(LONG, 6, 1.0, running=True, chunk_remaining_seconds=1.0),
         WorkItem(LONG, 6, 2.1, running=True, chunk_remaining_seconds=2.1),
@@ -276,7 +290,7 @@ def test_an_eta_starts_a_job_once_the_whole_jobs_ahead_have_started():
 
 
 def test_an_eta_spreads_work_that_only_partly_lands_on_its_cards_and_falls_back_to_the_fluid_level():
-    layout = default_layout(4)
+    layout = default_layout(4, image_cards=1)
     # Images (served by all four cards, three of them the video cards) fill the video cards as a fluid: 4 s of
     # image work, three quarters of it on the three idle video cards, puts each at 1 s.
     images = [WorkItem(SHORT, 1, 4.0)]

@@ -88,7 +88,7 @@ def test_default_layout_with_a_group_on_the_interactive_lane() -> None:
     assert group.consumed_queues() == ("short@interactive", "medium@interactive", "long@interactive")
     singles = [w for w in layout.workers if w.denoises and not w.lane]
     assert [w.devices for w in singles] == [(4,), (5,), (6,), (7,)]
-    assert singles[0].queues == ("short", "medium")  # a quarter of the singles keeps images to itself
+    assert all(w.queues == ("short", "medium", "long") for w in singles)  # every single takes every class
     # Routing: the lane's queue where a worker serves it, else the class queue.
     assert layout.queue_for("long", "wan-sim", INTERACTIVE) == "long@interactive"
     assert layout.queue_for("long", "wan-sim") == "long"
@@ -96,7 +96,7 @@ def test_default_layout_with_a_group_on_the_interactive_lane() -> None:
     assert class_of("long@interactive") == "long" and layout.lanes() == {INTERACTIVE}
     # Capacity in card-equivalents: the group counts group_speedup(4) = 3.52, a job on it runs 3.52× faster.
     assert layout.card_equivalents("long@interactive") == pytest.approx(3.52)
-    assert layout.card_equivalents("long") == 3 and layout.card_equivalents("short") == 4
+    assert layout.card_equivalents("long") == 4 and layout.card_equivalents("short") == 4
     assert layout.job_speedup("long@interactive") == pytest.approx(3.52) and layout.job_speedup("long") == 1.0
     assert load_layout(json.dumps(layout.to_dict()), num_gpus=8) == layout  # the lane survives a round trip
 
@@ -136,7 +136,7 @@ def test_admission_counts_a_group_as_its_speedup_in_cards() -> None:
     lane, limits = "long@interactive", AdmissionLimits()
     video = WorkItem(lane, 7, 1500.0)  # a 25-min single-card video waiting on the lane
     assert expected_wait(lane, 7, [video], layout) == pytest.approx(1500.0 / 3.52)
-    # Lane work lands on the group only; plain long work on the 3 long single cards only.
+    # Lane work lands on the group only; plain long work on the 4 single cards only.
     assert expected_wait("long", 7, [video], layout) == 0.0
     assert expected_wait(lane, 7, [WorkItem("long", 7, 3000.0)], layout) == 0.0
     # Five videos ahead: 7,500 s ÷ 3.52 = 2,131 s > the 1,800-s limit; on one card it would be 7,500 s.

@@ -127,7 +127,8 @@ def test_a_chunk_is_never_shorter_than_a_step_and_an_image_runs_whole():
 
 def test_layout_and_cap_bound_the_cards_running_video():
     reqs = seed_workload(rate=0.08)
-    assert simulate(reqs, SimConfig(layout=default_layout(4))).max_long_cards == 3
+    assert simulate(reqs, SimConfig(layout=default_layout(4, image_cards=1))).max_long_cards == 3
+    assert simulate(reqs, SimConfig(layout=default_layout(4))).max_long_cards == 4  # every card takes video
     assert simulate(reqs, SimConfig(layout=mixed_layout(4, 0))).max_long_cards == 4
     assert simulate(reqs, SimConfig(layout=mixed_layout(4, 0), long_cap=2)).max_long_cards == 2
 

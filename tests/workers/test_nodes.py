@@ -76,7 +76,8 @@ def clean_heartbeats(redis_conn):
 
 
 def _two_card_node(node: str, ttl: float = 30) -> None:
-    """A node of the default CPU layout with 2 simulated cards: cpu0 (images), cpu1 (all), encode, decode."""
+    """A node of the CPU layout with 2 simulated cards and GENSERVER_IMAGE_CARDS=1: cpu0 (images), cpu1 (all),
+    encode, decode."""
     _beat(node, "cpu0", ["short", "medium"], ttl)
     _beat(node, "cpu1", ["short", "medium", "long"], ttl)
     _beat(node, "encode", ["encode", "control", "webhooks"], ttl)

@@ -11,7 +11,7 @@ from ..chunking import DEFAULT_CHUNK_SECONDS
 from ..classes import LONG, MEDIUM, SHORT, ClassThresholds
 from ..fairness import CUT_AFTER_SECONDS
 from ..overload import LongCapPolicy
-from ..pools import CONTROL, DECODE, ENCODE, PoolLayout, WorkerSpec, default_layout
+from ..pools import CONTROL, DECODE, ENCODE, PoolLayout, WorkerSpec
 from .workload import DEFAULT_MODELS, DEFAULT_STEPS
 
 # Modelled costs (seconds of card time). A checkpoint of a Wan 480p job (latents
@@ -35,8 +35,9 @@ HEADWIND_WINDOW_SECONDS = 900.0
 def mixed_layout(num_gpus: int = 4, image_only: int = 0) -> PoolLayout:
     """Cards 0..image_only-1 take short+medium, the others short+medium+long; plus encode/decode.
 
-    `mixed_layout(4, 1)` has the denoise workers of `default_layout(4)`;
-    `mixed_layout(4, 0)` lends every card to video.
+    `mixed_layout(4, 0)` has the denoise workers of `default_layout(4)` (every card lent to video);
+    `mixed_layout(4, 1)` those of `default_layout(4, image_cards=1)`, the image card (`SimConfig`'s default,
+    the comparison the benchmarks keep).
     """
     if not 0 <= image_only <= num_gpus:
         raise ValueError(f"image_only must be within 0..{num_gpus}, got {image_only}")
@@ -53,8 +54,9 @@ def mixed_layout(num_gpus: int = 4, image_only: int = 0) -> PoolLayout:
 class SimConfig:
     """What the event-driven model of the service is parameterised by.
 
-    layout: the pool layout; only workers consuming a duration-class queue are
-        denoise cards (encode/decode workers are ignored).
+    layout: the pool layout (default: one image-only card of four, the comparison the
+        benchmarks keep; the service's own is `service_policy_config`'s); only workers
+        consuming a duration-class queue are denoise cards (encode/decode workers are ignored).
     chunk_seconds: CHUNK_SECONDS, the target GPU time of one chunk.
     checkpoint_seconds: save + restore at a chunk boundary; the save is charged
         at the end of a chunk that is not the last, the restore at the start of
@@ -94,7 +96,7 @@ class SimConfig:
     models: the model of each kind (a change of model on a card is a switch).
     """
 
-    layout: PoolLayout = field(default_factory=lambda: default_layout(4))
+    layout: PoolLayout = field(default_factory=lambda: mixed_layout(4, 1))
     chunk_seconds: float = DEFAULT_CHUNK_SECONDS
     checkpoint_seconds: float = DEFAULT_CHECKPOINT_SECONDS
     switch_seconds: float = DEFAULT_SWITCH_SECONDS
