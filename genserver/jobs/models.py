@@ -130,6 +130,11 @@ class Job(models.Model):
     lease_owner = models.CharField(max_length=200, blank=True, default="")
     lease_expires_at = models.DateTimeField(null=True, blank=True)
     published_at = models.DateTimeField(null=True, blank=True, help_text="when its next task was last published")
+    chunk_started_at = models.DateTimeField(
+        null=True,
+        blank=True,
+        help_text="when its current chunk began (its claim, or a boundary where its card kept it)",
+    )
     embeddings_key = models.CharField(max_length=300, blank=True, default="")
     checkpoint_key = models.CharField(max_length=300, blank=True, default="")
     checkpoint_step = models.PositiveIntegerField(default=0)

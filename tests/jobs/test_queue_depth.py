@@ -13,10 +13,12 @@ from __future__ import annotations
 import math
 import random
 from collections.abc import Iterable
-from datetime import timedelta
+from datetime import datetime, timedelta
+from unittest import mock
 
 import pytest
 from django.db import transaction
+from django.utils import timezone
 from hypothesis import HealthCheck, given, settings as hsettings, strategies as st
 
 from genserver import deployment
@@ -39,9 +41,12 @@ def _running(job: Job) -> bool:
     return bool(job.lease_owner) and job.status == JobStatus.DENOISING
 
 
-def _item(job: Job) -> WorkItem:
+def _item(job: Job, now: datetime) -> WorkItem:
     step_seconds = job.estimated_seconds / job.total_steps
     chunk_left = max(0, job.chunk_steps - max(0, job.steps_done - job.checkpoint_step)) * step_seconds
+    if job.chunk_started_at is not None:  # no more than the chunk less the work time since it began
+        elapsed = (now - job.chunk_started_at).total_seconds() / job.clock_scale
+        chunk_left = max(0.0, min(chunk_left, job.chunk_steps * step_seconds - elapsed))
     return WorkItem(
         queue=job.queue or job.duration_class,
         priority=job.priority,
@@ -70,13 +75,14 @@ def scan_position(jobs: list[Job], job: Job, layout: PoolLayout) -> int | None:
     )
 
 
-def scan_eta(jobs: list[Job], job: Job, layout: PoolLayout) -> float | None:
+def scan_eta(jobs: list[Job], job: Job, layout: PoolLayout, now: datetime) -> float | None:
     if job.is_terminal:
         return None
     own = job.remaining_seconds * job.clock_scale / layout.job_speedup(job.queue or job.duration_class)
     if _running(job) or job.status == JobStatus.DECODING:
         return round(own, 3)
-    wait = expected_start(job.queue or job.duration_class, job.priority, [_item(o) for o in _ahead(jobs, job)], layout)
+    items = [_item(o, now) for o in _ahead(jobs, job)]
+    wait = expected_start(job.queue or job.duration_class, job.priority, items, layout)
     return None if math.isinf(wait) else round(wait + own, 3)
 
 
@@ -128,19 +134,26 @@ def _move(job: Job, rng: random.Random) -> None:
 
 
 def _assert_same_answers(layout: PoolLayout) -> None:
+    # One moment for every answer and the reference: a running chunk's rest is counted from when it began.
+    now = timezone.now()
+    with mock.patch("django.utils.timezone.now", return_value=now):
+        _assert_same_answers_at(layout, now)
+
+
+def _assert_same_answers_at(layout: PoolLayout, now: datetime) -> None:
     jobs = list(Job.objects.all())
     active = [j for j in jobs if j.status in ACTIVE]
-    one_by_one = selectors.QueueSnapshot(selectors.waiting_groups(), selectors.running_jobs(), layout)
-    page = selectors.QueueSnapshot(selectors.waiting_groups(), selectors.running_jobs(), layout)
+    one_by_one = selectors.QueueSnapshot(selectors.waiting_groups(), selectors.running_jobs(), layout, taken_at=now)
+    page = selectors.QueueSnapshot(selectors.waiting_groups(), selectors.running_jobs(), layout, taken_at=now)
     page.prepare(jobs)  # as the list view does: every job's neighbours in one query
     for snapshot in (one_by_one, page):
         for job in jobs:
             assert snapshot.queue_position(job) == scan_position(active, job, layout), job
-            fast, scan = snapshot.eta_seconds(job), scan_eta(active, job, layout)
+            fast, scan = snapshot.eta_seconds(job), scan_eta(active, job, layout, now)
             assert (fast is None) == (scan is None), job
             if scan is not None:
                 assert fast == pytest.approx(scan, rel=1e-9, abs=2e-3), job  # both rounded to the millisecond
-    backlog, items = selectors.backlog_items(), [_item(j) for j in active]
+    backlog, items = selectors.backlog_items(), [_item(j, now) for j in active]
     assert sum(1 for i in backlog if i.running) == sum(1 for i in items if i.running)
     for queue in layout.all_queues():
         for priority in range(10):
@@ -242,8 +255,8 @@ def _held_by_rows() -> dict[tuple, tuple[int, float]]:
     return sums
 
 
-def _answers(layout: PoolLayout, jobs: list[Job], page: bool = False) -> list[tuple]:
-    snapshot = selectors.QueueSnapshot(selectors.waiting_groups(), selectors.running_jobs(), layout)
+def _answers(layout: PoolLayout, jobs: list[Job], now: datetime, page: bool = False) -> list[tuple]:
+    snapshot = selectors.QueueSnapshot(selectors.waiting_groups(), selectors.running_jobs(), layout, taken_at=now)
     if page:  # as the list view does: the neighbours of all of them read together
         snapshot.prepare(jobs)
     return [(job.pk, snapshot.queue_position(job), snapshot.eta_seconds(job)) for job in jobs]
@@ -285,12 +298,12 @@ def test_the_held_tally_and_the_positions_read_from_it_agree_with_the_rows_under
             assert tally.keys() == rows.keys(), step
             for key, (count, seconds) in rows.items():
                 assert tally[key][0] == count and tally[key][1] == pytest.approx(seconds, abs=1e-6), (step, key)
-            jobs = list(Job.objects.all())
-            near = _answers(layout, jobs)
+            jobs, now = list(Job.objects.all()), timezone.now()  # one moment for all five readings
+            near = _answers(layout, jobs, now)
             # 3: some from the oldest end; 1: summed in the database; each job alone, and all as one page
             for near_end, page in ((default, True), (3, True), (1, False), (1, True)):
                 monkeypatch.setattr(selectors.positions, "NEAR_END", near_end)
-                other = _answers(layout, jobs, page)
+                other = _answers(layout, jobs, now, page)
                 monkeypatch.setattr(selectors.positions, "NEAR_END", default)
                 for a, b in zip(near, other, strict=True):
                     assert a[:2] == b[:2], (step, near_end, page, a, b)

@@ -103,6 +103,29 @@ def test_with_nothing_learned_an_eta_is_the_queue_and_the_denoising(api):
     assert snapshot.eta_seconds(job) == pytest.approx(wait + own, abs=1e-3)
 
 
+def test_a_running_chunk_holds_its_card_for_what_is_left_of_it(api):
+    """The one card (tests/settings.py) runs a video's chunk: an image waits for the chunk's rest, counted from
+    when the chunk began, not for the whole chunk (a one-step chunk reports no step until it ends)."""
+    video_id = submit(api, model="wan-sim").json()["id"]
+    assert services.start_encoding(video_id, ENCODER) is not None
+    assert services.finish_encoding(video_id, ENCODER, f"embeddings/{video_id}")
+    video = services.claim_chunk(video_id, CARD, 0)
+    assert video is not None and video.chunk_started_at is not None
+    chunk_wall = video.chunk_steps * video.estimated_seconds / video.total_steps * video.clock_scale
+    image = Job.objects.get(pk=submit(api).json()["id"])
+    snapshot = QueueSnapshot.load()
+
+    def wait_at(seconds_into_the_chunk: float) -> float:
+        at = dataclasses.replace(snapshot, taken_at=video.chunk_started_at + timedelta(seconds=seconds_into_the_chunk))
+        return at._wait_and_own(image)[0]
+
+    assert wait_at(0) - wait_at(chunk_wall / 4) == pytest.approx(chunk_wall / 4, rel=1e-3)
+    assert wait_at(chunk_wall) == wait_at(2 * chunk_wall)  # overdue: the card frees any moment, never before now
+    # A boundary where the card keeps the job starts the next chunk's clock.
+    assert services.finish_chunk(video_id, CARD, video.chunk_steps, f"checkpoints/{video_id}", None, keep_lease=True)
+    assert Job.objects.get(pk=video_id).chunk_started_at > video.chunk_started_at
+
+
 def test_the_learned_stage_seconds_settle_on_the_median_of_what_the_jobs_took():
     learned = 1.0
     for took in [0.1, 0.12, 0.1, 3.0, 0.11, 0.1, 2.5, 0.12] * 20:  # mostly 0.1 s, a quarter of them slow

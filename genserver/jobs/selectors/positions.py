@@ -47,20 +47,28 @@ def _is_running(job: Job) -> bool:
     return bool(job.lease_owner) and job.status in (JobStatus.DENOISING,)
 
 
-def _chunk_remaining(job: Job) -> float:
+def _chunk_remaining(job: Job, now: datetime) -> float:
+    """Seconds of work left in the chunk the job runs: its steps not yet reported, and no more than the chunk's
+    steps less the time since it began. A video's chunk is often one step, which no heartbeat splits: counted
+    whole, four cards mid-step all looked a step away, and an image's ETA waited a step where the first card
+    to reach its boundary frees in a fraction of one (bench.replay: estimated wait 2.7× the actual)."""
     step_seconds = job.estimated_seconds / job.total_steps if job.steps else 0.0
     done_in_chunk = max(0, job.steps_done - job.checkpoint_step)
-    return max(0, job.chunk_steps - done_in_chunk) * step_seconds
+    left = max(0, job.chunk_steps - done_in_chunk) * step_seconds
+    if job.chunk_started_at is None or job.clock_scale <= 0:
+        return left
+    elapsed = (now - job.chunk_started_at).total_seconds() / job.clock_scale  # wall → seconds of work
+    return max(0.0, min(left, job.chunk_steps * step_seconds - elapsed))
 
 
-def _work_item(job: Job, wall: bool) -> WorkItem:
+def _work_item(job: Job, wall: bool, now: datetime | None = None) -> WorkItem:
     scale = job.clock_scale if wall else 1.0
     return WorkItem(
         queue=job.queue or job.duration_class,
         priority=job.priority,
         remaining_seconds=job.remaining_seconds * scale,
         running=_is_running(job),
-        chunk_remaining_seconds=_chunk_remaining(job) * scale,
+        chunk_remaining_seconds=_chunk_remaining(job, now or timezone.now()) * scale,
     )
 
 
@@ -99,6 +107,7 @@ _RUNNING_FIELDS = (
     "steps_done",
     "checkpoint_step",
     "chunk_steps",
+    "chunk_started_at",
     "lease_owner",
     "segment_count",
 )
@@ -672,7 +681,7 @@ class QueueSnapshot:
         if job.steps_done == 0:
             before += self._stage(job.model, HOP)
         items = [g.item() for g in self._waiting_ahead(job)]
-        items += [_work_item(o, wall=True) for o in self.running if o.pk != job.pk]
+        items += [_work_item(o, wall=True, now=self.taken_at) for o in self.running if o.pk != job.pk]
         queue = job.queue or job.duration_class
         wait = expected_start(queue, job.priority, items, self.layout, self._headwind(job.duration_class, queue))
         return wait + before, own

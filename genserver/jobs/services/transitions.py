@@ -105,6 +105,7 @@ def claim_chunk(job_id: JobId, worker: str, from_step: int) -> Job | None:
         lease_owner=worker,
         lease_expires_at=lease_until(),
         chunks_run=F("chunks_run") + 1,
+        chunk_started_at=now,
     )
     if job is None:
         # Only a chunk not taken asks why: one read fewer on the common path (the claim's guard refuses an
@@ -257,7 +258,7 @@ def finish_chunk(
         if step < job.total_steps:
             job.priority = priority_for(job.duration_class, job.remaining_seconds, True, deployment.thresholds())
         if keep_lease and step < job.total_steps:
-            job.lease_expires_at = lease_until()
+            job.lease_expires_at, job.chunk_started_at = lease_until(), timezone.now()
             job.save()
         else:
             job.lease_owner, job.lease_expires_at = "", None
@@ -294,6 +295,7 @@ def _record_kept_chunk(
     if step >= claimed.total_steps or (claimed.segment_count > 1 and step % claimed.steps == 0):
         return False
     remaining = claimed.estimated_seconds * (claimed.total_steps - step) / claimed.total_steps
+    now = timezone.now()
     return bool(
         Job.objects.filter(
             pk=claimed.pk,
@@ -312,7 +314,8 @@ def _record_kept_chunk(
             card_seconds=F("card_seconds") + card_seconds,
             priority=priority_for(claimed.duration_class, remaining, True, deployment.thresholds()),
             lease_expires_at=lease_until(),
-            updated_at=timezone.now(),
+            chunk_started_at=now,
+            updated_at=now,
         )
     )
 
