@@ -144,7 +144,8 @@ def pytest_itemcollected(item: pytest.Item) -> None:
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Every test without the stack runs before the first stack test, and stack tests on s3 run last.
+    """Every test without the stack runs before the first stack test, and stack tests on s3 run last; the
+    stack tests marked `heavy` (one test of tens of seconds) run first among the stack tests.
 
     The session's workers start with the first stack test and outlive it: a test
     that publishes to the real broker without them (e.g. a submit it expects to
@@ -153,7 +154,9 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     pytest-django's own ordering (tryfirst) stays within each group: the sort is stable.
     Under pytest-xdist (`make test`) each worker has its own database, Redis and stack
     (tests/support/parallel.py), and xdist hands tests out in this order, so each
-    worker too runs every test it gets without the stack before its first stack test.
+    worker too runs every test it gets without the stack before its first stack test. A heavy test handed
+    out near the end would leave the other worker idle while it runs (the two-node drill, ~1 minute, did:
+    the workers ended 14 s apart); at the front of the stack tests the short ones even out the end.
     """
 
     def uses_stack(item: pytest.Item) -> bool:
@@ -163,7 +166,10 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         params = getattr(getattr(item, "callspec", None), "params", {})
         return params.get("storage_backend") == "s3" and uses_stack(item)
 
-    items.sort(key=lambda item: (uses_stack(item), on_s3_stack(item)))
+    def light(item: pytest.Item) -> bool:
+        return item.get_closest_marker("heavy") is None
+
+    items.sort(key=lambda item: (uses_stack(item), on_s3_stack(item), light(item)))
     repeated = [nodeid for nodeid, n in Counter(item.nodeid for item in items).items() if n > 1]
     if repeated:  # xdist would run one of each and report the rest as never collected
         raise pytest.UsageError(f"tests share a node id, give them distinct ids: {repeated[:5]}")

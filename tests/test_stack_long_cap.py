@@ -20,7 +20,7 @@ from tests.support.api import submit
 from tests.support.waits import finished, wait_for
 from workers.local_workers import LocalWorkers
 
-pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.stack]
+pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.stack, pytest.mark.heavy]
 
 VIDEO = {"model": "wan-sim", "width": 1280, "height": 720, "num_frames": 81}  # 6 s of wall time each
 

@@ -25,7 +25,7 @@ from tests.support.api import download, submit
 from tests.support.waits import finished, job_row, wait_for
 from workers.local_workers import LocalWorkers
 
-pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.stack]
+pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.stack, pytest.mark.heavy]
 
 # One segment (tiny-wan runs longer videos as segments of 9 frames), tiny-wan's most steps.
 VIDEO = {
