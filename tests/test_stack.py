@@ -16,7 +16,7 @@ from PIL import Image
 
 from genserver.storage import default_storage
 from tests.support.api import submit
-from tests.support.waits import finished, job_row, settled, wait_for
+from tests.support.waits import finished, job_row, settled, wait_for, workers_idle
 from tests.test_stack_merging import card_paused
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.stack]
@@ -125,6 +125,9 @@ def test_a_job_teaches_its_models_stage_seconds_and_the_next_eta_counts_them(sta
     """Encode hop, dispatch hop (the card was idle), chunk boundaries and decode, learned from real workers."""
     from genserver.jobs.selectors.positions import QueueSnapshot, stage_seconds
 
+    # The dispatch hop is learned only where the first chunk finds its card idle: a task an earlier test left
+    # running (its row gone with that test's database) must end first.
+    workers_idle()
     first = submit(api, prompt="the first of its model", width=512, height=512, steps=20).json()
     assert finished(first["id"]).status == "succeeded"
     model = first["model"]

@@ -44,9 +44,15 @@ def _running(job: Job) -> bool:
 def _item(job: Job, now: datetime) -> WorkItem:
     step_seconds = job.estimated_seconds / job.total_steps
     chunk_left = max(0, job.chunk_steps - max(0, job.steps_done - job.checkpoint_step)) * step_seconds
-    if job.chunk_started_at is not None:  # no more than the chunk less the work time since it began
+    if job.chunk_started_at is not None:  # the chunk less the work time since it began; past it, the next chunk
+        step_seconds = job.measured_step_seconds / job.clock_scale if job.measured_step_seconds else step_seconds
         elapsed = (now - job.chunk_started_at).total_seconds() / job.clock_scale
-        chunk_left = max(0.0, min(chunk_left, job.chunk_steps * step_seconds - elapsed))
+        steps_left = job.total_steps - job.checkpoint_step
+        this_chunk = min(job.chunk_steps, steps_left)
+        if elapsed < this_chunk * step_seconds:
+            chunk_left = this_chunk * step_seconds - elapsed
+        else:
+            chunk_left = min(job.chunk_steps, steps_left - this_chunk) * step_seconds
     return WorkItem(
         queue=job.queue or job.duration_class,
         priority=job.priority,

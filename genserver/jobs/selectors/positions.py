@@ -48,17 +48,27 @@ def _is_running(job: Job) -> bool:
 
 
 def _chunk_remaining(job: Job, now: datetime) -> float:
-    """Seconds of work left in the chunk the job runs: its steps not yet reported, and no more than the chunk's
-    steps less the time since it began. A video's chunk is often one step, which no heartbeat splits: counted
-    whole, four cards mid-step all looked a step away, and an image's ETA waited a step where the first card
-    to reach its boundary frees in a fraction of one (bench.replay: estimated wait 2.7× the actual)."""
+    """Seconds of work before the card running the job reaches a boundary where it may take other work.
+
+    Counted from when the chunk began (`chunk_started_at`), at the step time its last chunk measured (else the
+    estimate): a video's chunk is often one step, which no heartbeat splits, so counted whole until its steps
+    were reported, four cards mid-step all looked a step away (bench.replay: an image's estimated wait 2.7× the
+    actual). A chunk past its length is at its boundary, where the card's yield test has as good as run: unless
+    it was the job's last, the card kept the job for its next chunk (the boundary's record, which moves
+    `chunk_started_at`, lags the test by its write), and only then frees. Without a start: its steps not yet
+    reported."""
     step_seconds = job.estimated_seconds / job.total_steps if job.steps else 0.0
-    done_in_chunk = max(0, job.steps_done - job.checkpoint_step)
-    left = max(0, job.chunk_steps - done_in_chunk) * step_seconds
     if job.chunk_started_at is None or job.clock_scale <= 0:
-        return left
-    elapsed = (now - job.chunk_started_at).total_seconds() / job.clock_scale  # wall → seconds of work
-    return max(0.0, min(left, job.chunk_steps * step_seconds - elapsed))
+        done_in_chunk = max(0, job.steps_done - job.checkpoint_step)
+        return max(0, job.chunk_steps - done_in_chunk) * step_seconds
+    if job.measured_step_seconds:
+        step_seconds = job.measured_step_seconds / job.clock_scale  # wall → seconds of work
+    elapsed = (now - job.chunk_started_at).total_seconds() / job.clock_scale
+    this_chunk = min(job.chunk_steps, max(0, job.total_steps - job.checkpoint_step))
+    if elapsed < this_chunk * step_seconds:
+        return this_chunk * step_seconds - elapsed
+    next_chunk = min(job.chunk_steps, max(0, job.total_steps - job.checkpoint_step - this_chunk))
+    return next_chunk * step_seconds
 
 
 def _work_item(job: Job, wall: bool, now: datetime | None = None) -> WorkItem:
