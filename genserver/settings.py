@@ -297,6 +297,9 @@ REGISTRY_PATH = env_registry("GENSERVER_REGISTRY", str(BASE_DIR / "genserver" / 
 # Clock compression of the simulated backend: 1.0 sleeps the cost model's
 # seconds; 0.02 runs 50× faster (load tests, demos). Real models ignore it.
 TIME_SCALE = env_float("GENSERVER_TIME_SCALE", 1.0, above=0)
+# Longest side of a simulated output (the requested aspect kept). Its pixels carry nothing; smaller
+# encodes faster on the decode worker (a 1024² PNG is 0.5 CPU-s), larger looks like the real size.
+SIM_OUTPUT_SIDE = env_int("GENSERVER_SIM_OUTPUT_SIDE", 1024, minimum=16)
 # Dense throughput a step actually reaches on the serving card (TFLOP/s).
 EFFECTIVE_TFLOPS = env_float("GENSERVER_EFFECTIVE_TFLOPS", 450.0, above=0)
 # Queued jobs of one model whose prompts share one text-encoder call. Bigger

@@ -16,6 +16,7 @@ from tests.support.api import submit  # noqa: F401 - re-exported: tests import t
 from tests.support.broker import clear_broker
 from tests.support.isolation import settle_stack
 from tests.support.s3 import MotoServer
+from tests.support.tiny_models import copy_tiny_models, open_run_cache
 from tests.support.waits import job_row, wait_for  # noqa: F401 - re-exported
 from workers.local_workers import LocalWorkers, wait_until_live
 
@@ -34,7 +35,10 @@ def django_db_setup(django_db_blocker):
         # A run starts from empty tables, as with a fresh test database: an earlier run on the same
         # database (interrupted, or one before it on this machine) may have left rows behind.
         call_command("flush", "--noinput", verbosity=0)
-        call_command("make_tiny_models", verbosity=0)
+        from django.conf import settings
+
+        copy_tiny_models(settings.MODELS_DIR)  # the run's one generation (tests/support/tiny_models.py)
+        call_command("make_tiny_models", verbosity=0)  # the service's own check: each is there, none written
 
 
 @pytest.fixture(scope="session")
@@ -127,6 +131,23 @@ def _storage_env_set(request) -> None:
     """A test on a storage backend has its variables set before its other fixtures run."""
     if "storage_backend" in request.fixturenames:
         request.getfixturevalue("storage_env")
+
+
+_TINY_MODELS_CACHE: list = []
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """The run's tiny-models cache (tests/support/tiny_models.py): made here, in the first process."""
+    cache = open_run_cache()
+    if cache is not None:
+        _TINY_MODELS_CACHE.append(cache)
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    import shutil
+
+    for cache in _TINY_MODELS_CACHE:
+        shutil.rmtree(cache, ignore_errors=True)
 
 
 def pytest_itemcollected(item: pytest.Item) -> None:

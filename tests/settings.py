@@ -20,6 +20,9 @@ os.environ.setdefault("GENSERVER_TIME_SCALE", "0.002")  # Wan 720p (2,960 s of w
 # medium limits stay as shipped (tiny real models run at scale 1).
 os.environ.setdefault("GENSERVER_ADMIT_LONG_SECONDS", "3.6")
 os.environ.setdefault("GENSERVER_LEASE_SECONDS", "3")
+# Simulated outputs at most 256 px on a side: their PNG and MP4 encodes were most of the decode workers' CPU
+# (a 1024² PNG 0.5 CPU-s, a 241-frame 832×480 video 14 CPU-s with its segments); no test reads their pixels.
+os.environ.setdefault("GENSERVER_SIM_OUTPUT_SIDE", "256")
 # Chunks of 0.1 s of work: tiny real models run as many chunks, so resume and preemption are exercised.
 os.environ.setdefault("GENSERVER_CHUNK_SECONDS", "0.1")
 os.environ.setdefault("GENSERVER_REAPER_INTERVAL", "1")

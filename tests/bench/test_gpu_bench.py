@@ -12,7 +12,7 @@ import torch
 from bench import gpu_bench
 from genserver.registry import load_registry
 from genserver.storage import LocalStorage
-from workers.runtime.tiny_models import ensure_tiny_models
+from tests.support.tiny_models import copy_tiny_models
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -25,7 +25,7 @@ def test_exits_2_without_cuda(capsys):
 
 @pytest.mark.parametrize("model", ["tiny-sdxl", "tiny-flux", "tiny-wan"])
 def test_per_model_routine_runs_stock_and_ours_on_the_same_modules(model, tmp_path):
-    ensure_tiny_models(tmp_path / "models")
+    copy_tiny_models(tmp_path / "models")
     spec = gpu_bench.config_tree_with_tokenizers(load_registry().get(model), tmp_path, tmp_path)
     request = gpu_bench.bench_request(spec, *gpu_bench.TINY[model])
     result = gpu_bench.bench_model(spec, request, "cpu", "checkpoint", LocalStorage(tmp_path / "storage"))

@@ -26,8 +26,8 @@ import pytest
 import torch
 
 from genserver.registry import ModelSpec, load_registry
+from tests.support.tiny_models import copy_tiny_models
 from workers.runtime.base import DenoiseState, Family, GenerationRequest
-from workers.runtime.tiny_models import ensure_tiny_models
 from workers.runtime.unet import UNetFamily
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -122,7 +122,7 @@ def family_class(family: str) -> type[Family]:
 def data_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A GENSERVER_DATA_DIR-like directory holding models/tiny-* (generated, never downloaded)."""
     root = tmp_path_factory.mktemp("data")
-    ensure_tiny_models(root / "models")
+    copy_tiny_models(root / "models")
     return root
 
 

@@ -256,3 +256,14 @@ def test_simulated_reschedule_stop_and_extend(simulated: SimulatedFamily, tmp_pa
     # Old simulated checkpoints (no total, no estimate) restore as before.
     legacy = {"step": 2, "latents": state.latents.clone()}
     assert simulated.restore(request, state.embeddings, legacy).step == 2
+
+
+@pytest.mark.parametrize(
+    "side, size, expected",
+    [(1024, (832, 480), (832, 480)), (256, (832, 480), (256, 147)), (256, (1024, 1024), (256, 256))],
+)
+def test_a_simulated_output_keeps_its_aspect_within_the_side_cap(side: int, size, expected) -> None:
+    family = SimulatedFamily(load_registry().get("sdxl-sim"), "cpu", Path("."), time_scale=0.0, output_side=side)
+    request = sim_request(width=size[0], height=size[1], steps=1)
+    (image,) = family.decode(started(family, request, 1))
+    assert image.size == expected

@@ -36,11 +36,20 @@ def default_device() -> str:
 
 
 class ModelCache:
-    def __init__(self, budget_bytes: int, data_dir: Path, *, time_scale: float, effective_tflops: float) -> None:
+    def __init__(
+        self,
+        budget_bytes: int,
+        data_dir: Path,
+        *,
+        time_scale: float,
+        effective_tflops: float,
+        sim_output_side: int = 1024,
+    ) -> None:
         self.budget_bytes = budget_bytes
         self.data_dir = data_dir
         self.time_scale = time_scale
         self.effective_tflops = effective_tflops
+        self.sim_output_side = sim_output_side
         self._loaded: OrderedDict[str, Family] = OrderedDict()
         self.pid = os.getpid()
 
@@ -63,7 +72,12 @@ class ModelCache:
             from .simulated import SimulatedFamily
 
             return SimulatedFamily(
-                spec, "cpu", self.data_dir, time_scale=self.time_scale, effective_tflops=self.effective_tflops
+                spec,
+                "cpu",
+                self.data_dir,
+                time_scale=self.time_scale,
+                effective_tflops=self.effective_tflops,
+                output_side=self.sim_output_side,
             )
         module_name, class_name = FAMILY_ADAPTERS[spec.family].split(":")
         log.info(
@@ -111,6 +125,7 @@ def model_cache() -> ModelCache:
             settings.DATA_DIR,
             time_scale=settings.TIME_SCALE,
             effective_tflops=settings.EFFECTIVE_TFLOPS,
+            sim_output_side=settings.SIM_OUTPUT_SIDE,
         )
     return _cache
 
