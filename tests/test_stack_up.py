@@ -20,6 +20,7 @@ import pytest
 import redis
 
 from tests.conftest import wait_for
+from tests.support.tiny_models import copy_tiny_models
 
 pytestmark = pytest.mark.stack
 
@@ -36,9 +37,13 @@ def _free_port() -> int:
 class UpStack:
     """`python -m workers.stack` in its own data directory, ports and worker name, its output in a log file."""
 
-    def __init__(self, worker: str, stdout: int | None = None) -> None:
-        """`stdout`: a file descriptor for the banner instead of the log (stderr still goes to the log)."""
+    def __init__(self, worker: str, stdout: int | None = None, *, seeded: bool = True) -> None:
+        """`stdout`: a file descriptor for the banner instead of the log (stderr still goes to the log).
+        `seeded`: the tiny checkpoints copied in first, as a second `make up` finds them; else the stack
+        generates them, as a user's first `make up` does (7 CPU-s: one stack of the suite does it)."""
         self.data_dir = Path(tempfile.mkdtemp(prefix=f"genserver-up-{worker}-"))
+        if seeded:
+            copy_tiny_models(self.data_dir / "models")
         self.port, self.flower_port = _free_port(), _free_port()
         self.worker = worker
         env = {
@@ -109,7 +114,7 @@ class UpStack:
 
 @pytest.fixture
 def two_stacks():
-    stacks = [UpStack("alpha"), UpStack("beta")]
+    stacks = [UpStack("alpha", seeded=False), UpStack("beta")]
     try:
         for stack in stacks:
             wait_for(
@@ -128,6 +133,9 @@ def two_stacks():
 
 def test_two_stacks_keep_their_own_redis_and_ctrl_c_stops_in_order_without_traceback(two_stacks):
     alpha, beta = two_stacks
+    # A first `make up` writes the tiny checkpoints; one that finds them (beta's were copied in) does not.
+    assert "making the tiny demo checkpoints" in alpha.output()
+    assert "making the tiny demo checkpoints" not in beta.output()
     assert alpha.redis_url() != beta.redis_url()
     # Each Redis holds only its own stack's worker heartbeat: the second stack did not join the first.
     for stack, other in ((alpha, beta), (beta, alpha)):

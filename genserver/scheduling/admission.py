@@ -17,10 +17,12 @@ video can start after its class's limit.
 
 from __future__ import annotations
 
+import functools
 import heapq
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from types import MappingProxyType
 
 from .classes import CLASSES, LONG, MEDIUM, SHORT
 from .pools import PoolLayout, class_of
@@ -104,9 +106,13 @@ class Decision:
     reason: str = ""
 
 
-def _serving(layout: PoolLayout, queue: str) -> dict[str, float]:
-    """The workers reading `queue`, each with its card-equivalents (a group of k: group_speedup(k))."""
-    return {w.name: w.speedup for w in layout.workers if queue in w.consumed_queues()}
+@functools.lru_cache(maxsize=1024)
+def _serving(layout: PoolLayout, queue: str) -> Mapping[str, float]:
+    """The workers reading `queue`, each with its card-equivalents (a group of k: group_speedup(k)).
+
+    Cached: layouts are frozen, and every estimate asks this of the same few (the simulator, once per
+    event, spent half its time here)."""
+    return MappingProxyType({w.name: w.speedup for w in layout.workers if queue in w.consumed_queues()})
 
 
 def work_ahead(queue: str, priority: int, items: Iterable[WorkItem], layout: PoolLayout) -> tuple[float, float]:
@@ -131,16 +137,16 @@ def _ahead(queue: str, priority: int, items: Iterable[WorkItem], layout: PoolLay
     mine = _serving(layout, queue)
     if not mine:
         return _Ahead(math.inf, 0.0, 0.0, ())
-    serving_cache: dict[str, dict[str, float]] = {}
+    shares: dict[str, float] = {}  # per queue: the share of its work that lands on the cards serving us
     total = queued = 0.0
     busy: list[tuple[float, float]] = []
     whole: dict[tuple[int, str], tuple[int, float]] = {}
     for item in items:
-        theirs = serving_cache.setdefault(item.queue, _serving(layout, item.queue))
-        if not theirs:
-            continue
-        # The share of that item's work that lands on the cards serving us (by capacity).
-        share = sum(theirs[name] for name in mine.keys() & theirs.keys()) / sum(theirs.values())
+        share = shares.get(item.queue)
+        if share is None:  # once per queue, not per item (a scan of a deep queue is thousands of items)
+            theirs = _serving(layout, item.queue)
+            share = sum(theirs[name] for name in mine.keys() & theirs.keys()) / sum(theirs.values()) if theirs else 0.0
+            shares[item.queue] = share
         if share == 0:
             continue
         if item.priority <= priority:
