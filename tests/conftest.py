@@ -38,7 +38,6 @@ def django_db_setup(django_db_blocker):
         from django.conf import settings
 
         copy_tiny_models(settings.MODELS_DIR)  # the run's one generation (tests/support/tiny_models.py)
-        call_command("make_tiny_models", verbosity=0)  # the service's own check: each is there, none written
 
 
 @pytest.fixture(scope="session")
@@ -133,20 +132,19 @@ def _storage_env_set(request) -> None:
         request.getfixturevalue("storage_env")
 
 
-_TINY_MODELS_CACHE: list = []
+_TINY_MODELS_CACHE = pytest.StashKey["Path | None"]()
 
 
 def pytest_configure(config: pytest.Config) -> None:
     """The run's tiny-models cache (tests/support/tiny_models.py): made here, in the first process."""
-    cache = open_run_cache()
-    if cache is not None:
-        _TINY_MODELS_CACHE.append(cache)
+    config.stash[_TINY_MODELS_CACHE] = open_run_cache()
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
     import shutil
 
-    for cache in _TINY_MODELS_CACHE:
+    cache = config.stash.get(_TINY_MODELS_CACHE, None)
+    if cache is not None:  # only the process that made it removes it
         shutil.rmtree(cache, ignore_errors=True)
 
 

@@ -33,5 +33,5 @@ def test_missing_checkpoint_fails_the_system_check(registry_with_missing_weights
 
 
 def test_shipped_registry_passes_once_tiny_models_exist(db):
-    # The session fixture ran make_tiny_models into the data directory.
+    # The session fixture put the tiny checkpoints into the data directory (tests/support/tiny_models.py).
     assert registry_checkpoints_exist() == []
