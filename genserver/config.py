@@ -278,6 +278,11 @@ def worker_pool() -> str:
     return env_choice("GENSERVER_WORKER_POOL", "solo", ("solo", "prefork", "threads"))
 
 
+def worker_forkserver() -> str:
+    """Whether workers fork from a zygote that imported torch once (workers/zygote.py): auto = on CPU layouts."""
+    return env_choice("GENSERVER_WORKER_FORKSERVER", "auto", ("auto", "on", "off"))
+
+
 def worker_loglevel() -> str:
     return env_choice("GENSERVER_WORKER_LOGLEVEL", "INFO", LOG_LEVELS)
 

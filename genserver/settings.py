@@ -436,6 +436,7 @@ FLOWER_ADDRESS = config.flower_address()
 FLOWER_BASIC_AUTH_IS_SET = bool(config.flower_basic_auth())  # refuses a non-loopback address without it
 API_WORKERS = config.api_workers()
 WORKER_POOL = config.worker_pool()
+WORKER_FORKSERVER = config.worker_forkserver()
 WORKER_LOGLEVEL = config.worker_loglevel()
 TORCH_THREADS = config.torch_threads()
 GROUP_SIZE = config.group_size()

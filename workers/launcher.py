@@ -12,6 +12,10 @@ per card), no prefetch, CUDA_VISIBLE_DEVICES set to its cards (empty on CPU),
 and loads its models lazily in the process that runs the tasks. A card group
 (an entry with k > 1 devices) is one worker that sees all k cards
 (GENSERVER_GROUP_SIZE=k) and runs one job at a time over them.
+
+On a CPU layout (GENSERVER_WORKER_FORKSERVER=auto) the workers, and their
+restarts, fork from one zygote that imported torch and diffusers once
+(workers/zygote.py): a start is Django's setup and Celery's, not 3 CPU-s of imports.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from genserver import config
 from genserver.config import SettingsError, exit_on_settings_error
 from genserver.scheduling.pools import PoolLayout, WorkerSpec
 
+from . import zygote
 from .supervise import Supervisor, python
 
 
@@ -92,12 +97,28 @@ def worker_env(spec: WorkerSpec, torch_threads: int | None = None) -> dict[str, 
     return env
 
 
+def forks_workers(layout: PoolLayout) -> bool:
+    """Whether the layout's workers fork from the zygote (GENSERVER_WORKER_FORKSERVER; auto: CPU layouts)."""
+    setting = config.worker_forkserver()
+    return setting == "on" or (setting == "auto" and not any(spec.devices for spec in layout.workers))
+
+
+def use_zygote(supervisor: Supervisor, layout: PoolLayout) -> bool:
+    """Give `supervisor` this process's zygote when the layout's workers fork from it; say whether they do."""
+    if not forks_workers(layout):
+        return False
+    if supervisor.zygote is None:
+        supervisor.zygote = zygote.shared()
+    return True
+
+
 def start_workers(supervisor: Supervisor, layout: PoolLayout, loglevel: str | None = None) -> None:
     """One supervised Celery worker per entry (log level: `loglevel`, else GENSERVER_WORKER_LOGLEVEL)."""
     threads = cpu_threads_per_worker(layout)
+    forked = use_zygote(supervisor, layout)
     for spec in layout.workers:
         argv = worker_argv(spec, loglevel or config.worker_loglevel())
-        supervisor.add(f"worker {spec.name}", argv, worker_env(spec, threads))
+        supervisor.add(f"worker {spec.name}", argv, worker_env(spec, threads), forked=forked)
 
 
 def current_layout() -> PoolLayout:

@@ -20,7 +20,7 @@ import signal
 import time
 from collections.abc import Callable, Iterable, Sequence
 
-from .launcher import cpu_threads_per_worker, current_layout, worker_argv, worker_env, worker_hostname
+from .launcher import cpu_threads_per_worker, current_layout, use_zygote, worker_argv, worker_env, worker_hostname
 from .supervise import Child, Supervisor, python
 
 BOOT_SECONDS = 90.0  # cold start of every worker (torch + diffusers imports) on a busy 2-core machine
@@ -77,11 +77,13 @@ class LocalWorkers:
         self.layout = current_layout()
         threads = cpu_threads_per_worker(self.layout)
         extra = {"GENSERVER_NODE": self.node, **(env or {})}
+        forked = use_zygote(self.supervisor, self.layout)
         for spec in self.layout.workers:
             self.supervisor.add(
                 f"worker {spec.name}",
                 worker_argv(spec, loglevel, self.node) + list(worker_args),
                 worker_env(spec, threads) | extra,
+                forked=forked,
             )
         if beat:
             self.supervisor.add(

@@ -12,6 +12,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .zygote import ForkedProcess, Zygote
+
 log = logging.getLogger("genserver.supervise")
 STABLE_SECONDS = 60.0  # a child that ran this long before exiting restarts without back-off
 CRASH_LOOP_RESTARTS = 2  # restarted this many times in a row without running STABLE_SECONDS: crash-looping
@@ -24,12 +26,13 @@ class Child:
     argv: list[str]
     env: dict[str, str] = field(default_factory=dict)
     restart: bool = True
-    process: subprocess.Popen | None = None
+    process: subprocess.Popen | ForkedProcess | None = None
     restarts: int = 0
     next_start: float = 0.0
     started_at: float = 0.0
     stop_stage: int = 0  # Supervisor.stop stops stage 0 first, then 1, ...: what others depend on stops last
     last_exit: int | None = None
+    forked: bool = False  # started (and restarted) by forking the zygote (workers/zygote.py) when it can
 
 
 class Supervisor:
@@ -41,17 +44,27 @@ class Supervisor:
     is written there as JSON on every change, for /readyz (genserver/health.py).
     """
 
-    def __init__(self, stop_timeout: float = 20.0, state_file: Path | None = None) -> None:
+    def __init__(
+        self, stop_timeout: float = 20.0, state_file: Path | None = None, zygote: Zygote | None = None
+    ) -> None:
+        """`zygote` forks the children added with forked=True (workers/zygote.py); without one they use Popen."""
         self.children: list[Child] = []
+        self.zygote = zygote
         self.stop_timeout = stop_timeout
         self.state_file = state_file
         self._stopping = False
         self._state_written_at = 0.0
 
     def add(
-        self, name: str, argv: list[str], env: dict[str, str] | None = None, restart: bool = True, stop_stage: int = 0
+        self,
+        name: str,
+        argv: list[str],
+        env: dict[str, str] | None = None,
+        restart: bool = True,
+        stop_stage: int = 0,
+        forked: bool = False,
     ) -> Child:
-        child = Child(name, argv, env or {}, restart, stop_stage=stop_stage)
+        child = Child(name, argv, env or {}, restart, stop_stage=stop_stage, forked=forked)
         self.children.append(child)
         self._start(child)
         child.started_at = time.monotonic()
@@ -61,6 +74,11 @@ class Supervisor:
     def _start(self, child: Child) -> None:
         env = os.environ.copy()
         env.update(child.env)
+        if child.forked and self.zygote is not None:
+            child.process = self.zygote.spawn(child.argv, env)
+            if child.process is not None:
+                log.info("forked %s from the zygote: %s", child.name, " ".join(child.argv))
+                return
         log.info("starting %s: %s", child.name, " ".join(child.argv))
         child.process = subprocess.Popen(child.argv, env=env, start_new_session=True)
 
