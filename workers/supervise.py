@@ -77,7 +77,7 @@ class Supervisor:
         if child.forked and self.zygote is not None:
             child.process = self.zygote.spawn(child.argv, env)
             if child.process is not None:
-                log.info("forked %s from the zygote: %s", child.name, " ".join(child.argv))
+                log.info("starting %s: %s (forked from the zygote)", child.name, " ".join(child.argv))
                 return
         log.info("starting %s: %s", child.name, " ".join(child.argv))
         child.process = subprocess.Popen(child.argv, env=env, start_new_session=True)
