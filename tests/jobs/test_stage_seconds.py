@@ -135,3 +135,49 @@ def test_the_learned_stage_seconds_settle_on_the_median_of_what_the_jobs_took():
     assert _median_step(0.5, 0.5) == 0.5
     assert _median_step(0.0, 0.2) == pytest.approx(1e-3 * (1 + STAGE_LEARN_STEP))  # a zero can step up again
     assert _median_step(1.0, 1.05) == 1.05  # never past what it measured
+
+
+def _to_decoding(job_id: str) -> Job:
+    assert services.start_encoding(job_id, ENCODER) is not None
+    assert services.finish_encoding(job_id, ENCODER, f"embeddings/{job_id}")
+    job = services.claim_chunk(job_id, CARD, 0)
+    assert job is not None
+    assert services.finish_chunk(job_id, CARD, job.total_steps, f"checkpoints/{job_id}", None)
+    return Job.objects.get(pk=job_id)
+
+
+def test_a_decode_teaches_its_model_the_decode_alone_besides_the_tail(api):
+    job_id = submit(api).json()["id"]
+    decoding = _to_decoding(job_id)
+    Job.objects.filter(pk=job_id).update(published_at=timezone.now() - timedelta(seconds=3.0))  # its decode's publish
+    assert services.start_decoding(job_id, DECODER) is not None
+    Job.objects.filter(pk=job_id).update(chunk_started_at=timezone.now() - timedelta(seconds=1.0))  # took it 1 s ago
+    assert services.finish_decoding(job_id, DECODER, [])
+    learned = stage_seconds()
+    assert learned[f"{decoding.model}:tail"] == pytest.approx(3.0, abs=0.5)  # publish → done: the wait included
+    assert learned[f"{decoding.model}:decode"] == pytest.approx(1.0, abs=0.5)  # the decode worker's own part
+
+
+def test_an_eta_waits_for_the_decode_worker_behind_a_long_decode(api):
+    """One decode worker (tests/settings.py) holds a 10-s decode: a job whose denoising ends before that waits for
+    it, then takes its own decode; with the worker free it counts its decode hop and decode alone."""
+    model = submit(api).json()["model"]
+    redis_client().hset(STAGE_SECONDS_KEY, mapping={f"{model}:tail": 10.5, f"{model}:decode": 10.0})  # hop: 0.5 s
+    first = _to_decoding(submit(api).json()["id"])
+    image = Job.objects.get(pk=submit(api).json()["id"])
+    # The first job's decode is just published, not yet taken: a worker takes it after its hop, for 10 s.
+    queued = dataclasses.replace(QueueSnapshot.load(), taken_at=first.published_at)
+    denoised_in = queued._wait_and_own(image)[0] + queued._denoise_left(image)
+    assert denoised_in + 0.5 < 10.0, "the image's denoising must end within the other decode for this test"
+    assert queued.eta_seconds(image) == pytest.approx(0.5 + 10.0 + 10.0, abs=1e-3)  # hop, the other's, its own
+    # Taken 4 s ago: 6 s of it left, and the image's decode starts when it ends.
+    assert services.start_decoding(first.pk, DECODER) is not None
+    taken = Job.objects.get(pk=first.pk).chunk_started_at
+    busy = dataclasses.replace(QueueSnapshot.load(), taken_at=taken + timedelta(seconds=4))
+    assert busy.eta_seconds(image) == pytest.approx(max(6.0, denoised_in + 0.5) + 10.0, abs=1e-3)
+    assert busy.eta_seconds(first) == pytest.approx(6.0, abs=1e-3)  # in service: what is left of its decode
+    # Done: the worker is free, and the image counts its hop and its own decode after its denoising.
+    assert services.finish_decoding(first.pk, DECODER, [])
+    redis_client().hset(STAGE_SECONDS_KEY, mapping={f"{model}:tail": 10.5, f"{model}:decode": 10.0})  # as before
+    done = dataclasses.replace(QueueSnapshot.load(), taken_at=image.published_at)
+    assert done.eta_seconds(image) == pytest.approx(denoised_in + 10.5, abs=1e-3)

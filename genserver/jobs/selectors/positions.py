@@ -1,7 +1,7 @@
 """The queue picture at any depth: waiting sums per (queue, class, priority), running jobs, and each
 job's position, ETA and quote (QueueSnapshot).
 
-Over 700 lines: the tally reads, the neighbour counts, the middle sums, their held-job counterparts and
+Over 800 lines: the tally reads, the neighbour counts, the middle sums, their held-job counterparts and
 QueueSnapshot are one algorithm (a position at any depth in a few queries per priority, NEAR_END the knob they
 share), with the headwind its ETAs share with admission.
 """
@@ -33,14 +33,23 @@ from django.db.models.functions import Coalesce, Greatest
 from django.utils import timezone
 
 from genserver.jobs.models import ACTIVE, HeldTally, Job, JobStatus, QueueTally
-from genserver.redis_client import BOUNDARY, HOP, LEAD_IN, STAGE_SECONDS_KEY, TAIL, client as redis_client
+from genserver.redis_client import (
+    BOUNDARY,
+    DECODE,
+    HOP,
+    LEAD_IN,
+    STAGE_SECONDS_KEY,
+    TAIL,
+    client as redis_client,
+)
 from genserver.scheduling.admission import CALM, HIGHER_CLASSES, Headwind, WorkItem, expected_start, headwind
 from genserver.scheduling.fairness import held_jobs_ahead
-from genserver.scheduling.pools import PoolLayout
+from genserver.scheduling.pools import DECODE as DECODE_QUEUE, PoolLayout
 
 from .capacity import (
     live_capacity,
 )
+from .decode_queue import DecodeQueue, decoding_rows, in_service
 
 
 def _is_running(job: Job) -> bool:
@@ -107,6 +116,7 @@ NEAR_END = 100
 
 _RUNNING_FIELDS = (
     "id",
+    "model",
     "status",
     "duration_class",
     "queue",
@@ -440,6 +450,8 @@ class QueueSnapshot:
         self._winds: dict[tuple[str, str], Headwind] = {}
         self._memo: dict[tuple[Any, ...], Any] = {}  # the fair window's reads that a page's jobs share
         self._stages: dict[str, float] | None = None  # the learned stage seconds, read on first use
+        self._decoding: list[dict[str, Any]] | None = None  # the decode workers' queue, read on first use
+        self._decode_line: DecodeQueue | None = None
 
     def prepare(self, jobs: Iterable[Job]) -> None:
         """Load what the positions and ETAs of these jobs (a page, or one job) need: per priority among
@@ -676,15 +688,12 @@ class QueueSnapshot:
         for a job decoding now)."""
         if job.is_terminal:
             return None
-        tail = self._stage(job.model, TAIL)
         if job.status == JobStatus.DECODING:
-            return 0.0, max(0.0, tail - self._since(job.published_at))
+            return 0.0, self._decode_left(job)
         # A job on a queue only card groups read runs group_speedup(k) times faster than one card.
-        own = job.remaining_seconds * job.clock_scale / self.layout.job_speedup(job.queue or job.duration_class)
-        chunks_left = math.ceil(max(0, job.total_steps - job.steps_done) / max(1, job.chunk_steps))
-        own += chunks_left * self._stage(job.model, BOUNDARY) + tail
+        own = self._denoise_left(job)
         if _is_running(job):
-            return 0.0, own
+            return 0.0, own + self._tail(job, own)
         before = 0.0
         if job.status in (JobStatus.QUEUED, JobStatus.ENCODING):  # its encode hop is still (partly) ahead
             before = max(0.0, self._stage(job.model, LEAD_IN) - self._since(job.published_at))
@@ -694,7 +703,70 @@ class QueueSnapshot:
         items += [_work_item(o, wall=True, now=self.taken_at) for o in self.running if o.pk != job.pk]
         queue = job.queue or job.duration_class
         wait = expected_start(queue, job.priority, items, self.layout, self._headwind(job.duration_class, queue))
-        return wait + before, own
+        return wait + before, own + self._tail(job, wait + before + own)
+
+    def _denoise_left(self, job: Job) -> float:
+        """Wall seconds of its denoising left: its work at its queue's speed-up, and a boundary per chunk."""
+        own = job.remaining_seconds * job.clock_scale / self.layout.job_speedup(job.queue or job.duration_class)
+        chunks_left = math.ceil(max(0, job.total_steps - job.steps_done) / max(1, job.chunk_steps))
+        return own + chunks_left * self._stage(job.model, BOUNDARY)
+
+    def _tail(self, job: Job, denoised_in: float) -> float:
+        """Wall seconds from the end of its denoising (in `denoised_in`) until its outputs are stored.
+
+        Its model's decode hop, the wait for a decode worker behind the decodes that reach one first
+        (decode_queue.py), and its decode. Until its model learned its decode alone (DECODE), the learned
+        tail, which is a median of those three: a rare long wait behind a video's decode does not show in it.
+        """
+        tail, decode = self._stage(job.model, TAIL), self._stage(job.model, DECODE)
+        if not decode:
+            return tail
+        hop = max(0.0, tail - decode)
+        earlier = [
+            (self._denoise_left(o) + self._decode_hop(o.model), self._stage(o.model, DECODE))
+            for o in self.running
+            if o.pk != job.pk
+        ]
+        return hop + self._line().wait(denoised_in + hop, earlier) + decode
+
+    def _decode_left(self, job: Job) -> float:
+        """Wall seconds until a job published to a decode worker is done: what is left of its decode, in service;
+        queued, what is left of its hop, the wait behind the decodes published before it, and its decode."""
+        tail, decode = self._stage(job.model, TAIL), self._stage(job.model, DECODE)
+        if not decode:
+            return max(0.0, tail - self._since(job.published_at))
+        rows = self._decoding_rows()
+        mine = next((r for r in rows if r["id"] == job.pk), None)
+        if mine is not None and in_service(mine):
+            return max(0.0, decode - self._since(mine["chunk_started_at"]))
+        ahead = [r for r in rows if r["id"] != job.pk and (mine is None or rows.index(r) < rows.index(mine))]
+        line = DecodeQueue.of(ahead, self._decoders(), self._decode_seconds, self.taken_at, self._decode_hop)
+        return max(0.0, self._decode_hop(job.model) - self._since(job.published_at)) + line.wait(0.0) + decode
+
+    def _decode_hop(self, model: str) -> float:
+        """Its decode's publish → a decode worker taking it, without a queue: the learned tail less the decode."""
+        return max(0.0, self._stage(model, TAIL) - self._stage(model, DECODE))
+
+    def _decode_seconds(self, model: str) -> float:
+        return self._stage(model, DECODE)
+
+    def _decoders(self) -> int:
+        """The live decode workers (one per node in the generated layout)."""
+        return sum(1 for w in self.layout.workers if DECODE_QUEUE in w.consumed_queues()) or 1
+
+    def _decoding_rows(self) -> list[dict[str, Any]]:
+        if self._decoding is None:
+            self._decoding = decoding_rows()
+        return self._decoding
+
+    def _line(self) -> DecodeQueue:
+        """The decode workers' queue of what is published now, read once per snapshot."""
+        if self._decode_line is None:
+            rows = self._decoding_rows()
+            self._decode_line = DecodeQueue.of(
+                rows, self._decoders(), self._decode_seconds, self.taken_at, self._decode_hop
+            )
+        return self._decode_line
 
     def _stage(self, model: str, stage: str) -> float:
         """The model's learned seconds of `stage` (0 until one of its jobs measured it), read once per snapshot."""

@@ -16,7 +16,7 @@ from django.utils import timezone
 from genserver import deployment, metrics
 from genserver.jobs import broker, events, segment_service
 from genserver.jobs.models import ACTIVE, Job, JobStage, JobStatus
-from genserver.redis_client import LEAD_IN, TAIL
+from genserver.redis_client import DECODE, LEAD_IN, TAIL
 from genserver.scheduling.classes import priority_for
 
 from . import fairness, observe
@@ -332,7 +332,11 @@ def learn_from_chunk(job: Job, step_seconds: float | None, worker: str) -> None:
 def start_decoding(job_id: JobId, worker: str) -> Job | None:
     now = timezone.now()
     taken = Job.objects.filter(lease_free(now), pk=job_id, status=JobStatus.DECODING, cancel_requested=False).update(
-        stage=JobStage.DECODING, lease_owner=worker, lease_expires_at=lease_until()
+        # chunk_started_at: its decode's start, as a chunk's (what is left of it counts in the ETAs behind it).
+        stage=JobStage.DECODING,
+        lease_owner=worker,
+        lease_expires_at=lease_until(),
+        chunk_started_at=now,
     )
     if not taken:
         return None
@@ -342,8 +346,9 @@ def start_decoding(job_id: JobId, worker: str) -> Job | None:
 
 def finish_decoding(job_id: JobId, worker: str, outputs: list[dict[str, str]]) -> bool:
     now = timezone.now()
-    # Its decode's publish (finish_chunk set published_at when denoising ended): what its tail took.
-    row = Job.objects.filter(pk=job_id).values_list("model", "published_at").first()
+    # Its decode's publish (finish_chunk set published_at when denoising ended): what its tail took; and when
+    # this worker took it (start_decoding set chunk_started_at): what its decode alone took.
+    row = Job.objects.filter(pk=job_id).values_list("model", "published_at", "chunk_started_at").first()
     done = Job.objects.filter(pk=job_id, lease_owner=worker, status=JobStatus.DECODING).update(
         status=JobStatus.SUCCEEDED,
         stage=JobStage.DONE,
@@ -356,6 +361,8 @@ def finish_decoding(job_id: JobId, worker: str, outputs: list[dict[str, str]]) -
         observe.transition(job_id, JobStatus.DECODING, JobStatus.SUCCEEDED, worker=worker)
         if row is not None and row[1] is not None:
             learn_stage_seconds(row[0], TAIL, (now - row[1]).total_seconds())
+        if row is not None and row[2] is not None:
+            learn_stage_seconds(row[0], DECODE, (now - row[2]).total_seconds())
         after_end(job_id)
     return bool(done)
 

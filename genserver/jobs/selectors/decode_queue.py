@@ -1,0 +1,75 @@
+"""The decode workers' queue as an ETA sees it: a job's decode waits behind the decodes that reach it first.
+
+A stack has one decode worker per node (pools.default_layout), and it decodes the
+videos too: an 81-frame clip holds it for seconds, so an image that ends its
+denoising behind one waits that long, far more than its model's learned tail
+(a median, which a rare long wait does not move). So a job's tail is its model's
+decode hop (publish → decode start, without a queue), the wait for a decode
+worker, then its own decode, with the waiting modelled first come first served
+on the decode workers: the decodes published now (in service: what is left of
+them; queued: whole), then those of the jobs that end their denoising before it.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+from genserver.jobs.models import Job, JobStage, JobStatus
+
+_FIELDS = ("id", "model", "stage", "lease_owner", "chunk_started_at", "published_at")
+
+
+def decoding_rows() -> list[dict[str, Any]]:
+    """The jobs published to a decode worker (in service or queued), first published first."""
+    rows = Job.objects.filter(status=JobStatus.DECODING).values(*_FIELDS)
+    return sorted(rows, key=lambda r: (r["published_at"] is None, r["published_at"] or datetime.min))
+
+
+def in_service(row: dict[str, Any]) -> bool:
+    """A decode worker took it (start_decoding), rather than its decode message waiting in the queue."""
+    return row["stage"] == JobStage.DECODING and bool(row["lease_owner"])
+
+
+@dataclass(frozen=True)
+class DecodeQueue:
+    """When each decode worker is free of the decodes published now, in seconds from the snapshot's clock."""
+
+    free_in: tuple[float, ...]
+
+    @classmethod
+    def of(
+        cls, rows: Iterable[dict[str, Any]], servers: int, decode_seconds: Any, now: datetime, hop: Any = None
+    ) -> DecodeQueue:
+        """`rows` as decoding_rows gives them; `decode_seconds(model)` its learned decode (0: unknown), and
+        `hop(model)` its decode hop: a queued decode reaches a worker once what is left of its hop has passed."""
+        free = [0.0] * max(1, servers)
+        queued: list[tuple[float, float]] = []
+        for row in rows:
+            seconds = decode_seconds(row["model"]) or 0.0
+            if in_service(row) and row["chunk_started_at"] is not None:
+                elapsed = (now - row["chunk_started_at"]).total_seconds()
+                free.sort()
+                free[0] = max(free[0], 0.0) + max(0.0, seconds - elapsed)
+            else:
+                since = (now - row["published_at"]).total_seconds() if row["published_at"] is not None else 0.0
+                queued.append((max(0.0, (hop(row["model"]) if hop else 0.0) - since), seconds))
+        heapq.heapify(free)
+        for reaches, seconds in queued:
+            heapq.heappush(free, max(heapq.heappop(free), reaches) + seconds)
+        return cls(tuple(sorted(free)))
+
+    def wait(self, arrive_in: float, earlier: Sequence[tuple[float, float]] = ()) -> float:
+        """Seconds a decode reaching the queue in `arrive_in` waits for a worker, behind the published decodes
+        and `earlier`'s (arrive in, decode seconds): the decodes of jobs still denoising, counted when they
+        reach the queue before it."""
+        free = list(self.free_in)
+        heapq.heapify(free)
+        for at, seconds in sorted(earlier):
+            if at >= arrive_in:
+                break
+            heapq.heappush(free, max(heapq.heappop(free), at) + seconds)
+        return max(0.0, free[0] - arrive_in)
