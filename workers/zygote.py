@@ -27,6 +27,9 @@ Protocol, over an AF_UNIX SOCK_SEQPACKET pair (one JSON message per packet):
   zygote → {"pid": N} or {"error": "..."}
   zygote → {"exited": N, "returncode": R}            whenever a child exits (R as Popen's)
 The zygote exits when the caller's end closes; its children live on, as Popen's would.
+
+Over 400 lines: both ends of one protocol (the zygote's loop and the caller's Popen-like handle) stay in one
+file, so a change to a message changes both sides together.
 """
 
 from __future__ import annotations

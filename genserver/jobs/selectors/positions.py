@@ -739,7 +739,7 @@ class QueueSnapshot:
         mine = next((r for r in rows if r["id"] == job.pk), None)
         if mine is not None and in_service(mine):
             return max(0.0, decode - self._since(mine["chunk_started_at"]))
-        ahead = [r for r in rows if r["id"] != job.pk and (mine is None or rows.index(r) < rows.index(mine))]
+        ahead = rows if mine is None else rows[: rows.index(mine)]  # first published first
         line = DecodeQueue.of(ahead, self._decoders(), self._decode_seconds, self.taken_at, self._decode_hop)
         return max(0.0, self._decode_hop(job.model) - self._since(job.published_at)) + line.wait(0.0) + decode
 
