@@ -13,10 +13,12 @@ them; queued: whole), then those of the jobs that end their denoising before it.
 from __future__ import annotations
 
 import heapq
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
+
+from django.db.models import F
 
 from genserver.jobs.models import Job, JobStage, JobStatus
 
@@ -25,8 +27,11 @@ _FIELDS = ("id", "model", "stage", "lease_owner", "chunk_started_at", "published
 
 def decoding_rows() -> list[dict[str, Any]]:
     """The jobs published to a decode worker (in service or queued), first published first."""
-    rows = Job.objects.filter(status=JobStatus.DECODING).values(*_FIELDS)
-    return sorted(rows, key=lambda r: (r["published_at"] is None, r["published_at"] or datetime.min))
+    return list(
+        Job.objects.filter(status=JobStatus.DECODING)
+        .order_by(F("published_at").asc(nulls_last=True), "id")
+        .values(*_FIELDS)
+    )
 
 
 def in_service(row: dict[str, Any]) -> bool:
@@ -42,7 +47,12 @@ class DecodeQueue:
 
     @classmethod
     def of(
-        cls, rows: Iterable[dict[str, Any]], servers: int, decode_seconds: Any, now: datetime, hop: Any = None
+        cls,
+        rows: Iterable[dict[str, Any]],
+        servers: int,
+        decode_seconds: Callable[[str], float],
+        now: datetime,
+        hop: Callable[[str], float],
     ) -> DecodeQueue:
         """`rows` as decoding_rows gives them; `decode_seconds(model)` its learned decode (0: unknown), and
         `hop(model)` its decode hop: a queued decode reaches a worker once what is left of its hop has passed."""
@@ -53,10 +63,10 @@ class DecodeQueue:
             if in_service(row) and row["chunk_started_at"] is not None:
                 elapsed = (now - row["chunk_started_at"]).total_seconds()
                 free.sort()
-                free[0] = max(free[0], 0.0) + max(0.0, seconds - elapsed)
+                free[0] += max(0.0, seconds - elapsed)
             else:
                 since = (now - row["published_at"]).total_seconds() if row["published_at"] is not None else 0.0
-                queued.append((max(0.0, (hop(row["model"]) if hop else 0.0) - since), seconds))
+                queued.append((max(0.0, hop(row["model"]) - since), seconds))
         heapq.heapify(free)
         for reaches, seconds in queued:
             heapq.heappush(free, max(heapq.heappop(free), reaches) + seconds)

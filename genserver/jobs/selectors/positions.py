@@ -690,7 +690,6 @@ class QueueSnapshot:
             return None
         if job.status == JobStatus.DECODING:
             return 0.0, self._decode_left(job)
-        # A job on a queue only card groups read runs group_speedup(k) times faster than one card.
         own = self._denoise_left(job)
         if _is_running(job):
             return 0.0, own + self._tail(job, own)
@@ -706,7 +705,8 @@ class QueueSnapshot:
         return wait + before, own + self._tail(job, wait + before + own)
 
     def _denoise_left(self, job: Job) -> float:
-        """Wall seconds of its denoising left: its work at its queue's speed-up, and a boundary per chunk."""
+        """Wall seconds of its denoising left: its work at its queue's speed-up, and a boundary per chunk.
+        A job on a queue only card groups read runs group_speedup(k) times faster than one card."""
         own = job.remaining_seconds * job.clock_scale / self.layout.job_speedup(job.queue or job.duration_class)
         chunks_left = math.ceil(max(0, job.total_steps - job.steps_done) / max(1, job.chunk_steps))
         return own + chunks_left * self._stage(job.model, BOUNDARY)
