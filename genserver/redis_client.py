@@ -13,11 +13,13 @@ CORRECTION_KEY = "genserver:step-correction"
 # The wall seconds each model's jobs spend around their denoising steps, learned as they run
 # (services/estimates.py), as "{model}:{stage}": LEAD_IN (its encode message published → its first chunk
 # published), HOP (its first chunk published → its first step, on a card that was idle), BOUNDARY (one chunk's
-# end: checkpoint and transition), TAIL (its decode published → it finished) and DECODE (a decode worker took
-# it → it finished: the decode alone, without the wait for that worker). ETAs and quotes add them
-# (selectors/positions.py; the wait for a decode worker: selectors/decode_queue.py).
+# end: checkpoint and transition), STEP (what one step takes beyond its estimate: the service's own work per step,
+# the progress callback and the cancel check, which the cost model leaves out and a simulated model never
+# learns), TAIL (its decode published → it finished) and DECODE (a decode worker took it → it finished: the
+# decode alone, without the wait for that worker). ETAs and quotes add them (selectors/positions.py; the wait
+# for a decode worker: selectors/decode_queue.py).
 STAGE_SECONDS_KEY = "genserver:stage-seconds"
-LEAD_IN, HOP, BOUNDARY, TAIL, DECODE = "lead-in", "hop", "boundary", "tail", "decode"
+LEAD_IN, HOP, BOUNDARY, STEP, TAIL, DECODE = "lead-in", "hop", "boundary", "step", "tail", "decode"
 WORKER_KEY = "genserver:worker:{name}"
 LONG_CAP_KEY = "genserver:long-cap"  # the overload cap's state, written by beat (services/overload.py)
 # A job published one step ahead as the lightest user's (services/fairness.py) until its first chunk is claimed:

@@ -14,7 +14,7 @@ from genserver.jobs import services
 from genserver.jobs.models import Job, JobStatus
 from genserver.jobs.selectors.positions import QueueSnapshot, stage_seconds
 from genserver.jobs.services.estimates import STAGE_LEARN_STEP, _median_step
-from genserver.redis_client import STAGE_SECONDS_KEY, client as redis_client
+from genserver.redis_client import CORRECTION_KEY, STAGE_SECONDS_KEY, client as redis_client
 from tests.conftest import submit
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.usefixtures("empty_broker")]
@@ -181,3 +181,36 @@ def test_an_eta_waits_for_the_decode_worker_behind_a_long_decode(api):
     redis_client().hset(STAGE_SECONDS_KEY, mapping={f"{model}:tail": 10.5, f"{model}:decode": 10.0})  # as before
     done = dataclasses.replace(QueueSnapshot.load(), taken_at=image.published_at)
     assert done.eta_seconds(image) == pytest.approx(denoised_in + 10.5, abs=1e-3)
+
+
+def test_a_simulated_models_steps_teach_it_their_overhead_and_an_eta_counts_it_for_every_step_left(api):
+    """A simulated model never corrects its cost model (its sleep is the cost model), but each of its steps also
+    pays the service's own work per step: learned as STEP from every recorded chunk's measured step time, and
+    counted by an ETA for every step left, its own and those of a running chunk the card has not measured yet."""
+    video = Job.objects.get(pk=submit(api, model="wan-sim").json()["id"])
+    image = Job.objects.get(pk=submit(api).json()["id"])
+    snapshot = dataclasses.replace(QueueSnapshot.load(), taken_at=image.published_at)
+    _, own_before = snapshot._wait_and_own(image)
+
+    def step_wall(job: Job) -> float:
+        return job.estimated_seconds / job.total_steps * job.clock_scale
+
+    services.learn_from_chunk(image, step_wall(image) + 0.004, CARD)
+    assert stage_seconds()[f"{image.model}:step"] == pytest.approx(0.004)
+    services.learn_from_chunk(image, step_wall(image) - 0.001, CARD)  # a step faster than modelled teaches 0
+    assert stage_seconds()[f"{image.model}:step"] == pytest.approx(0.004 * (1 - STAGE_LEARN_STEP))
+    assert not redis_client().exists(CORRECTION_KEY)  # its cost model stays as it is
+    _, own = dataclasses.replace(snapshot)._wait_and_own(image)
+    assert own - own_before == pytest.approx(image.total_steps * 0.004 * (1 - STAGE_LEARN_STEP), rel=1e-6)
+
+    # The one card runs the video's chunk, not yet measured: the image behind it waits for the chunk's steps
+    # at the video's learned overhead as well.
+    assert services.start_encoding(video.pk, ENCODER) is not None
+    assert services.finish_encoding(video.pk, ENCODER, f"embeddings/{video.pk}")
+    running = services.claim_chunk(video.pk, CARD, 0)
+    assert running is not None
+    at_start = dataclasses.replace(QueueSnapshot.load(), taken_at=running.chunk_started_at)
+    wait_before, _ = at_start._wait_and_own(image)
+    redis_client().hset(STAGE_SECONDS_KEY, f"{video.model}:step", 0.05)
+    wait, _ = dataclasses.replace(at_start)._wait_and_own(image)
+    assert wait - wait_before == pytest.approx(running.chunk_steps * 0.05, rel=1e-6)

@@ -39,6 +39,7 @@ from genserver.redis_client import (
     HOP,
     LEAD_IN,
     STAGE_SECONDS_KEY,
+    STEP,
     TAIL,
     client as redis_client,
 )
@@ -56,7 +57,7 @@ def _is_running(job: Job) -> bool:
     return bool(job.lease_owner) and job.status in (JobStatus.DENOISING,)
 
 
-def _chunk_remaining(job: Job, now: datetime) -> float:
+def _chunk_remaining(job: Job, now: datetime, step_overhead: float = 0.0) -> float:
     """Seconds of work before the card running the job reaches a boundary where it may take other work.
 
     Counted from when the chunk began (`chunk_started_at`), at the step time its last chunk measured (else the
@@ -65,8 +66,11 @@ def _chunk_remaining(job: Job, now: datetime) -> float:
     actual). A chunk past its length is at its boundary, where the card's yield test has as good as run: unless
     it was the job's last, the card kept the job for its next chunk (the boundary's record, which moves
     `chunk_started_at`, lags the test by its write), and only then frees. Without a start: its steps not yet
-    reported."""
+    reported. `step_overhead`: the wall seconds a step takes beyond its estimate (the model's learned STEP), counted
+    until the card measured the job's steps."""
     step_seconds = job.estimated_seconds / job.total_steps if job.steps else 0.0
+    if step_seconds and job.clock_scale > 0:
+        step_seconds += step_overhead / job.clock_scale
     if job.chunk_started_at is None or job.clock_scale <= 0:
         done_in_chunk = max(0, job.steps_done - job.checkpoint_step)
         return max(0, job.chunk_steps - done_in_chunk) * step_seconds
@@ -80,14 +84,18 @@ def _chunk_remaining(job: Job, now: datetime) -> float:
     return next_chunk * step_seconds
 
 
-def _work_item(job: Job, wall: bool, now: datetime | None = None) -> WorkItem:
+def _work_item(job: Job, wall: bool, now: datetime | None = None, step_overhead: float = 0.0) -> WorkItem:
+    """The job as the queue picture counts it; `step_overhead` as in `_chunk_remaining`, for every step left."""
     scale = job.clock_scale if wall else 1.0
+    remaining = job.remaining_seconds
+    if job.clock_scale > 0:
+        remaining += max(0, job.total_steps - job.steps_done) * step_overhead / job.clock_scale
     return WorkItem(
         queue=job.queue or job.duration_class,
         priority=job.priority,
-        remaining_seconds=job.remaining_seconds * scale,
+        remaining_seconds=remaining * scale,
         running=_is_running(job),
-        chunk_remaining_seconds=_chunk_remaining(job, now or timezone.now()) * scale,
+        chunk_remaining_seconds=_chunk_remaining(job, now or timezone.now(), step_overhead) * scale,
     )
 
 
@@ -699,17 +707,23 @@ class QueueSnapshot:
         if job.steps_done == 0:
             before += self._stage(job.model, HOP)
         items = [g.item() for g in self._waiting_ahead(job)]
-        items += [_work_item(o, wall=True, now=self.taken_at) for o in self.running if o.pk != job.pk]
+        items += [
+            _work_item(o, wall=True, now=self.taken_at, step_overhead=self._stage(o.model, STEP))
+            for o in self.running
+            if o.pk != job.pk
+        ]
         queue = job.queue or job.duration_class
         wait = expected_start(queue, job.priority, items, self.layout, self._headwind(job.duration_class, queue))
         return wait + before, own + self._tail(job, wait + before + own)
 
     def _denoise_left(self, job: Job) -> float:
-        """Wall seconds of its denoising left: its work at its queue's speed-up, and a boundary per chunk.
-        A job on a queue only card groups read runs group_speedup(k) times faster than one card."""
+        """Wall seconds of its denoising left: its work at its queue's speed-up, what each step takes beyond it
+        (STEP), and a boundary per chunk. A job on a queue only card groups read runs group_speedup(k) times
+        faster than one card."""
         own = job.remaining_seconds * job.clock_scale / self.layout.job_speedup(job.queue or job.duration_class)
-        chunks_left = math.ceil(max(0, job.total_steps - job.steps_done) / max(1, job.chunk_steps))
-        return own + chunks_left * self._stage(job.model, BOUNDARY)
+        steps_left = max(0, job.total_steps - job.steps_done)
+        chunks_left = math.ceil(steps_left / max(1, job.chunk_steps))
+        return own + steps_left * self._stage(job.model, STEP) + chunks_left * self._stage(job.model, BOUNDARY)
 
     def _tail(self, job: Job, denoised_in: float) -> float:
         """Wall seconds from the end of its denoising (in `denoised_in`) until its outputs are stored.

@@ -16,7 +16,7 @@ from django.utils import timezone
 from genserver import deployment, metrics
 from genserver.jobs import broker, events, segment_service
 from genserver.jobs.models import ACTIVE, Job, JobStage, JobStatus
-from genserver.redis_client import DECODE, LEAD_IN, TAIL
+from genserver.redis_client import DECODE, LEAD_IN, STEP, TAIL
 from genserver.scheduling.classes import priority_for
 
 from . import fairness, observe
@@ -321,12 +321,22 @@ def _record_kept_chunk(
 
 
 def learn_from_chunk(job: Job, step_seconds: float | None, worker: str) -> None:
-    """A recorded chunk's measured step time: the step-time metric, and the model's online correction."""
+    """A recorded chunk's measured step time: the step-time metric, and the model's online correction (a simulated
+    model's: what a step took beyond its estimate, the ETAs' STEP)."""
     spec = deployment.layout().worker(worker.split("@", 1)[0])
     metrics.observe(metrics.STEP_SECONDS, job.model, step_seconds)
-    if step_seconds:
-        # The correction learns single-card step times: a step on a group of k cards counts k × eff.
-        learn_step_time(job, step_seconds * (spec.speedup if spec is not None else 1.0))
+    if not step_seconds:
+        return
+    speedup = spec.speedup if spec is not None else 1.0
+    # The correction learns single-card step times: a step on a group of k cards counts k × eff.
+    learn_step_time(job, step_seconds * speedup)
+    if job.backend == "simulated" and job.total_steps:
+        # A simulated model never corrects its cost model (its sleep *is* the cost model), but its steps also
+        # pay the service's own work per step (the callback, the cancel check): 9 % of a 20-ms step in
+        # bench.replay at ×0.2. A real model's correction counts that work in its estimate; this one's ETAs
+        # count it as STEP, in wall seconds per step on this worker.
+        expected = job.estimated_seconds / job.total_steps * job.clock_scale / speedup
+        learn_stage_seconds(job.model, STEP, max(0.0, step_seconds - expected))
 
 
 def start_decoding(job_id: JobId, worker: str) -> Job | None:
