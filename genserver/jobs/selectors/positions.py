@@ -693,12 +693,17 @@ class QueueSnapshot:
         Besides the work ahead and its own denoising, its model's learned stage seconds (`stage_seconds`):
         before its first step, what is left of its encode hop (not yet encoded) and the dispatch hop to the
         card; after each of its chunks left, a boundary; after its denoising, the decode (what is left of it,
-        for a job decoding now)."""
+        for a job decoding now). The better classes' work that arrives while it waits stretches its wait
+        (admission's headwind), and what arrives while it runs stretches its denoising: a card hands its chunk
+        over at a boundary when a better message waits, so the job advances on the rest of the card's time
+        (bench.replay: videos ran 4 % longer than their ETAs counted, a median 2.3 s of 60)."""
         if job.is_terminal:
             return None
         if job.status == JobStatus.DECODING:
             return 0.0, self._decode_left(job)
-        own = self._denoise_left(job)
+        queue = job.queue or job.duration_class
+        wind = self._headwind(job.duration_class, queue)
+        own = self._denoise_left(job) / (1.0 - wind.higher_share)
         if _is_running(job):
             return 0.0, own + self._tail(job, own)
         before = 0.0
@@ -712,8 +717,7 @@ class QueueSnapshot:
             for o in self.running
             if o.pk != job.pk
         ]
-        queue = job.queue or job.duration_class
-        wait = expected_start(queue, job.priority, items, self.layout, self._headwind(job.duration_class, queue))
+        wait = expected_start(queue, job.priority, items, self.layout, wind)
         return wait + before, own + self._tail(job, wait + before + own)
 
     def _denoise_left(self, job: Job) -> float:
