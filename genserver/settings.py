@@ -317,6 +317,11 @@ CLASS_MEDIUM_SECONDS = env_float("GENSERVER_CLASS_MEDIUM_SECONDS", 120.0, above=
 # pay the checkpoint save/restore and a broker round trip more often.
 # The default comes from the simulator's trade-off curve (docs/BENCHMARKS.md).
 CHUNK_SECONDS = env_float("GENSERVER_CHUNK_SECONDS", 4.0, above=0)
+# A card at a chunk boundary with nothing better waiting holds up to this many wall seconds (counted from the
+# encode's publish) for a better job whose encode is under way, rather than start another chunk: an image
+# arriving while every card is mid-video then waits for an encode, not for a video's next step. Longer catches
+# slower encodes and idles the card longer while it holds; 0: off.
+BOUNDARY_HOLD_SECONDS = env_float("GENSERVER_BOUNDARY_HOLD", 0.25, minimum=0)
 # Longest expected wait each class accepts before 429 (seconds of work).
 ADMIT_SHORT_SECONDS = env_float("GENSERVER_ADMIT_SHORT_SECONDS", 60.0, above=0)
 ADMIT_MEDIUM_SECONDS = env_float("GENSERVER_ADMIT_MEDIUM_SECONDS", 300.0, above=0)

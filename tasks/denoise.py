@@ -7,7 +7,9 @@ planned one does.
 
 At each chunk boundary the worker yields its card only when it has to: if a
 message it would take before this job's continuation is waiting on its
-queues (shorter work, or an earlier message at the same priority), it
+queues (shorter work, or an earlier message at the same priority), or is
+about to be (a better job in its encode, which announced its first chunk:
+the card holds up to GENSERVER_BOUNDARY_HOLD for it), it
 re-publishes the continuation and returns to the broker; otherwise it runs
 the next chunk in-process from the state in memory, skipping the broker hop
 and the checkpoint restore. The order of work is the same as re-publishing
@@ -160,7 +162,8 @@ def _denoise(members: list[_Member], worker: str, hop_from: float | None = None)
             return False
         if class_of(lead.queue) == LONG and selectors.must_leave_long(worker):
             return False  # the overload cap: this card yields its long job (and takes no more for now)
-        return not broker.waiting_at_or_before(_consumed_queues(lead.queue), continuation_at(step))
+        queues = _consumed_queues(lead.queue)
+        return not broker.should_yield(queues, continuation_at(step), worker, settings.BOUNDARY_HOLD_SECONDS)
 
     def continuation_at(step: int) -> int:
         """The priority the lead's next chunk would be published at from `step` (global over its segments)."""

@@ -9,6 +9,7 @@ task name is spelled in one place and the API process never imports
 from __future__ import annotations
 
 import hashlib
+import logging
 import re
 import time
 from collections.abc import Iterable, Sequence
@@ -16,9 +17,13 @@ from dataclasses import dataclass
 from typing import Any
 from uuid import UUID
 
+import redis
+
 from genserver.celery import app
-from genserver.redis_client import AHEAD_KEY, CUT_CLAIM_KEY, client as redis_client
+from genserver.redis_client import AHEAD_KEY, ARRIVING_CLAIM_KEY, ARRIVING_KEY, CUT_CLAIM_KEY, client as redis_client
 from genserver.scheduling.pools import CONTROL, DECODE, ENCODE, WEBHOOKS
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -48,7 +53,14 @@ def _send(task: TaskRoute, args: list[Any], priority: int | None = None, queue: 
     app.send_task(task.name, args=args, queue=queue or task.queue, **options)
 
 
-def send_encode(job_id: UUID, priority: int) -> None:
+def send_encode(job_id: UUID, priority: int, chunk_queue: str = "") -> None:
+    """The job's encode. With `chunk_queue`: first announce the chunk the encode will publish there at `priority`
+    (`hold_for_arriving`); the encode withdraws it once the chunk is published (`arrived`)."""
+    if chunk_queue:
+        try:
+            redis_client().hset(ARRIVING_KEY.format(queue=chunk_queue), str(job_id), f"{priority} {time.time()}")
+        except redis.RedisError:  # only a card's hold at a boundary needs it; the job goes on without
+            log.warning("could not announce the first chunk of job %s", job_id, exc_info=True)
     _send(ENCODE_TASK, [str(job_id)], priority)
 
 
@@ -56,6 +68,15 @@ def send_chunk(job_id: UUID, from_step: int, queue: str, priority: int) -> None:
     """The next denoise chunk goes to the job's queue (its class, or its model's own class queue)
     at its current priority band."""
     _send(CHUNK_TASK, [str(job_id), from_step], priority, queue=queue)
+
+
+def arrived(job_id: UUID, queue: str) -> None:
+    """The job's first chunk, announced by its encode, is published on `queue` (or the job left): a card that
+    holds for it stops holding."""
+    try:
+        redis_client().hdel(ARRIVING_KEY.format(queue=queue), str(job_id))
+    except redis.RedisError:  # the announcement ages out after the hold
+        log.warning("could not withdraw the announcement of job %s", job_id, exc_info=True)
 
 
 def send_decode(job_id: UUID, priority: int) -> None:
@@ -134,16 +155,62 @@ def broker_job_ids(queues: Iterable[str]) -> set[str]:
     return found
 
 
-def waiting_at_or_before(queues: Iterable[str], priority: int) -> bool:
-    """Whether a message at `priority` or better waits on any of `queues` (a card's yield test)."""
+def should_yield(queues: Sequence[str], priority: int, worker: str, hold: float) -> bool:
+    """A card's yield test at a chunk boundary, in one round trip when it keeps its job (the common case): whether
+    a message it would take before the running job's continuation (at `priority` or better) waits on `queues`,
+    or is about to: a better job (at a priority better than `priority`) announced by its encode message less than
+    `hold` seconds ago (`send_encode`), whose first chunk was published while this card held for it. A video's
+    step lasts seconds and an encode milliseconds, so the card yields to it rather than start another chunk. One
+    card holds per job (the first to claim it); the hold ends early when the chunk is published and another card
+    took it."""
     r = redis_client()
+    lists = [key for queue in queues for key in queue_keys(queue)[: priority + 1]]
     with r.pipeline() as pipe:
-        for queue in queues:
-            for key in queue_keys(queue)[: priority + 1]:
-                pipe.llen(key)
-        return any(int(n) for n in pipe.execute())
+        for key in lists:
+            pipe.llen(key)
+        for queue in queues if hold > 0 else ():
+            pipe.hgetall(ARRIVING_KEY.format(queue=queue))
+        replies = pipe.execute()
+    if any(int(n) for n in replies[: len(lists)]):
+        return True
+    now, stale, better = time.time(), [], []
+    for queue, entries in zip(queues, replies[len(lists) :]):
+        for raw_id, raw in entries.items():
+            at_priority, since = raw.split()
+            if now - float(since) > hold:
+                stale.append((queue, raw_id))
+            elif int(at_priority) < priority:
+                better.append((float(since), int(at_priority), queue, raw_id.decode()))
+    for queue, raw_id in stale:  # its chunk was never published (a cancel, a failed encode): forget it
+        r.hdel(ARRIVING_KEY.format(queue=queue), raw_id)
+    for since, at_priority, queue, job_id in sorted(better):  # the first announced first
+        if r.set(ARRIVING_CLAIM_KEY.format(job_id=job_id), worker, nx=True, ex=_CUT_CLAIM_SECONDS):
+            return _held_until_published(r, queues, at_priority, queue, job_id, since + hold)
+    return False
 
 
+def _held_until_published(
+    r: redis.Redis, queues: Sequence[str], priority: int, queue: str, job_id: str, until: float
+) -> bool:
+    """Poll until the announced chunk is published (True if it waits for a card) or `until` passes."""
+    key = ARRIVING_KEY.format(queue=queue)
+    lists = [k for q in queues for k in queue_keys(q)[: priority + 1]]
+    while time.time() < until:
+        with r.pipeline() as pipe:
+            pipe.hexists(key, job_id)
+            for k in lists:
+                pipe.llen(k)
+            still_announced, *lengths = pipe.execute()
+        if any(int(n) for n in lengths):
+            return True
+        if not still_announced:
+            return False  # published and already taken by another card
+        time.sleep(_HOLD_POLL_SECONDS)
+    return False
+
+
+# How often a card holding at a boundary looks for the announced chunk (a Redis round trip each).
+_HOLD_POLL_SECONDS = 0.002
 # How many of the next messages of a list a cut test reads: the ones a card would take next.
 _CUT_LOOKAHEAD = 4
 _CUT_CLAIM_SECONDS = 60  # a claim outlives any chunk's last step; the message is taken long before

@@ -45,9 +45,9 @@ BROKER_QUEUES = ("encode", "short", "medium", "long", "decode", "webhooks")
 
 
 def clear_broker() -> None:
-    """Empty the job queues' Redis lists (every priority): a test that reads what was published starts
-    from nothing another test left there."""
-    from genserver.redis_client import client
+    """Empty the job queues' Redis lists (every priority) and the first chunks announced on them: a test that
+    reads what was published starts from nothing another test left there."""
+    from genserver.redis_client import ARRIVING_KEY, client
 
     for queue in BROKER_QUEUES:
-        client().delete(*broker().queue_keys(queue))
+        client().delete(*broker().queue_keys(queue), ARRIVING_KEY.format(queue=queue))

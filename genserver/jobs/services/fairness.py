@@ -109,7 +109,7 @@ def publish_new(job_id: Any, status: str, queue: str, priority: int) -> None:
         if status == JobStatus.DENOISING:
             broker.send_chunk(job_id, 0, queue, priority)
         else:
-            broker.send_encode(job_id, priority)
+            broker.send_encode(job_id, priority, queue)
     except Exception:  # noqa: BLE001 - the row says published: the reaper re-publishes a missing message
         log.warning("broker unavailable: released job %s is recorded and the reaper will publish it", job_id)
 

@@ -145,7 +145,9 @@ def submit(owner: Any, data: dict[str, Any], idempotency_key: str = "") -> tuple
                 lambda: publish_or_leave_to_reaper(broker.send_chunk, job.id, 0, job.queue, job.priority)
             )
         else:
-            transaction.on_commit(lambda: publish_or_leave_to_reaper(broker.send_encode, job.id, job.priority))
+            transaction.on_commit(
+                lambda: publish_or_leave_to_reaper(broker.send_encode, job.id, job.priority, job.queue)
+            )
     return job, snapshot.with_new_job(job)
 
 

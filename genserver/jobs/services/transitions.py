@@ -88,8 +88,14 @@ def finish_encoding(job_id: JobId, worker: str, embeddings_key: str) -> bool:
             transaction.on_commit(lambda: learn_stage_seconds(job.model, LEAD_IN, lead_in))
         observe.transition(job.pk, JobStatus.ENCODING, JobStatus.DENOISING, worker=worker)
         announce_on_commit(job_id, "waiting")
-        transaction.on_commit(lambda: broker.send_chunk(job.id, job.checkpoint_step, job.queue, job.priority))
+        transaction.on_commit(lambda: _publish_first_chunk(job))
     return True
+
+
+def _publish_first_chunk(job: Job) -> None:
+    """The encoded job's chunk, then the end of its announcement (a card holding at a boundary stops holding)."""
+    broker.send_chunk(job.id, job.checkpoint_step, job.queue, job.priority)
+    broker.arrived(job.id, job.queue)
 
 
 def claim_chunk(job_id: JobId, worker: str, from_step: int) -> Job | None:
