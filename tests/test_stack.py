@@ -122,7 +122,8 @@ def test_cancel_while_running_stops_within_a_step_and_skips_decode(stack, api):
 
 
 def test_a_job_teaches_its_models_stage_seconds_and_the_next_eta_counts_them(stack, api):
-    """Encode hop, dispatch hop (the card was idle), chunk boundaries and decode, learned from real workers."""
+    """Encode hop, dispatch hop (the card was idle), chunk boundaries, a simulated step's overhead and decode,
+    learned from real workers."""
     from genserver.jobs.selectors.positions import QueueSnapshot, stage_seconds
 
     # The dispatch hop is learned only where the first chunk finds its card idle: a task an earlier test left
@@ -132,12 +133,15 @@ def test_a_job_teaches_its_models_stage_seconds_and_the_next_eta_counts_them(sta
     assert finished(first["id"]).status == "succeeded"
     model = first["model"]
 
-    def all_four() -> dict[str, float] | None:
-        learned = stage_seconds()
-        return learned if all(f"{model}:{k}" in learned for k in ("lead-in", "hop", "boundary", "tail")) else None
+    stage_names = ("lead-in", "hop", "boundary", "step", "tail")
 
-    learned = wait_for(all_four, 30, what="the four stage seconds learned (boundaries off the critical path)")
+    def all_five() -> dict[str, float] | None:
+        learned = stage_seconds()
+        return learned if all(f"{model}:{k}" in learned for k in stage_names) else None
+
+    learned = wait_for(all_five, 30, what="the five stage seconds learned (boundaries off the critical path)")
     assert all(learned[f"{model}:{k}"] > 0 for k in ("lead-in", "hop", "boundary", "tail")), learned
+    assert learned[f"{model}:step"] >= 0, learned  # a simulated step past its sleep (0 if the machine kept up)
     with card_paused(stack):  # the next one is encoded and waits for the card: its ETA is its own and the stages
         second = submit(api, prompt="the second", width=512, height=512, steps=20).json()["id"]
         wait_for(lambda: job_row(second).stage == "waiting", 30, what="the second encoded and waiting")
@@ -152,7 +156,12 @@ def test_a_job_teaches_its_models_stage_seconds_and_the_next_eta_counts_them(sta
         eta, learned = wait_for(settled_eta, 30, what="an ETA on stage seconds that hold still")
     own = job.estimated_seconds * job.clock_scale
     chunks = math.ceil(job.total_steps / job.chunk_steps)
-    stages = learned[f"{model}:hop"] + chunks * learned[f"{model}:boundary"] + learned[f"{model}:tail"]
+    stages = (
+        learned[f"{model}:hop"]
+        + job.total_steps * learned[f"{model}:step"]
+        + chunks * learned[f"{model}:boundary"]
+        + learned[f"{model}:tail"]
+    )
     assert eta == pytest.approx(own + stages, abs=2e-3)  # encoded: no lead-in left; the card is free: no wait
     assert finished(second).status == "succeeded"
 
