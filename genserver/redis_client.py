@@ -27,7 +27,7 @@ LONG_CAP_KEY = "genserver:long-cap"  # the overload cap's state, written by beat
 AHEAD_KEY = "genserver:ahead:{job_id}"
 CUT_CLAIM_KEY = "genserver:cut:{message}"  # the card that cuts its chunk for a waiting message (one per message)
 # A job whose encode is published announces its first chunk here until the chunk is published ({job_id: "priority
-# time"} per denoise queue), so a card at a chunk boundary may hold for it (broker.hold_for_arriving); the card
+# time"} per denoise queue), so a card at a chunk boundary may hold for it (broker.should_yield); the card
 # that holds for it claims it (one per job).
 ARRIVING_KEY = "genserver:arriving:{queue}"
 ARRIVING_CLAIM_KEY = "genserver:arriving-claim:{job_id}"

@@ -53,12 +53,21 @@ def _send(task: TaskRoute, args: list[Any], priority: int | None = None, queue: 
     app.send_task(task.name, args=args, queue=queue or task.queue, **options)
 
 
+# An announcement no card read is deleted with its queue's hash this long after the last one (a card reading it
+# forgets an entry once it is older than the hold).
+_ANNOUNCED_SECONDS = 3600
+
+
 def send_encode(job_id: UUID, priority: int, chunk_queue: str = "") -> None:
     """The job's encode. With `chunk_queue`: first announce the chunk the encode will publish there at `priority`
-    (`hold_for_arriving`); the encode withdraws it once the chunk is published (`arrived`)."""
+    (`should_yield`); the encode withdraws it once the chunk is published (`arrived`)."""
     if chunk_queue:
+        key = ARRIVING_KEY.format(queue=chunk_queue)
         try:
-            redis_client().hset(ARRIVING_KEY.format(queue=chunk_queue), str(job_id), f"{priority} {time.time()}")
+            with redis_client().pipeline() as pipe:
+                pipe.hset(key, str(job_id), f"{priority} {time.time()}")
+                pipe.expire(key, _ANNOUNCED_SECONDS)  # the entries a card never read (an idle stack) go with it
+                pipe.execute()
         except redis.RedisError:  # only a card's hold at a boundary needs it; the job goes on without
             log.warning("could not announce the first chunk of job %s", job_id, exc_info=True)
     _send(ENCODE_TASK, [str(job_id)], priority)
