@@ -31,6 +31,7 @@ CUT_CLAIM_KEY = "genserver:cut:{message}"  # the card that cuts its chunk for a 
 # that holds for it claims it (one per job).
 ARRIVING_KEY = "genserver:arriving:{queue}"
 ARRIVING_CLAIM_KEY = "genserver:arriving-claim:{job_id}"
+ARRIVED_KEY = "genserver:arrived:{job_id}"  # pushed once the announced chunk is published: wakes the holding card
 
 
 @lru_cache(maxsize=1)

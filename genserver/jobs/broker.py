@@ -20,7 +20,14 @@ from uuid import UUID
 import redis
 
 from genserver.celery import app
-from genserver.redis_client import AHEAD_KEY, ARRIVING_CLAIM_KEY, ARRIVING_KEY, CUT_CLAIM_KEY, client as redis_client
+from genserver.redis_client import (
+    AHEAD_KEY,
+    ARRIVED_KEY,
+    ARRIVING_CLAIM_KEY,
+    ARRIVING_KEY,
+    CUT_CLAIM_KEY,
+    client as redis_client,
+)
 from genserver.scheduling.pools import CONTROL, DECODE, ENCODE, WEBHOOKS
 
 log = logging.getLogger(__name__)
@@ -53,6 +60,7 @@ def _send(task: TaskRoute, args: list[Any], priority: int | None = None, queue: 
     app.send_task(task.name, args=args, queue=queue or task.queue, **options)
 
 
+_ARRIVED_SECONDS = 10  # how long a published chunk's wake-up waits for a card that holds for it
 # An announcement no card read is deleted with its queue's hash this long after the last one (a card reading it
 # forgets an entry once it is older than the hold).
 _ANNOUNCED_SECONDS = 3600
@@ -82,8 +90,13 @@ def send_chunk(job_id: UUID, from_step: int, queue: str, priority: int) -> None:
 def arrived(job_id: UUID, queue: str) -> None:
     """The job's first chunk, announced by its encode, is published on `queue` (or the job left): a card that
     holds for it stops holding."""
+    arrived_key = ARRIVED_KEY.format(job_id=job_id)
     try:
-        redis_client().hdel(ARRIVING_KEY.format(queue=queue), str(job_id))
+        with redis_client().pipeline() as pipe:
+            pipe.hdel(ARRIVING_KEY.format(queue=queue), str(job_id))
+            pipe.lpush(arrived_key, 1)  # wakes the card that holds for it, if one does
+            pipe.expire(arrived_key, _ARRIVED_SECONDS)  # a hold lasts a fraction of a second
+            pipe.execute()
     except redis.RedisError:  # the announcement ages out after the hold
         log.warning("could not withdraw the announcement of job %s", job_id, exc_info=True)
 
@@ -201,25 +214,23 @@ def should_yield(queues: Sequence[str], priority: int, worker: str, hold: float)
 def _held_until_published(
     r: redis.Redis, queues: Sequence[str], priority: int, queue: str, job_id: str, until: float
 ) -> bool:
-    """Poll until the announced chunk is published (True if it waits for a card) or `until` passes."""
-    key = ARRIVING_KEY.format(queue=queue)
+    """Block (no polling: the card's process and Redis stay idle) until the announced chunk is published or `until`
+    passes; then whether a message this card would take first waits (False: another card already took it)."""
+    left = until - time.time()
+    if left <= 0:
+        return False
+    try:
+        r.blpop([ARRIVED_KEY.format(job_id=job_id)], timeout=left)  # a float timeout needs Redis 6
+    except redis.ResponseError:
+        log.warning("cannot hold for an arriving job: Redis %s takes no fractional timeout", queue, exc_info=True)
+        return False
     lists = [k for q in queues for k in queue_keys(q)[: priority + 1]]
-    while time.time() < until:
-        with r.pipeline() as pipe:
-            pipe.hexists(key, job_id)
-            for k in lists:
-                pipe.llen(k)
-            still_announced, *lengths = pipe.execute()
-        if any(int(n) for n in lengths):
-            return True
-        if not still_announced:
-            return False  # published and already taken by another card
-        time.sleep(_HOLD_POLL_SECONDS)
-    return False
+    with r.pipeline() as pipe:
+        for k in lists:
+            pipe.llen(k)
+        return any(int(n) for n in pipe.execute())
 
 
-# How often a card holding at a boundary looks for the announced chunk (a Redis round trip each).
-_HOLD_POLL_SECONDS = 0.002
 # How many of the next messages of a list a cut test reads: the ones a card would take next.
 _CUT_LOOKAHEAD = 4
 _CUT_CLAIM_SECONDS = 60  # a claim outlives any chunk's last step; the message is taken long before
