@@ -202,18 +202,16 @@ def should_yield(queues: Sequence[str], priority: int, worker: str, hold: float)
             if now - float(since) > hold:
                 stale.append((queue, raw_id))
             elif int(at_priority) < priority:
-                better.append((float(since), int(at_priority), queue, raw_id.decode()))
+                better.append((float(since), int(at_priority), raw_id.decode()))
     for queue, raw_id in stale:  # its chunk was never published (a cancel, a failed encode): forget it
         r.hdel(ARRIVING_KEY.format(queue=queue), raw_id)
-    for since, at_priority, queue, job_id in sorted(better):  # the first announced first
+    for since, at_priority, job_id in sorted(better):  # the first announced first
         if r.set(ARRIVING_CLAIM_KEY.format(job_id=job_id), worker, nx=True, ex=_CUT_CLAIM_SECONDS):
-            return _held_until_published(r, queues, at_priority, queue, job_id, since + hold)
+            return _held_until_published(r, queues, at_priority, job_id, since + hold)
     return False
 
 
-def _held_until_published(
-    r: redis.Redis, queues: Sequence[str], priority: int, queue: str, job_id: str, until: float
-) -> bool:
+def _held_until_published(r: redis.Redis, queues: Sequence[str], priority: int, job_id: str, until: float) -> bool:
     """Block (no polling: the card's process and Redis stay idle) until the announced chunk is published or `until`
     passes; then whether a message this card would take first waits (False: another card already took it)."""
     left = until - time.time()
@@ -222,7 +220,7 @@ def _held_until_published(
     try:
         r.blpop([ARRIVED_KEY.format(job_id=job_id)], timeout=left)  # a float timeout needs Redis 6
     except redis.ResponseError:
-        log.warning("cannot hold for an arriving job: Redis %s takes no fractional timeout", queue, exc_info=True)
+        log.warning("cannot hold for an arriving job: a Redis before 6 takes no fractional timeout", exc_info=True)
         return False
     lists = [k for q in queues for k in queue_keys(q)[: priority + 1]]
     with r.pipeline() as pipe:
