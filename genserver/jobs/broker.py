@@ -186,7 +186,7 @@ def should_yield(queues: Sequence[str], priority: int, worker: str, hold: float)
     card holds per job (the first to claim it); the hold ends early when the chunk is published and another card
     took it."""
     r = redis_client()
-    lists = [key for queue in queues for key in queue_keys(queue)[: priority + 1]]
+    lists = _lists_at_or_before(queues, priority)
     with r.pipeline() as pipe:
         for key in lists:
             pipe.llen(key)
@@ -203,8 +203,11 @@ def should_yield(queues: Sequence[str], priority: int, worker: str, hold: float)
                 stale.append((queue, raw_id))
             elif int(at_priority) < priority:
                 better.append((float(since), int(at_priority), raw_id.decode()))
-    for queue, raw_id in stale:  # its chunk was never published (a cancel, a failed encode): forget it
-        r.hdel(ARRIVING_KEY.format(queue=queue), raw_id)
+    if stale:  # their chunks were never published (a cancel, a failed encode): forget them
+        with r.pipeline() as pipe:
+            for queue, raw_id in stale:
+                pipe.hdel(ARRIVING_KEY.format(queue=queue), raw_id)
+            pipe.execute()
     for since, at_priority, job_id in sorted(better):  # the first announced first
         if r.set(ARRIVING_CLAIM_KEY.format(job_id=job_id), worker, nx=True, ex=_CUT_CLAIM_SECONDS):
             return _held_until_published(r, queues, at_priority, job_id, since + hold)
@@ -222,11 +225,15 @@ def _held_until_published(r: redis.Redis, queues: Sequence[str], priority: int, 
     except redis.ResponseError:
         log.warning("cannot hold for an arriving job: a Redis before 6 takes no fractional timeout", exc_info=True)
         return False
-    lists = [k for q in queues for k in queue_keys(q)[: priority + 1]]
     with r.pipeline() as pipe:
-        for k in lists:
-            pipe.llen(k)
+        for key in _lists_at_or_before(queues, priority):
+            pipe.llen(key)
         return any(int(n) for n in pipe.execute())
+
+
+def _lists_at_or_before(queues: Sequence[str], priority: int) -> list[str]:
+    """The Redis lists of `queues` that a worker pops at `priority` or before (kombu's layout)."""
+    return [key for queue in queues for key in queue_keys(queue)[: priority + 1]]
 
 
 # How many of the next messages of a list a cut test reads: the ones a card would take next.
