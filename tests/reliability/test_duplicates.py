@@ -45,10 +45,11 @@ def test_every_message_published_twice_runs_each_chunk_once(stack, make_user):
     from tasks.encode import encode
 
     api = make_user("dup")
-    job_id = submit(api, **VIDEO).json()["id"]  # one output: wan-sim's max_batch
+    # 60 steps: several chunks, so the twin meets the job between boundaries more than once.
+    job_id = submit(api, **(VIDEO | {"steps": 60})).json()["id"]  # one output: wan-sim's max_batch
     stop = threading.Event()
     outcomes: list[str] = []
-    published = [0]
+    published: list[str] = []  # the stage of each duplicate the twin published
 
     def duplicate() -> None:
         try:
@@ -65,7 +66,7 @@ def test_every_message_published_twice_runs_each_chunk_once(stack, make_user):
                 elif job.status == JobStatus.DECODING:
                     broker.send_decode(job.pk, job.priority)
                     outcomes.append(decode.apply(args=[job_id]).get())
-                published[0] += 1
+                published.append(job.status)
                 time.sleep(0.01)
         finally:
             connection.close()
@@ -76,7 +77,8 @@ def test_every_message_published_twice_runs_each_chunk_once(stack, make_user):
     stop.set()
     twin.join()
     assert job.status == "succeeded", job.error
-    assert published[0] >= 5 and "skipped" in outcomes, (published, outcomes)
+    # What was duplicated, not how often: the count of rounds depends on how fast this run's job went.
+    assert JobStatus.DENOISING in published and "skipped" in outcomes, (published, outcomes)
     job = job_row(job_id)
     settled(["encode", job.queue, "decode"])  # the duplicates left in the broker ran (and found it finished)
     assert_each_chunk_and_decode_once(job_row(job_id))
