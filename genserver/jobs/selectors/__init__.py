@@ -39,7 +39,6 @@ from .positions import (
 from .quotas import (
     EffectiveQuota,
     Usage,
-    charged_card_seconds,
     effective_quota,
     in_flight_jobs,
     next_utc_midnight,
@@ -73,7 +72,6 @@ __all__ = [
     "capacity",
     "capacity_of",
     "cards_running_long",
-    "charged_card_seconds",
     "effective_quota",
     "headwind_for",
     "held_rows",

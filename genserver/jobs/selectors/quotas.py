@@ -7,11 +7,13 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from django.conf import settings
-from django.db.models import Count, F, Min, Q, QuerySet, Sum
+from django.db import connections
+from django.db.models import Q, QuerySet
 from django.utils import timezone
+from django.utils.dateparse import parse_datetime
 
 from genserver import deployment
-from genserver.jobs.models import ACTIVE, Job
+from genserver.jobs.models import ACTIVE, TERMINAL, Job
 
 
 # --- Quotas (issue 17): a user's effective quota and their usage of it -----------------------------
@@ -122,16 +124,6 @@ class Usage:
         return next_utc_midnight(self.now)
 
 
-def charged_card_seconds() -> Any:
-    """A job's charge against the daily quota, as an expression: its measured card time once it ended
-    (the same moment as its status changes, before `quotas.settle` writes it down), else its estimate."""
-    from django.db.models import Case, When
-
-    from genserver.jobs.models import TERMINAL
-
-    return Case(When(status__in=TERMINAL, then=F("card_seconds")), default=F("charged_card_seconds"))
-
-
 def in_flight_jobs(user: Any) -> QuerySet[Job]:
     """The user's jobs that count against their jobs-in-flight limit (a cancel asked no longer counts)."""
     return Job.objects.filter(owner_id=user.pk, status__in=ACTIVE, cancel_requested=False)
@@ -144,23 +136,61 @@ def usage_of(user: Any, now: datetime | None = None) -> Usage:
     window = settings.SUBMIT_RATE_WINDOW
     window_start = now - timedelta(seconds=window)
     day_start = next_utc_midnight(now) - timedelta(days=1)
-    in_flight = Q(status__in=ACTIVE, cancel_requested=False)  # as in_flight_jobs
-    in_window, today = Q(created_at__gte=window_start), Q(created_at__gte=day_start)
-    # One statement over the owner's rows that any of the three counts reads (every submit runs it).
-    totals = Job.objects.filter(Q(owner_id=user.pk) & (in_flight | in_window | today)).aggregate(
-        in_flight=Count("id", filter=in_flight),
-        submits=Count("id", filter=in_window),
-        oldest=Min("created_at", filter=in_window),
-        charged=Sum(charged_card_seconds(), filter=today),
-    )
+    in_flight, submits, oldest, charged = _usage_row(user.pk, window_start, day_start)
     return Usage(
         now=now,
-        in_flight=totals["in_flight"],
-        submits_in_window=totals["submits"],
-        oldest_submit_in_window=totals["oldest"],
+        in_flight=in_flight,
+        submits_in_window=submits,
+        oldest_submit_in_window=oldest,
         window_seconds=window,
-        card_seconds_today=float(totals["charged"] or 0.0),
+        card_seconds_today=charged,
     )
+
+
+def _usage_row(owner_id: Any, window_start: datetime, day_start: datetime) -> tuple[int, int, datetime | None, float]:
+    """(in flight, submits since `window_start`, the oldest of them, charged since `day_start`) of one owner:
+    one statement over the owner's rows that any of the three counts reads.
+
+    Written as SQL rather than as the ORM's `aggregate()` (Count/Min/Sum with filters, a Case for the charge):
+    every submit runs it, and building that aggregate took the ORM about 5 ms of Python per submit, ten times
+    what the database spends on it. It means what `in_flight_jobs` and `charged_card_seconds` say: a job in
+    flight is active without a cancel asked; an ended job is charged its measured card time, else its estimate.
+    """
+    connection = connections[Job.objects.db]
+    table, column = connection.ops.quote_name(Job._meta.db_table), _columns(connection)
+    active = ", ".join(["%s"] * len(ACTIVE))
+    terminal = ", ".join(["%s"] * len(TERMINAL))
+    in_flight = f"{column['status']} IN ({active}) AND NOT {column['cancel_requested']}"
+    in_window = f"{column['created_at']} >= %s"
+    today = f"{column['created_at']} >= %s"
+    measured, estimated = column["card_seconds"], column["charged_card_seconds"]
+    charge = f"CASE WHEN {column['status']} IN ({terminal}) THEN {measured} ELSE {estimated} END"
+    sql = (
+        f"SELECT COUNT(*) FILTER (WHERE {in_flight}), COUNT(*) FILTER (WHERE {in_window}), "
+        f"MIN({column['created_at']}) FILTER (WHERE {in_window}), SUM({charge}) FILTER (WHERE {today}) "
+        f"FROM {table} WHERE {column['owner']} = %s AND ({in_flight} OR {in_window} OR {today})"
+    )
+    at = connection.ops.adapt_datetimefield_value
+    window, day = at(window_start), at(day_start)
+    params = [*ACTIVE, window, window, *TERMINAL, day, owner_id, *ACTIVE, window, day]
+    with connection.cursor() as cursor:
+        cursor.execute(sql, params)
+        in_flight_count, submits, oldest, charged = cursor.fetchone()
+    return int(in_flight_count), int(submits), _datetime_read(oldest), float(charged or 0.0)
+
+
+def _columns(connection: Any) -> dict[str, str]:
+    quote = connection.ops.quote_name
+    names = ("status", "cancel_requested", "created_at", "card_seconds", "charged_card_seconds", "owner")
+    return {name: quote(Job._meta.get_field(name).column) for name in names}
+
+
+def _datetime_read(value: Any) -> datetime | None:
+    """A datetime column read by hand: PostgreSQL gives an aware datetime, SQLite the UTC text Django wrote."""
+    if value is None or isinstance(value, datetime):
+        return value
+    parsed = parse_datetime(value)
+    return parsed if parsed is None or parsed.tzinfo else parsed.replace(tzinfo=UTC)
 
 
 def _limit(limit: float, used: float, resets_at: datetime | None) -> dict[str, Any]:
