@@ -50,6 +50,33 @@ class LiveStack:
         except urllib.error.HTTPError as err:
             return err.code, json.loads(err.read() or b"null"), dict(err.headers)
 
+    def api_worker_pids(self) -> list[int]:
+        """The gunicorn workers under the stack's process: the children of its gunicorn master."""
+
+        def children(pid: int) -> list[int]:
+            out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout
+            return [int(p) for p in out.split()]
+
+        def cmdline(pid: int) -> str:
+            try:
+                return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+            except OSError:
+                return ""
+
+        masters = [p for p in children(self.process.pid) if "gunicorn" in cmdline(p)]
+        return [w for m in masters for w in children(m)]
+
+    def api_cpu_seconds(self) -> float:
+        """The CPU time (user + system) the API's workers have used so far, all of them together (Linux /proc)."""
+        total = 0
+        for pid in self.api_worker_pids():
+            try:
+                fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue  # a worker that was just replaced
+            total += int(fields[11]) + int(fields[12])  # utime, stime (after the command's closing paren)
+        return total / os.sysconf("SC_CLK_TCK")
+
     def all_jobs(self) -> list[dict]:
         jobs, offset = [], 0
         while True:

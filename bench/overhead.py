@@ -16,7 +16,8 @@ Starts the real stack (simulated backend, 4 CPU "cards") and measures, in one ru
    and the workers' own timing of those boundaries (`genserver_chunk_boundary_seconds`,
    scraped from /metrics: the share at or under each bucket, so the P50's bracket);
 4. the API's submit throughput and latency under concurrent clients: with the workers running the jobs
-   beside it on the same cores, and again with every worker paused (the API alone).
+   beside it on the same cores, and again with every worker paused (the API alone), with the CPU time its
+   gunicorn workers spent per submit in that second run (what bounds the throughput on these cores).
 
     python -m bench.overhead --tiny-boundaries     # instead: the workers' chunk boundaries on the tiny models
 
@@ -222,7 +223,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         shares = boundary_shares(stack, "seed-video")
         latencies, codes, throughput = submit_load(stack, args.clients, args.requests)
         with workers_paused():
+            cpu = stack.api_cpu_seconds()
             alone, alone_codes, alone_throughput = submit_load(stack, args.clients, args.requests)
+            api_cpu = (stack.api_cpu_seconds() - cpu) / args.requests
     print(f"bare Celery round trip     P50 {ms(bare, 0.5)}  P99 {ms(bare, 0.99)}  (n={len(bare)})")
     for name, dispatch in (("miss", miss), ("hit", hit)):
         print(
@@ -238,6 +241,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(
         f"  the same, workers paused P50 {ms(alone, 0.5)}  P99 {ms(alone, 0.99)}  "
         f"{alone_throughput:.0f} req/s  codes {alone_codes}  (the API alone: no job runs beside the submits)"
+    )
+    cores = os.cpu_count() or 1
+    print(
+        f"  the API's CPU per submit {api_cpu * 1000:6.1f} ms  (its workers, paused run: {cores} cores would serve"
+        f" at most {cores / api_cpu:.0f} req/s with nothing else running)"
     )
     print(
         f"(mean bare {statistics.mean(bare) * 1000:.1f} ms, mean dispatch on a miss"

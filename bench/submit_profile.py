@@ -26,23 +26,6 @@ from bench.overhead import ms, stack_env, submit_load, workers_paused
 from genserver.scheduling.simulator import pct
 
 
-def api_worker_pids(stack_pid: int) -> list[int]:
-    """The gunicorn workers under the stack's process: the children of its gunicorn master."""
-
-    def children(pid: int) -> list[int]:
-        out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout
-        return [int(p) for p in out.split()]
-
-    def cmdline(pid: int) -> str:
-        try:
-            return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
-        except OSError:
-            return ""
-
-    masters = [p for p in children(stack_pid) if "gunicorn" in cmdline(p)]
-    return [w for m in masters for w in children(m)]
-
-
 def py_spy() -> str:
     found = shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy"))
     if not Path(found).exists():
@@ -83,7 +66,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     out_dir = Path(tempfile.mkdtemp(prefix="genserver-profile-"))
     with live_stack(stack_env()) as stack, contextlib.ExitStack() as logs:
         submit_load(stack, args.clients, 40)  # warm: connections, imports, first queries
-        pids = api_worker_pids(stack.process.pid)
+        pids = stack.api_worker_pids()
         spies = [
             subprocess.Popen(
                 [
