@@ -6,15 +6,17 @@ next step (`cut_short`: one card per waiting message); the chunk then ends as a
 planned one does.
 
 At each chunk boundary the worker yields its card only when it has to: if a
-message it would take before this job's continuation is waiting on its
-queues (shorter work, or an earlier message at the same priority), or is
-about to be (a better job in its encode, which announced its first chunk:
-the card holds up to GENSERVER_BOUNDARY_HOLD for it), it
-re-publishes the continuation and returns to the broker; otherwise it runs
-the next chunk in-process from the state in memory, skipping the broker hop
-and the checkpoint restore. The order of work is the same as re-publishing
-every chunk; the checkpoint is still written at every boundary, so a crash
-loses at most one chunk. A task never runs past half the visibility timeout.
+message it would take before this job's continuation is waiting on its queues
+(shorter work, or an earlier message at the same priority in the short class,
+where new jobs share it; not another started video's, which a swap would only
+pay a restore for), or is about to be (a better job in its encode, which
+announced its first chunk: the card holds up to GENSERVER_BOUNDARY_HOLD for
+it), it re-publishes the continuation and returns to the broker; otherwise it
+runs the next chunk in-process from the state in memory, skipping the broker hop
+and the checkpoint restore. The order of work is that of re-publishing every
+chunk, less the swaps between started jobs of equal priority; the checkpoint
+is still written at every boundary, so a crash loses at most one chunk. A task
+never runs past half the visibility timeout.
 
 Merged work: when the job's model allows it (the registry's `max_merge`), the
 task also takes other jobs waiting with the same shape at the same step and
@@ -40,7 +42,7 @@ from genserver.jobs.models import Job
 from genserver.jobs.services import Outcome
 from genserver.metrics import count_merged_batch
 from genserver.redis_client import BOUNDARY, CANCEL_KEY, HOP, STEPS_KEY, client as redis_client
-from genserver.scheduling.classes import CLASSES, LONG, priority_for
+from genserver.scheduling.classes import CLASSES, LONG, priority_for, yields_to_equal_priority
 from genserver.scheduling.fairness import CUT_AFTER_SECONDS
 from genserver.scheduling.pools import class_of
 from workers import long_cap
@@ -163,7 +165,10 @@ def _denoise(members: list[_Member], worker: str, hop_from: float | None = None)
         if class_of(lead.queue) == LONG and selectors.must_leave_long(worker):
             return False  # the overload cap: this card yields its long job (and takes no more for now)
         queues = _consumed_queues(lead.queue)
-        return not broker.should_yield(queues, continuation_at(step), worker, settings.BOUNDARY_HOLD_SECONDS)
+        at_equal = yields_to_equal_priority(lead.duration_class)  # not to another started video: a swap costs
+        return not broker.should_yield(
+            queues, continuation_at(step), worker, settings.BOUNDARY_HOLD_SECONDS, at_equal=at_equal
+        )
 
     def continuation_at(step: int) -> int:
         """The priority the lead's next chunk would be published at from `step` (global over its segments)."""

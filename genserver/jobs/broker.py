@@ -177,16 +177,16 @@ def broker_job_ids(queues: Iterable[str]) -> set[str]:
     return found
 
 
-def should_yield(queues: Sequence[str], priority: int, worker: str, hold: float) -> bool:
+def should_yield(queues: Sequence[str], priority: int, worker: str, hold: float, *, at_equal: bool = True) -> bool:
     """A card's yield test at a chunk boundary, in one round trip when it keeps its job (the common case): whether
-    a message it would take before the running job's continuation (at `priority` or better) waits on `queues`,
-    or is about to: a better job (at a priority better than `priority`) announced by its encode message less than
-    `hold` seconds ago (`send_encode`), whose first chunk was published while this card held for it. A video's
-    step lasts seconds and an encode milliseconds, so the card yields to it rather than start another chunk. One
-    card holds per job (the first to claim it); the hold ends early when the chunk is published and another card
-    took it."""
+    a message it would take before the running job's continuation (at `priority` or better; better only without
+    `at_equal`, classes.yields_to_equal_priority) waits on `queues`, or is about to: a better job (at a priority
+    better than `priority`) announced by its encode message less than `hold` seconds ago (`send_encode`), whose
+    first chunk was published while this card held for it. A video's step lasts seconds and an encode
+    milliseconds, so the card yields to it rather than start another chunk. One card holds per job (the first to
+    claim it); the hold ends early when the chunk is published and another card took it."""
     r = redis_client()
-    lists = _lists_at_or_before(queues, priority)
+    lists = _lists_at_or_before(queues, priority if at_equal else priority - 1)
     with r.pipeline() as pipe:
         for key in lists:
             pipe.llen(key)

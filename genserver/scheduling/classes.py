@@ -79,6 +79,21 @@ def priority_for(duration_class: str, remaining_seconds: float, started: bool, t
     raise ValueError(f"unknown duration class {duration_class!r}; known: {CLASSES}")
 
 
+def yields_to_equal_priority(duration_class: str) -> bool:
+    """Whether a started job at a chunk boundary yields its card to a message waiting at its own
+    continuation's priority (first come, first served among equals), or only to better priorities.
+
+    In the short band new jobs share the continuations' priorities (by expected remaining time), so a new
+    image waiting there goes first. In the medium and long bands a continuation's priority is the started
+    jobs' own (4, 6): what waits there is another started job's continuation, and swapping two started jobs
+    gains neither anything while each swap pays a checkpoint restore, and cascades: the card that takes
+    the waiting job leaves its own waiting, which the next card at a boundary takes in turn.
+    """
+    if duration_class not in CLASSES:
+        raise ValueError(f"unknown duration class {duration_class!r}; known: {CLASSES}")
+    return duration_class == SHORT
+
+
 BANDS: dict[str, tuple[int, int]] = {SHORT: (0, 3), MEDIUM: (4, 5), LONG: (6, 8)}
 
 

@@ -1,6 +1,6 @@
-"""A card at a chunk boundary holds for a better job whose encode is under way (broker.should_yield), so an
-image that arrives while every card is mid-video waits for its encode, not for a video's next step (real Redis
-and the real broker; the database of the API's submit)."""
+"""A card at a chunk boundary yields to better work waiting (broker.should_yield), and holds for a better job whose
+encode is under way, so that an image arriving while every card is mid-video waits for its encode, not for a
+video's next step (real Redis and the real broker; the database of the API's submit)."""
 
 from __future__ import annotations
 
@@ -90,3 +90,13 @@ def test_no_hold_for_work_that_is_not_better_stale_or_on_another_queue_or_when_o
     assert stale not in announced("short")  # forgotten
     _announce("short", priority=1)
     assert not broker.should_yield(["short", "long"], 6, "card0@test", 0.0)  # GENSERVER_BOUNDARY_HOLD=0: off
+
+
+def test_a_started_video_yields_to_better_work_and_not_to_another_started_video():
+    broker.send_chunk(str(uuid4()), 7, "long", 6)  # another video's continuation, at this one's priority
+    assert broker.should_yield(["short", "long"], 6, "card0@test", 0.0)  # first come, first served (the short class)
+    assert not broker.should_yield(["short", "long"], 6, "card0@test", 0.0, at_equal=False)  # a swap: no
+    broker.send_chunk(str(uuid4()), 0, "short", 2)  # an image
+    assert broker.should_yield(["short", "long"], 6, "card0@test", 0.0, at_equal=False)
+    assert not broker.should_yield(["long"], 6, "card0@test", 0.0, at_equal=False)  # a card that takes no images
+    assert not broker.should_yield(["short"], 0, "card0@test", 0.0, at_equal=False)  # nothing is better than 0

@@ -12,6 +12,7 @@ import pytest
 
 from genserver.scheduling import simulator
 from genserver.scheduling.admission import AdmissionLimits, Decision
+from genserver.scheduling.classes import LONG, MEDIUM, SHORT, yields_to_equal_priority
 from genserver.scheduling.pools import default_layout
 from genserver.scheduling.simulator import (
     IMAGE,
@@ -76,7 +77,10 @@ def test_seed_workload_is_the_chapters():
 
 # --------------------------------------------------------------------------- mechanics, by hand
 
-ONE_CARD = dict(layout=mixed_layout(1, 0), chunk_seconds=4.0, checkpoint_seconds=0.2, switch_seconds=0.5, limits=None)
+# cache_gib=0: one model at a time, so every change of model is a switch (a card with no room for two).
+ONE_CARD = dict(
+    layout=mixed_layout(1, 0), chunk_seconds=4.0, checkpoint_seconds=0.2, switch_seconds=0.5, cache_gib=0.0, limits=None
+)
 
 
 def _by_arrival(result: SimResult, kind: str) -> list[tuple[float, float]]:
@@ -106,6 +110,34 @@ def test_yield_on_demand_pays_checkpoints_only_when_preempted():
     assert (r.republished, r.in_process) == (1, 48)
     alone = simulate([Request(0.0, VIDEO, 300.0)], SimConfig(**ONE_CARD, yield_on_demand=True, in_process_seconds=0.0))
     assert alone.classes[VIDEO].delays == [pytest.approx(0.0)]
+
+
+def test_a_model_the_cards_cache_holds_costs_no_switch():
+    reqs = [Request(0.0, VIDEO, 120.0), Request(1.0, IMAGE, 3.0), Request(10.0, IMAGE, 3.0)]
+    held = simulate(reqs, SimConfig(**{**ONE_CARD, "cache_gib": 40.0}, yield_on_demand=True, in_process_seconds=0.0))
+    # SDXL (4.78 GiB) loads once beside Wan (26.67 GiB); back to Wan and to SDXL again are free.
+    assert held.switches == 1
+    [(first_wait, _), (second_wait, _)] = _by_arrival(held, IMAGE)
+    assert first_wait == pytest.approx(2.4 + 0.5 - 1.0)  # the load
+    [(_, vid_delay)] = _by_arrival(held, VIDEO)
+    assert vid_delay == pytest.approx(2 * 3.0 + 0.5 + 2 * 0.2)  # two images, one load, two restores
+    # A budget under both (20 GiB < 31.45 GiB): the latest model only, every change a load.
+    small = simulate(reqs, SimConfig(**{**ONE_CARD, "cache_gib": 20.0}, yield_on_demand=True, in_process_seconds=0.0))
+    assert small.switches == 4
+    assert small.classes[VIDEO].delays[0] == pytest.approx(vid_delay + 3 * 0.5)
+
+
+def test_a_started_video_does_not_swap_cards_with_another_started_video():
+    # Two cards in videos; an image takes card 0 at its first boundary, and video A's continuation waits.
+    # Card 1 at its boundaries keeps video B (a swap would only pay a restore: both are started); A resumes on
+    # card 0 after the image. The short class keeps first come, first served among equals (new jobs share it).
+    reqs = [Request(0.0, VIDEO, 120.0), Request(0.0, VIDEO, 120.0), Request(1.0, IMAGE, 3.0)]
+    cfg = SimConfig(**{**ONE_CARD, "layout": mixed_layout(2, 0)}, yield_on_demand=True, in_process_seconds=0.0)
+    r = simulate(reqs, cfg)
+    assert r.republished == 1  # A, for the image; no swap
+    assert sorted(r.classes[VIDEO].delays) == [pytest.approx(0.0), pytest.approx(3.0 + 2 * 0.5 + 0.2)]
+    assert not yields_to_equal_priority(LONG) and not yields_to_equal_priority(MEDIUM)
+    assert yields_to_equal_priority(SHORT)
 
 
 def test_started_video_finishes_before_a_new_one_starts():
@@ -169,10 +201,11 @@ def test_images_p99_within_six_tenths_of_pools(policy, rate, metric):
     assert r.classes[IMAGE].refused == 0 and r.classes[VIDEO].refused == 0
 
 
-# What the videos actually get (seed 0): ours 1.19-1.27 × FCFS' P99 on the wait, 1.28-1.31 × on the delay;
-# with yield on demand 1.11-1.16 × and 1.18-1.19 ×. Even with no overhead it is 1.05-1.07 × and 1.10 ×:
-# giving images priority costs the backlogged videos the image work that arrives while they wait.
-ACHIEVED_VIDEO_FACTOR = {"ours": 1.35, "ours+yod": 1.2}
+# What the videos actually get (seed 0): ours 1.17-1.22 × FCFS' P99 on the wait, 1.24-1.26 × on the delay;
+# with yield on demand (as the service runs) 1.07-1.10 × and 1.11-1.13 ×. Even with no overhead it is
+# 1.06-1.07 × and 1.11-1.14 ×: giving images priority costs the backlogged videos the image work that
+# arrives while they wait. Over 20 seeds the medians are within 1.1 × (docs/BENCHMARKS.md).
+ACHIEVED_VIDEO_FACTOR = {"ours": 1.3, "ours+yod": 1.15}
 
 
 @pytest.mark.parametrize("policy", POLICIES)
@@ -187,14 +220,27 @@ def test_videos_p99_as_achieved(policy, rate, metric):
     assert p99 <= 0.75 * pools  # far better than the pools that protect images as well
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="target missed: videos P99 is 1.11-1.31 × FCFS' with the modelled "
-    "costs (docs/BENCHMARKS.md); strict, so meeting it shows up here",
-)
-@pytest.mark.parametrize("policy", POLICIES)
-@pytest.mark.parametrize("rate", [0.06, 0.08])
-@pytest.mark.parametrize("metric", ["wait", "delay"])
+def _missed_on_seed_0(reason: str):
+    return pytest.mark.xfail(
+        strict=True,
+        reason=f"target missed on seed 0: {reason} (docs/BENCHMARKS.md); strict, so meeting it shows up here",
+    )
+
+
+VIDEO_TARGET_CASES = [
+    pytest.param("ours+yod", 0.06, "wait"),
+    pytest.param("ours+yod", 0.06, "delay", marks=_missed_on_seed_0("1.106 × FCFS' P99")),
+    pytest.param("ours+yod", 0.08, "wait", marks=_missed_on_seed_0("1.103 × FCFS' P99")),
+    pytest.param("ours+yod", 0.08, "delay", marks=_missed_on_seed_0("1.132 × FCFS' P99")),
+    *(
+        pytest.param("ours", rate, metric, marks=_missed_on_seed_0("1.17-1.26 × without yield on demand"))
+        for rate in (0.06, 0.08)
+        for metric in ("wait", "delay")
+    ),
+]
+
+
+@pytest.mark.parametrize("policy, rate, metric", VIDEO_TARGET_CASES)
 def test_videos_p99_within_eleven_tenths_of_fcfs(policy, rate, metric):
     assert run(policy, rate).classes[VIDEO].p(metric, 0.99) <= bounds(rate)[1]
 
@@ -220,20 +266,19 @@ def test_overload_accepted_videos_start_within_their_limit_on_twenty_workloads()
     assert max(latest) <= AdmissionLimits().long, latest
 
 
-@pytest.mark.parametrize("policy, factor", [("ours", 1.01), ("ours+yod", 1.25)])
-def test_overload_images_p99_as_achieved(policy, factor):
-    for metric in ("wait", "delay"):
-        assert run(policy, 0.12).classes[IMAGE].p(metric, 0.99) <= factor * run(policy, 0.06).classes[IMAGE].p(
-            metric, 0.99
-        )
-
-
-@pytest.mark.xfail(
-    strict=True,
-    reason="target missed on seed 0: ours is equal on the wait but 0.02 s worse on "
-    "the delay; yield-on-demand 0.8 s worse (docs/BENCHMARKS.md)",
+# Seed 0, images P99 wait/delay: ours 3.02/3.63 s at 0.12 against 3.10/3.10 s at 0.06 (a video's chunk
+# boundary that an image waits for); with yield on demand 2.81/2.87 against 3.13/3.58.
+@pytest.mark.parametrize(
+    "policy",
+    ["ours+yod", pytest.param("ours", marks=_missed_on_seed_0("ours's delay 3.63 s against 3.10 s at 0.06"))],
 )
-@pytest.mark.parametrize("policy", POLICIES)
 def test_overload_images_p99_no_worse_than_at_006(policy):
     for metric in ("wait", "delay"):
         assert run(policy, 0.12).classes[IMAGE].p(metric, 0.99) <= run(policy, 0.06).classes[IMAGE].p(metric, 0.99)
+
+
+def test_overload_images_p99_as_achieved_without_yield_on_demand():
+    for metric in ("wait", "delay"):
+        assert run("ours", 0.12).classes[IMAGE].p(metric, 0.99) <= 1.2 * run("ours", 0.06).classes[IMAGE].p(
+            metric, 0.99
+        )

@@ -20,8 +20,9 @@ public name is importable from `genserver.scheduling.simulator`):
   message, as Redis serves BRPOP clients), runs one chunk, re-publishes the
   job's next chunk with `priority_for(..., started=True)` and goes back to the
   broker (chunk-level preemption). It charges a checkpoint save + restore at
-  every chunk boundary and a model switch whenever a card runs a chunk of
-  another model than its previous chunk's. A worker with k devices is a card
+  every chunk boundary and a model switch whenever a card runs a chunk of a
+  model its model cache does not hold (a budget in GiB, least recently used
+  out first, as the worker's cache). A worker with k devices is a card
   group (sequence parallelism): it runs one job at a time, `group_speedup(k)`
   times faster than one card (a step of S single-card seconds takes S /
   speedup there).
@@ -57,6 +58,8 @@ from .groups import (
 from .seed import SEED_POLICIES, SeedPolicy, seed_simulate, seed_waits
 from .service_policy import (
     DEFAULT_CHECKPOINT_SECONDS,
+    DEFAULT_MODEL_CACHE_GIB,
+    DEFAULT_MODEL_GIB,
     DEFAULT_SWITCH_SECONDS,
     OVERLOAD_ENGAGE_SHARE,
     SimConfig,
@@ -97,6 +100,8 @@ __all__ = [
     "simulate_rate",
     "DEFAULT_CHECKPOINT_SECONDS",
     "DEFAULT_SWITCH_SECONDS",
+    "DEFAULT_MODEL_CACHE_GIB",
+    "DEFAULT_MODEL_GIB",
     "SEED_VIDEO_SECONDS",
     "GroupRow",
     "group_table",

@@ -13,14 +13,14 @@ from __future__ import annotations
 
 import heapq
 import math
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
 from ..admission import CALM, AdmissionLimits, Headwind, WorkItem, decide, expected_wait, headwind
 from ..chunking import steps_per_chunk
-from ..classes import CLASSES, LONG, priority_for
+from ..classes import CLASSES, LONG, priority_for, yields_to_equal_priority
 from ..fairness import FairWindow, ahead_priority, next_held, release_key
 from ..overload import capped_layout
 from ..pools import PoolLayout, class_of, group_speedup
@@ -63,7 +63,7 @@ class _Card:
     busy_until: float = 0.0
     job: _Job | None = None  # None: idle, blocked on the broker
     chunk_steps: int = 0
-    last_model: str | None = None
+    resident: OrderedDict[str, float] = field(default_factory=OrderedDict)  # model → GiB, least recently used first
     busy_seconds: float = 0.0
     speedup: float = 1.0  # a group of k cards: group_speedup(k)
     steps_from: float = 0.0  # when the running chunk's first step begins (after its restore or switch)
@@ -139,8 +139,14 @@ class _Broker:
 
     def ahead_of(self, queues: Sequence[str], job: _Job, long_blocked: bool) -> bool:
         """Whether the worker would take a waiting message before `job` re-published now
-        (FIFO: a message already waiting in the same list is ahead of it)."""
-        before = (job.priority, queues.index(job.queue))
+        (FIFO: a message already waiting in the same list is ahead of it), counting a message at the
+        job's own priority only where `yields_to_equal_priority` says (the denoise task's yield test)."""
+        if yields_to_equal_priority(job.duration_class):
+            before = (job.priority, queues.index(job.queue))
+        elif job.priority == 0:
+            return False
+        else:
+            before = (job.priority - 1, len(queues))  # every queue, strictly better priorities
         return self._first(queues, long_blocked, before) is not None
 
 
@@ -229,7 +235,7 @@ class _Simulation:
         step_seconds = job.step_seconds / card.speedup  # wall seconds of one step on this card (group)
         k = min(steps_per_chunk(cfg.chunk_seconds, step_seconds), job.steps - job.steps_done)
         overhead = 0.0
-        if card.last_model is not None and card.last_model != job.model:
+        if self._load(card, job.model):
             overhead += cfg.switch_seconds
             self.switches += 1
         if job.steps_done > 0 and not in_process:
@@ -242,7 +248,7 @@ class _Simulation:
                 self._release(job.fair_key)
         last = job.steps_done + k >= job.steps
         duration = overhead + k * step_seconds + (0.0 if last else self.save_seconds)
-        card.job, card.chunk_steps, card.last_model = job, k, job.model
+        card.job, card.chunk_steps = job, k
         card.steps_from, card.step_wall, card.cut = now + overhead, step_seconds, False
         card.busy_until = now + duration
         card.busy_seconds += duration
@@ -250,6 +256,19 @@ class _Simulation:
             self.max_long = max(self.max_long, self._running_long())
         heapq.heappush(self.events, (card.busy_until, 0, self.seq, card.index))
         self.seq += 1
+
+    def _load(self, card: _Card, model: str) -> bool:
+        """Make `model` the card's most recently used one; whether that costs a switch (it was not
+        resident, and the card had run something before: its first model is warm)."""
+        cached = card.resident
+        if model in cached:
+            cached.move_to_end(model)
+            return False
+        switch = bool(cached)
+        cached[model] = self.cfg.model_gib.get(model, math.inf)
+        while len(cached) > 1 and sum(cached.values()) > self.cfg.cache_gib:
+            cached.popitem(last=False)  # least recently used out; the model just loaded stays
+        return switch
 
     def _dispatch(self, now: float) -> None:
         """Idle workers pop, the one blocked longest first (Redis serves BRPOP clients FIFO)."""

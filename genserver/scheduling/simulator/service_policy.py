@@ -18,11 +18,17 @@ from .workload import DEFAULT_MODELS, DEFAULT_STEPS
 # 16×21×60×104 fp32 plus a two-entry multistep history, 25 MB) saved atomically and
 # loaded back took 0.05 s on local disk (bench notes in docs/BENCHMARKS.md); with the
 # task round trip and host↔device copies, 0.2 s is a conservative save + restore.
-# A model switch costs ~0 when both models stay resident on the card and ~0.2 s
-# (SDXL UNet, 5 GB) to ~1.1 s (Wan 14B, 29 GB) when weights come from pinned host
-# memory; 0.5 s is charged per switch. docs/BENCHMARKS.md shows the sensitivity.
+# Loading a model's denoiser onto a card costs ~0.2 s (SDXL UNet, 5 GB) to ~1.1 s (Wan 14B, 29 GB) from
+# pinned host memory; 0.5 s is charged per load. A model already resident costs nothing to switch to: the
+# denoise worker's model cache (workers/runtime/cache.py) keeps every model it has loaded while their weights
+# fit its budget together, least recently used out first. docs/BENCHMARKS.md shows the sensitivity.
 DEFAULT_CHECKPOINT_SECONDS = 0.2
 DEFAULT_SWITCH_SECONDS = 0.5
+# GENSERVER_MODEL_CACHE_BYTES's default (40 GiB a worker), and the denoisers' weights in bf16 from the memory
+# plan (`python -m workers.memory_plan --registry bench/full-size.toml`: SDXL's UNet, Wan 2.1 14B's
+# transformer): both fit, so a card lent to video and images switches between them for free.
+DEFAULT_MODEL_CACHE_GIB = 40.0
+DEFAULT_MODEL_GIB: Mapping[str, float] = {"sdxl": 4.78, "wan": 26.67}
 # Our policy lends every card to video and caps long work at N−1 cards only under
 # overload: while a new long job's expected wait exceeds this share of its limit
 # (overload.LongCapPolicy, which lets go below a lower share).
@@ -61,8 +67,13 @@ class SimConfig:
     checkpoint_seconds: save + restore at a chunk boundary; the save is charged
         at the end of a chunk that is not the last, the restore at the start of
         the next chunk.
-    switch_seconds: charged before a chunk whose model differs from the card's
-        previous chunk's (a card's first chunk is free: warm start).
+    switch_seconds: charged before a chunk whose model is not resident on the card
+        (a card's first chunk is free: warm start).
+    cache_gib: the denoise worker's model cache budget (GENSERVER_MODEL_CACHE_BYTES): a card keeps
+        the models it has run while their weights (`model_gib`) fit it together, least recently used
+        out first and the latest always kept, as workers/runtime/cache.py does; 0: one model at a
+        time, every change of model a switch (a card with no room for two).
+    model_gib: the denoiser weights of each model, GiB (a model not listed counts as over any budget).
     long_cap: at most this many cards run long-class chunks at once (None: no
         cap); a card at the cap does not take from the long queue.
     long_cap_policy: engage the cap only while a new long job's expected wait
@@ -71,15 +82,16 @@ class SimConfig:
         always holds). While engaged, admission sees the layout without `long` on
         the cards beyond the cap (overload.capped_layout): the capacity a long
         job can count on.
-    yield_on_demand: a proposed refinement of the denoise task, not what the
-        service does today. At a chunk boundary the worker looks at the broker
+    yield_on_demand: the denoise task as the service runs it (tasks/denoise.py;
+        False: re-publish after every chunk). At a chunk boundary the worker looks at the broker
         and re-publishes (yields) only if a message it would take before its
         own continuation is waiting (or the long cap asks it to stop); otherwise
         it runs the next chunk in-process with no restore and no model switch,
         paying `in_process_seconds` for the save kept for crash recovery (None:
         a synchronous save, half of `checkpoint_seconds`; 0: an asynchronous
-        one). A yield costs a full save + restore. The order of work is the
-        same as with re-publishing every chunk.
+        one). A yield costs a full save + restore. The order of work is that of
+        re-publishing every chunk, less the swaps between started jobs of
+        equal priority (classes.yields_to_equal_priority).
     fair_window: the per-user publish window (scheduling/fairness.py, GENSERVER_FAIR_WINDOW live):
         at most this many of a user's jobs published and not yet started per queue, the rest held
         and published (best priority, then oldest) as the user's jobs start; 0: off, first-come.
@@ -100,6 +112,8 @@ class SimConfig:
     chunk_seconds: float = DEFAULT_CHUNK_SECONDS
     checkpoint_seconds: float = DEFAULT_CHECKPOINT_SECONDS
     switch_seconds: float = DEFAULT_SWITCH_SECONDS
+    cache_gib: float = DEFAULT_MODEL_CACHE_GIB
+    model_gib: Mapping[str, float] = field(default_factory=lambda: dict(DEFAULT_MODEL_GIB))
     long_cap: int | None = None
     long_cap_policy: LongCapPolicy | None = None
     yield_on_demand: bool = False
@@ -118,6 +132,8 @@ class SimConfig:
             raise ValueError(f"chunk_seconds must be positive, got {self.chunk_seconds}")
         if self.checkpoint_seconds < 0 or self.switch_seconds < 0:
             raise ValueError("checkpoint_seconds and switch_seconds must be >= 0")
+        if self.cache_gib < 0:
+            raise ValueError(f"cache_gib must be >= 0 (0: one model at a time), got {self.cache_gib}")
         if self.in_process_seconds is not None and not 0 <= self.in_process_seconds <= self.checkpoint_seconds:
             raise ValueError("in_process_seconds must be within 0..checkpoint_seconds")
         if self.fair_window < 0:
@@ -139,8 +155,10 @@ def service_policy_config(num_gpus: int = 4, *, yield_on_demand: bool = False, *
     video), CHUNK_SECONDS = `chunking.DEFAULT_CHUNK_SECONDS`, and under overload
     (a new long job's expected wait above half the long admission limit) at
     most N−1 cards run long work; a job published ahead (the lightest user's) cuts one
-    other user's chunk at its next step. `yield_on_demand` adds the proposed
-    denoise-task refinement with an asynchronous in-process save.
+    other user's chunk at its next step. `yield_on_demand=True` is the denoise
+    task as deployed (tasks/denoise.py): a card keeps its job at a boundary
+    unless better work waits, and the checkpoint is written behind the next
+    chunk; False re-publishes every chunk, the design the service started from.
     """
     params: dict[str, Any] = dict(
         layout=mixed_layout(num_gpus, 0),
