@@ -14,9 +14,12 @@ announced its first chunk: the card holds up to GENSERVER_BOUNDARY_HOLD for
 it), it re-publishes the continuation and returns to the broker; otherwise it
 runs the next chunk in-process from the state in memory, skipping the broker hop
 and the checkpoint restore. The order of work is that of re-publishing every
-chunk, less the swaps between started jobs of equal priority; the checkpoint
-is still written at every boundary, so a crash loses at most one chunk. A task
-never runs past half the visibility timeout.
+chunk, less the swaps between started jobs of equal priority. The checkpoint
+is still written at every boundary, so a crash loses at most one chunk; with
+GENSERVER_CHECKPOINT_EVERY, a boundary where the card keeps the job writes it
+(and records the chunk) only once that many seconds of denoising have run
+since the last one, and a crash loses up to that much more. A task never runs
+past half the visibility timeout.
 
 Merged work: when the job's model allows it (the registry's `max_merge`), the
 task also takes other jobs waiting with the same shape at the same step and
@@ -75,6 +78,7 @@ class _Member:
     last_beat: float
     checkpoint_key: str  # the last checkpoint recorded, deleted once the next one is
     state: DenoiseState | None = None
+    unsaved_seconds: float = 0.0  # denoising run here since the last checkpoint (kept boundaries that wrote none)
     outcome: str = ""  # set once the job has left this task
     cursor: SegmentCursor | None = None  # global steps over a long video's segments (one segment otherwise)
 
@@ -209,18 +213,22 @@ def _denoise(members: list[_Member], worker: str, hop_from: float | None = None)
                 should_stop=should_stop,
                 on_preview=on_preview,
                 cut_short=cut_short,
+                save=False,  # below, once the boundary knows whether the card keeps the jobs
             )
             boundary = time.perf_counter()
             stay = keep_card(max(m.cursor.offset + r.step for m, r in zip(running, results)))
-            for m, result in zip(running, results):
-                if result.stopped == Outcome.STEPS_CHANGED:
+            for m, ran in zip(running, results):
+                if ran.stopped == Outcome.STEPS_CHANGED:
                     m.outcome = _hand_back_for_new_total(m, worker, family, store)
                     continue
-                m.outcome = _record_chunk(m, result, worker, stay, store)
+                if not ran.stopped and stay and not _checkpoint_due(m, ran):
+                    _run_on_without_a_checkpoint(m, ran, worker)
+                    continue
+                saved = ran if ran.stopped else stages.save_chunk_end(family, store, m.state, ran)
+                m.outcome = _record_chunk(m, saved, worker, stay, store)
                 if not m.outcome:
                     m.state = m.cursor.next_state(family, m.state)  # a segment's end: the next, from its seed
-            saving = sum(r.checkpoint_seconds for r in results)
-            took = saving + time.perf_counter() - boundary
+            took = time.perf_counter() - boundary  # the yield test, the checkpoints written, the rows recorded
             metrics.observe(metrics.CHUNK_BOUNDARY, lead.model, took)
             _off_the_boundary.submit(services.learn_stage_seconds, lead.model, BOUNDARY, took)
     except Exception:  # noqa: BLE001 - recorded on each job, retried from its checkpoint
@@ -231,14 +239,35 @@ def _denoise(members: list[_Member], worker: str, hop_from: float | None = None)
     return members[0].outcome
 
 
+def _checkpoint_due(member: _Member, result: stages.ChunkResult) -> bool:
+    """Whether a boundary where the card keeps the job writes its checkpoint: GENSERVER_CHECKPOINT_EVERY seconds
+    of denoising (the job's clock) have run since the last one, or the chunk ended a segment (whose decode reads
+    that checkpoint) or the job's steps."""
+    job = member.job
+    step = member.cursor.offset + result.step
+    if step >= job.total_steps or (job.segment_count > 1 and step % job.steps == 0):
+        return True
+    every = float(settings.CHECKPOINT_EVERY_SECONDS) * job.clock_scale
+    return member.unsaved_seconds + result.seconds >= every
+
+
+def _run_on_without_a_checkpoint(member: _Member, result: stages.ChunkResult, worker: str) -> None:
+    """A kept boundary between checkpoints: no write and no row update (the heartbeats renew the lease and
+    record the progress); the chunk's seconds wait for the next recorded one, its step time is learned now."""
+    member.unsaved_seconds += result.seconds
+    _off_the_boundary.submit(services.learn_from_chunk, member.job, result.step_seconds, worker)
+
+
 def _record_chunk(member: _Member, result: stages.ChunkResult, worker: str, stay: bool, store) -> str:
-    """Record one job's chunk; "" while it stays in this task, else how it left."""
+    """Record one job's chunk (and those run on since its last checkpoint); "" while it stays in this task,
+    else how it left."""
     job_id = member.job.pk
     if result.stopped:
         if result.stopped == Outcome.CANCELLED:
             services.finish_cancelled(job_id, worker)
         return result.stopped
     step = member.cursor.offset + result.step  # global over a long video's segments
+    chunk_seconds, member.unsaved_seconds = member.unsaved_seconds + result.seconds, 0.0
     if not services.finish_chunk(
         job_id,
         worker,
@@ -246,7 +275,7 @@ def _record_chunk(member: _Member, result: stages.ChunkResult, worker: str, stay
         result.checkpoint_key,
         result.step_seconds,
         keep_lease=stay,
-        chunk_seconds=result.seconds,
+        chunk_seconds=chunk_seconds,
         claimed=member.job,
         learn=False,
     ):

@@ -49,3 +49,108 @@ def test_each_kept_boundary_is_one_statement_and_the_step_time_is_learned(make_u
     six, twelve = statements_for_a_job_of(6, owner, sent), statements_for_a_job_of(12, owner, sent)
     assert twelve - six == 6  # one compare-and-set per kept boundary (a locked read and a save were two)
     assert redis_client().hlen(CORRECTION_KEY) == 1  # tiny-sd's 64² shape learned its step time
+
+
+def job_with_one_step_chunks(owner, steps: int) -> Job:
+    """A tiny-sd job encoded here, its denoise about to start, a boundary after every step."""
+    from tasks.encode import encode
+
+    request = {"model": "tiny-sd", "prompt": f"interval {time.time()}", "width": 64, "height": 64, "num_frames": 1}
+    job = services.submit_job(owner, request | {"steps": steps, "guidance_scale": 5.0, "seed": 3, "num_outputs": 1})
+    encode.apply(args=[str(job.pk)]).get()
+    Job.objects.filter(pk=job.pk).update(chunk_steps=1)
+    redis_client().delete(*broker.queue_keys(job.queue))
+    return job
+
+
+def spy_on_chunks(monkeypatch) -> tuple[list[int], list[float]]:
+    """The steps at which the denoise task wrote a checkpoint, and every chunk's seconds."""
+    from tasks import denoise
+
+    saved_at: list[int] = []
+    seconds: list[float] = []
+    run, save = denoise.stages.run_merged_chunk, denoise.stages.save_chunk_end
+
+    def running(*args, **kwargs):
+        results = run(*args, **kwargs)
+        seconds.extend(r.seconds for r in results)
+        return results
+
+    def saving(family, store, state, result):
+        saved_at.append(state.step)
+        return save(family, store, state, result)
+
+    monkeypatch.setattr(denoise.stages, "run_merged_chunk", running)
+    monkeypatch.setattr(denoise.stages, "save_chunk_end", saving)
+    return saved_at, seconds
+
+
+def test_a_checkpoint_interval_writes_at_kept_boundaries_only_when_due_and_always_at_a_yield(
+    make_user, monkeypatch, settings
+):
+    from tasks import denoise
+
+    settings.CHECKPOINT_EVERY_SECONDS = 1e6  # never due on time: only a yield and the last step write
+    sent = capture_sends(monkeypatch, "send_encode", "send_chunk", "send_decode")
+    saved_at, seconds = spy_on_chunks(monkeypatch)
+    owner = make_user("interval").user
+
+    job = job_with_one_step_chunks(owner, 6)
+    sent.clear()
+    assert denoise.run_chunk.apply(args=[str(job.pk), 0]).get() == "step 6"
+    row = Job.objects.get(pk=job.pk)
+    assert saved_at == [6]  # five kept boundaries wrote nothing
+    assert (row.status, row.checkpoint_step, row.chunks_run) == (JobStatus.DECODING, 6, 1)
+    assert row.card_seconds == pytest.approx(sum(seconds))  # the unrecorded chunks' seconds were carried
+    assert sent == [("decode", job.pk, row.priority)]
+
+    # A card that yields writes the checkpoint there, whatever the interval: its continuation resumes from it.
+    boundaries = iter([False, False, True])  # better work waits at the third boundary
+    monkeypatch.setattr(denoise.broker, "should_yield", lambda *args, **kwargs: next(boundaries))
+    job = job_with_one_step_chunks(owner, 6)
+    saved_at.clear(), sent.clear()
+    assert denoise.run_chunk.apply(args=[str(job.pk), 0]).get() == "step 3"
+    row = Job.objects.get(pk=job.pk)
+    assert saved_at == [3] and (row.checkpoint_step, row.steps_done) == (3, 3)
+    assert sent == [("chunk", job.pk, 3, row.queue, row.priority)]
+    monkeypatch.setattr(denoise.broker, "should_yield", lambda *args, **kwargs: False)
+    assert denoise.run_chunk.apply(args=[str(job.pk), 3]).get() == "step 6"
+    assert saved_at == [3, 6] and Job.objects.get(pk=job.pk).status == JobStatus.DECODING
+
+
+def test_without_an_interval_every_boundary_writes(make_user, monkeypatch, settings):
+    from tasks import denoise
+
+    settings.CHECKPOINT_EVERY_SECONDS = 0.0
+    capture_sends(monkeypatch, "send_encode", "send_chunk", "send_decode")
+    saved_at, _ = spy_on_chunks(monkeypatch)
+    job = job_with_one_step_chunks(make_user("every").user, 4)
+    assert denoise.run_chunk.apply(args=[str(job.pk), 0]).get() == "step 4"
+    assert saved_at == [1, 2, 3, 4]
+
+
+def test_a_fault_between_checkpoints_redoes_the_unsaved_chunks_from_the_last_one(make_user, monkeypatch, settings):
+    from tasks import denoise
+
+    settings.CHECKPOINT_EVERY_SECONDS = 1e6
+    sent = capture_sends(monkeypatch, "send_encode", "send_chunk", "send_decode")
+    saved_at, _ = spy_on_chunks(monkeypatch)
+    boundaries = iter([False, False, False])
+
+    def fault_at_the_fourth_boundary(*args, **kwargs):
+        try:
+            return next(boundaries)
+        except StopIteration:
+            raise RuntimeError("injected fault at a kept boundary") from None
+
+    monkeypatch.setattr(denoise.broker, "should_yield", fault_at_the_fourth_boundary)
+    job = job_with_one_step_chunks(make_user("fault").user, 6)
+    sent.clear()
+    assert denoise.run_chunk.apply(args=[str(job.pk), 0]).get() == "retried"
+    row = Job.objects.get(pk=job.pk)
+    assert saved_at == [] and (row.status, row.checkpoint_step, row.attempts) == (JobStatus.DENOISING, 0, 1)
+    assert sent == [("chunk", job.pk, 0, row.queue, row.priority)]  # retried from the last checkpoint: the start
+
+    monkeypatch.setattr(denoise.broker, "should_yield", lambda *args, **kwargs: False)
+    assert denoise.run_chunk.apply(args=[str(job.pk), 0]).get() == "step 6"
+    assert saved_at == [6] and Job.objects.get(pk=job.pk).status == JobStatus.DECODING

@@ -96,7 +96,7 @@ def restore_for_new_total(
 @dataclass(frozen=True)
 class ChunkResult:
     step: int  # steps done after the chunk
-    checkpoint_key: str  # where that state was saved ("" if stopped before saving)
+    checkpoint_key: str  # where that state was saved ("" if stopped before saving, or not saved yet)
     stopped: str  # "" ran to the chunk's end; "cancelled", "lease-lost" or "steps-changed" otherwise
     step_seconds: float | None  # mean measured seconds per step in this chunk
     checkpoint_bytes: int = 0  # the size of the checkpoint written (0 if none)
@@ -140,6 +140,7 @@ def run_merged_chunk(
     should_stop: Callable[[DenoiseState, int], str],
     on_preview: Callable[[DenoiseState, str, int], None],
     cut_short: Callable[[], bool] | None = None,
+    save: bool = True,
 ) -> list[ChunkResult]:
     """Advance several jobs of one shape together (one batched model call per step), each in place.
 
@@ -148,8 +149,9 @@ def run_merged_chunk(
     After the chunk's first step, `cut_short()` is asked before each further
     step: True ends the chunk there for the whole batch (a better job waits
     for this card), exactly as if it had been planned that short.
-    At the end every job still in the batch saves its own checkpoint. Returns
-    one result per state, in order. A merged batch reports no step time: its
+    At the end every job still in the batch saves its own checkpoint (`save`;
+    False leaves it to the caller, `save_chunk_end`, who decides once it knows
+    whether the card keeps the jobs). Returns one result per state, in order. A merged batch reports no step time: its
     steps are not one job's, and must not teach the cost model.
     """
     results: dict[int, ChunkResult] = {}
@@ -177,21 +179,27 @@ def run_merged_chunk(
     elapsed = time.perf_counter() - started
     rows = sum(state.request.num_outputs for state in active) or 1
     for state in active:
-        saving = time.perf_counter()
-        data = _to_bytes(family.checkpoint(state))
-        key = storage.put(checkpoint_key(state.request.job_id, state.step), data)
         steps_run = state.step - start_step
         solo = len(states) == 1
-        results[id(state)] = ChunkResult(
+        result = ChunkResult(
             state.step,
-            key,
+            "",
             "",
             elapsed / steps_run if steps_run and solo else None,
-            len(data),
-            time.perf_counter() - saving,
-            elapsed * state.request.num_outputs / rows,
+            seconds=elapsed * state.request.num_outputs / rows,
         )
+        results[id(state)] = save_chunk_end(family, storage, state, result) if save else result
     return [results[id(state)] for state in states]
+
+
+def save_chunk_end(family: Family, storage: Storage, state: DenoiseState, result: ChunkResult) -> ChunkResult:
+    """Save the atomic checkpoint of a chunk that ran to its end: `result` with where, how large, how long."""
+    saving = time.perf_counter()
+    data = _to_bytes(family.checkpoint(state))
+    key = storage.put(checkpoint_key(state.request.job_id, state.step), data)
+    return dataclasses.replace(
+        result, checkpoint_key=key, checkpoint_bytes=len(data), checkpoint_seconds=time.perf_counter() - saving
+    )
 
 
 def save_checkpoint(family: Family, storage: Storage, state: DenoiseState) -> str:
