@@ -222,7 +222,7 @@ def _denoise(members: list[_Member], worker: str, hop_from: float | None = None)
                     m.outcome = _hand_back_for_new_total(m, worker, family, store)
                     continue
                 if not ran.stopped and stay and not _checkpoint_due(m, ran):
-                    _run_on_without_a_checkpoint(m, ran, worker)
+                    m.outcome = _run_on_without_a_checkpoint(m, ran, worker)
                     continue
                 saved = ran if ran.stopped else stages.save_chunk_end(family, store, m.state, ran)
                 m.outcome = _record_chunk(m, saved, worker, stay, store)
@@ -251,11 +251,15 @@ def _checkpoint_due(member: _Member, result: stages.ChunkResult) -> bool:
     return member.unsaved_seconds + result.seconds >= every
 
 
-def _run_on_without_a_checkpoint(member: _Member, result: stages.ChunkResult, worker: str) -> None:
-    """A kept boundary between checkpoints: no write and no row update (the heartbeats renew the lease and
-    record the progress); the chunk's seconds wait for the next recorded one, its step time is learned now."""
+def _run_on_without_a_checkpoint(member: _Member, result: stages.ChunkResult, worker: str) -> str:
+    """A kept boundary between checkpoints: no write, and of the row only the progress, the lease and the
+    next chunk's start (one heartbeat); the chunk's seconds wait for the next recorded one, its step time is
+    learned now. "" while the job stays, else how it left."""
+    if not services.heartbeat(member.job.pk, worker, member.cursor.offset + result.step, chunk_starts=True):
+        return Outcome.LEASE_LOST
     member.unsaved_seconds += result.seconds
     _off_the_boundary.submit(services.learn_from_chunk, member.job, result.step_seconds, worker)
+    return ""
 
 
 def _record_chunk(member: _Member, result: stages.ChunkResult, worker: str, stay: bool, store) -> str:

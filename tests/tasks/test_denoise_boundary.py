@@ -94,12 +94,21 @@ def test_a_checkpoint_interval_writes_at_kept_boundaries_only_when_due_and_alway
     sent = capture_sends(monkeypatch, "send_encode", "send_chunk", "send_decode")
     saved_at, seconds = spy_on_chunks(monkeypatch)
     owner = make_user("interval").user
+    beats, heartbeat = [], services.heartbeat
+
+    def beating(job_id, worker, steps_done=None, **kwargs):
+        beats.append((steps_done, kwargs.get("chunk_starts", False)))
+        return heartbeat(job_id, worker, steps_done, **kwargs)
+
+    monkeypatch.setattr(denoise.services, "heartbeat", beating)
 
     job = job_with_one_step_chunks(owner, 6)
     sent.clear()
     assert denoise.run_chunk.apply(args=[str(job.pk), 0]).get() == "step 6"
     row = Job.objects.get(pk=job.pk)
     assert saved_at == [6]  # five kept boundaries wrote nothing
+    # ... and each recorded its progress and the next chunk's start, which the queue picture reads.
+    assert [step for step, starts in beats if starts] == [1, 2, 3, 4, 5]
     assert (row.status, row.checkpoint_step, row.chunks_run) == (JobStatus.DECODING, 6, 1)
     assert row.card_seconds == pytest.approx(sum(seconds))  # the unrecorded chunks' seconds were carried
     assert sent == [("decode", job.pk, row.priority)]

@@ -67,7 +67,8 @@ def _chunk_remaining(job: Job, now: datetime, step_overhead: float = 0.0) -> flo
     it was the job's last, the card kept the job for its next chunk (the boundary's record, which moves
     `chunk_started_at`, lags the test by its write), and only then frees. Without a start: its steps not yet
     reported. `step_overhead`: the wall seconds a step takes beyond its estimate (the model's learned STEP), counted
-    until the card measured the job's steps."""
+    until the card measured the job's steps. With a checkpoint interval (GENSERVER_CHECKPOINT_EVERY) a kept boundary
+    moves `chunk_started_at` but not `checkpoint_step`, so only the clamp to the job's last steps is loose."""
     step_seconds = job.estimated_seconds / job.total_steps if job.steps else 0.0
     if step_seconds and job.clock_scale > 0:
         step_seconds += step_overhead / job.clock_scale

@@ -184,15 +184,19 @@ def claim_merge_partners(job: Job, worker: str, max_rows: int) -> list[Job]:
     return partners
 
 
-def heartbeat(job_id: JobId, worker: str, steps_done: int | None = None) -> bool:
+def heartbeat(job_id: JobId, worker: str, steps_done: int | None = None, *, chunk_starts: bool = False) -> bool:
     """Renew the lease and record progress (steps_done=0: the first step begins, `started_at`).
 
+    `chunk_starts`: a boundary where the card keeps the job and writes no checkpoint (GENSERVER_CHECKPOINT_EVERY):
+    the next chunk starts now, which the queue picture counts what is left of it from (`chunk_started_at`).
     False when the lease was lost (the reaper gave the job to another worker): stop working.
     """
     now = timezone.now()
     fields: dict[str, Any] = {"lease_expires_at": lease_until()}
     if steps_done is not None:
         fields["steps_done"] = steps_done
+    if chunk_starts:
+        fields["chunk_started_at"] = now
     renewed = Job.objects.filter(pk=job_id, lease_owner=worker, status__in=ACTIVE).update(**fields)
     if renewed and steps_done == 0:
         if Job.objects.filter(pk=job_id, started_at__isnull=True).update(started_at=now):
