@@ -268,7 +268,7 @@ def _record_chunk(member: _Member, result: stages.ChunkResult, worker: str, stay
     job_id = member.job.pk
     if result.stopped:
         if result.stopped == Outcome.CANCELLED:
-            services.finish_cancelled(job_id, worker)
+            services.finish_cancelled(job_id, worker, member.unsaved_seconds)
         return result.stopped
     step = member.cursor.offset + result.step  # global over a long video's segments
     chunk_seconds, member.unsaved_seconds = member.unsaved_seconds + result.seconds, 0.0

@@ -163,3 +163,26 @@ def test_a_fault_between_checkpoints_redoes_the_unsaved_chunks_from_the_last_one
     monkeypatch.setattr(denoise.broker, "should_yield", lambda *args, **kwargs: False)
     assert denoise.run_chunk.apply(args=[str(job.pk), 0]).get() == "step 6"
     assert saved_at == [6] and Job.objects.get(pk=job.pk).status == JobStatus.DECODING
+
+
+def test_a_cancel_between_checkpoints_bills_the_chunks_run_since_the_last(make_user, monkeypatch, settings):
+    from tasks import denoise
+
+    settings.CHECKPOINT_EVERY_SECONDS = 1e6
+    capture_sends(monkeypatch, "send_encode", "send_chunk", "send_decode")
+    saved_at, seconds = spy_on_chunks(monkeypatch)
+    job = job_with_one_step_chunks(make_user("cancel").user, 6)
+    boundaries = iter([False, False])
+
+    def cancelled_at_the_third_boundary(*args, **kwargs):
+        try:
+            return next(boundaries)
+        except StopIteration:
+            redis_client().set(denoise.CANCEL_KEY.format(job_id=job.pk), "1")  # as the API's cancel flags it
+            return False
+
+    monkeypatch.setattr(denoise.broker, "should_yield", cancelled_at_the_third_boundary)
+    assert denoise.run_chunk.apply(args=[str(job.pk), 0]).get() == "cancelled"
+    row = Job.objects.get(pk=job.pk)
+    assert saved_at == [] and row.status == JobStatus.CANCELLED and row.checkpoint_step == 0
+    assert row.card_seconds == pytest.approx(sum(seconds)) and row.card_seconds > 0  # three chunks, none recorded

@@ -237,8 +237,7 @@ def finish_chunk(
     off its critical path (`learn_from_chunk`). False when this worker no longer holds the job or the
     step was already recorded.
     """
-    spec = deployment.layout().worker(worker.split("@", 1)[0])
-    group_size = spec.group_size if spec is not None else 1
+    group_size = _group_size(worker)
     if (
         keep_lease
         and claimed is not None
@@ -387,8 +386,16 @@ def finish_decoding(job_id: JobId, worker: str, outputs: list[dict[str, str]]) -
     return bool(done)
 
 
-def finish_cancelled(job_id: JobId, worker: str) -> bool:
-    """The worker holding a job saw its cancel flag and stopped."""
+def _group_size(worker: str) -> int:
+    """The cards of `worker`'s group (1 for a worker the layout does not name): a chunk's seconds on it cost this
+    many card seconds."""
+    spec = deployment.layout().worker(worker.split("@", 1)[0])
+    return spec.group_size if spec is not None else 1
+
+
+def finish_cancelled(job_id: JobId, worker: str, chunk_seconds: float = 0.0) -> bool:
+    """The worker holding a job saw its cancel flag and stopped. `chunk_seconds`: the denoising it ran since its
+    last recorded chunk (a checkpoint interval's unrecorded chunks), billed as `finish_chunk` bills a chunk."""
     before = Job.objects.filter(pk=job_id, lease_owner=worker).values_list("status", flat=True).first()
     done = Job.objects.filter(pk=job_id, lease_owner=worker, status__in=ACTIVE).update(
         status=JobStatus.CANCELLED,
@@ -396,6 +403,7 @@ def finish_cancelled(job_id: JobId, worker: str) -> bool:
         finished_at=timezone.now(),
         lease_owner="",
         lease_expires_at=None,
+        card_seconds=F("card_seconds") + chunk_seconds * _group_size(worker),
     )
     if done:
         observe.transition(job_id, before or "", JobStatus.CANCELLED, worker=worker)
