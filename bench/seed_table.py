@@ -360,7 +360,8 @@ def section_caps() -> str:
 
 # A kept boundary's synchronous checkpoint save on a real card: a Wan 480p state (25 MB) written with
 # torch.save + fsync + rename on local disk (docs/BENCHMARKS.md, "Costs"). The service writes it at every
-# boundary, kept or not; the default rows count it as free (yield on demand's in_process_seconds=0).
+# boundary, kept or not, unless GENSERVER_CHECKPOINT_EVERY spaces the kept boundaries' saves out; the default
+# rows count it as free (yield on demand's in_process_seconds=0).
 WAN_STATE_SAVE_SECONDS = 0.04
 
 # (label, checkpoint s, switch s, model cache GiB, kept boundary s): a card whose cache holds both models
@@ -393,16 +394,17 @@ def section_costs() -> str:
     rows = []
     seen: set[tuple[float, float, float]] = set()
     for label, ckpt, switch, cache_gib, kept in COST_SCENARIOS:
-        repeat, costs_key = (ckpt, switch, cache_gib) in seen, (ckpt, switch, cache_gib)
-        seen.add(costs_key)
+        costs = (ckpt, switch, cache_gib)
+        repeat = costs in seen
+        seen.add(costs)
         for name, make in OUR_POLICIES.items():
             if repeat and make is ours:
                 continue  # re-publishing every chunk keeps no boundary: the row would repeat an earlier one
             row: list[object] = [label, f"{ckpt:g}", f"{switch:g}", f"{cache_gib:g}", f"{kept:g}", name]
+            # in_process_seconds applies to yield on demand only (re-publishing keeps no boundary).
+            config = make(checkpoint_seconds=ckpt, switch_seconds=switch, cache_gib=cache_gib, in_process_seconds=kept)
             for rate in RATES:
                 ti, tv = targets(rate)
-                costs = dict(checkpoint_seconds=ckpt, switch_seconds=switch, cache_gib=cache_gib)
-                config = make(**costs, **({"in_process_seconds": kept} if make is ours_yod else {}))
                 o = Outcome.sim(name, config, rate)
                 iw, idl = o.p(IMAGE, "wait", 0.99), o.p(IMAGE, "delay", 0.99)
                 vw, vd = o.p(VIDEO, "wait", 0.99), o.p(VIDEO, "delay", 0.99)

@@ -22,13 +22,8 @@ def statements_for_a_job_of(steps: int, owner, sent: list) -> int:
     """Run a tiny-sd job of `steps` one-step chunks on this card, nothing waiting beside it (so it keeps the
     card at every boundary but the last); the statements on the job tables its denoise task made."""
     from tasks import denoise
-    from tasks.encode import encode
 
-    request = {"model": "tiny-sd", "prompt": f"kept {time.time()}", "width": 64, "height": 64, "num_frames": 1}
-    job = services.submit_job(owner, request | {"steps": steps, "guidance_scale": 5.0, "seed": 3, "num_outputs": 1})
-    encode.apply(args=[str(job.pk)]).get()
-    Job.objects.filter(pk=job.pk).update(chunk_steps=1)  # a boundary after every step
-    redis_client().delete(*broker.queue_keys(job.queue))
+    job = job_with_one_step_chunks(owner, steps)
     sent.clear()
     with CaptureQueriesContext(connection) as statements:
         assert denoise.run_chunk.apply(args=[str(job.pk), 0]).get() == f"step {steps}"
@@ -55,7 +50,7 @@ def job_with_one_step_chunks(owner, steps: int) -> Job:
     """A tiny-sd job encoded here, its denoise about to start, a boundary after every step."""
     from tasks.encode import encode
 
-    request = {"model": "tiny-sd", "prompt": f"interval {time.time()}", "width": 64, "height": 64, "num_frames": 1}
+    request = {"model": "tiny-sd", "prompt": f"boundary {time.time()}", "width": 64, "height": 64, "num_frames": 1}
     job = services.submit_job(owner, request | {"steps": steps, "guidance_scale": 5.0, "seed": 3, "num_outputs": 1})
     encode.apply(args=[str(job.pk)]).get()
     Job.objects.filter(pk=job.pk).update(chunk_steps=1)

@@ -143,8 +143,6 @@ class _Broker:
         job's own priority only where `yields_to_equal_priority` says (the denoise task's yield test)."""
         if yields_to_equal_priority(job.duration_class):
             before = (job.priority, queues.index(job.queue))
-        elif job.priority == 0:
-            return False
         else:
             before = (job.priority - 1, len(queues))  # every queue, strictly better priorities
         return self._first(queues, long_blocked, before) is not None
