@@ -14,7 +14,7 @@ from django.core.management import call_command
 
 from tests.support.api import submit  # noqa: F401 - re-exported: tests import these from here too
 from tests.support.broker import clear_broker
-from tests.support.isolation import settle_stack
+from tests.support.isolation import flush_retrying_deadlocks, settle_stack
 from tests.support.s3 import MotoServer
 from tests.support.tiny_models import copy_tiny_models, open_run_cache
 from tests.support.waits import job_row, wait_for  # noqa: F401 - re-exported
@@ -138,6 +138,9 @@ _TINY_MODELS_CACHE = pytest.StashKey["Path | None"]()
 def pytest_configure(config: pytest.Config) -> None:
     """The run's tiny-models cache (tests/support/tiny_models.py): made here, in the first process."""
     config.stash[_TINY_MODELS_CACHE] = open_run_cache()
+    from django.test import TransactionTestCase
+
+    TransactionTestCase._fixture_teardown = flush_retrying_deadlocks(TransactionTestCase._fixture_teardown)
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:

@@ -33,3 +33,24 @@ def settle_stack(timeout: float = SETTLE_SECONDS) -> int:
             what=f"the {len(leftovers)} jobs left in flight by a test to end",
         )
     return len(leftovers)
+
+
+FLUSH_ATTEMPTS = 3
+
+
+def flush_retrying_deadlocks(teardown):
+    """Wrap TransactionTestCase._fixture_teardown: on PostgreSQL the tables' TRUNCATE takes exclusive locks
+    while the session's workers (beat's reaper, a card's heartbeat) still read them, and the database may
+    break that deadlock by aborting the flush. The flush is idempotent, so it is tried again; any other
+    error, or a third deadlock, fails the test as before."""
+    from django.core.management.base import CommandError
+
+    def fixture_teardown(self) -> None:
+        for attempt in range(1, FLUSH_ATTEMPTS + 1):
+            try:
+                return teardown(self)
+            except CommandError as error:
+                if attempt == FLUSH_ATTEMPTS or "deadlock detected" not in str(error.__cause__ or ""):
+                    raise
+
+    return fixture_teardown
