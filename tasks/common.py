@@ -7,7 +7,8 @@ import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
-from celery.signals import worker_init, worker_process_init
+from celery.signals import task_postrun, task_prerun, worker_init, worker_process_init
+from django.db import close_old_connections
 
 from genserver import config, deployment
 from genserver.jobs import events
@@ -106,3 +107,13 @@ def renewing(renew: Callable[[], bool]) -> Iterator[None]:
     finally:
         stop.set()
         thread.join()
+
+
+@task_prerun.connect
+@task_postrun.connect
+def keep_or_close_the_connection(task=None, **kwargs) -> None:
+    """A task's database connection lives DATABASE_CONN_MAX_AGE, as a request's does (Django's rule): kept between
+    tasks unless it broke or aged out. Celery's fixup would close it around every task (settings:
+    CELERY_DB_REUSE_MAX)."""
+    if task is None or not task.request.is_eager:  # an eager task runs inside its caller's transaction
+        close_old_connections()

@@ -40,7 +40,7 @@ from celery.worker import state as worker_state
 from django.conf import settings
 
 from genserver import config, deployment, metrics
-from genserver.jobs import broker, selectors, services
+from genserver.jobs import broker, events, selectors, services
 from genserver.jobs.models import Job
 from genserver.jobs.services import Outcome
 from genserver.metrics import count_merged_batch
@@ -62,6 +62,11 @@ CUT_CHECK_SECONDS = 0.2
 # Work a chunk boundary need not wait for (deleting the previous checkpoint, learning what the chunk and the
 # boundary took).
 _off_the_boundary = ThreadPoolExecutor(max_workers=1, thread_name_prefix="off-the-boundary")
+
+
+def _after_the_boundary(work, *args) -> None:
+    """`work(*args)` on the off-the-boundary thread once the card is stepping again (events.after_the_card)."""
+    events.after_the_card(_off_the_boundary, work, *args)
 
 
 def _consumed_queues(job_queue: str) -> list[str]:
@@ -97,9 +102,11 @@ _free_since = time.time()
 def run_chunk(self, job_id: str, from_step: int) -> str:
     global _free_since
     free_since = _free_since
+    events.card_busy()  # to the first step, this process's background threads wait (genserver/jobs/events.py)
     try:
         return _run_chunk(self, job_id, from_step, free_since)
     finally:
+        events.card_stepping()
         _free_since = time.time()
 
 
@@ -152,11 +159,12 @@ def _denoise(members: list[_Member], worker: str, hop_from: float | None = None)
         if step == 0:
             services.heartbeat(job_id, worker, steps_done=0)  # started_at: the first step begins now
             if hop_from is not None and member is members[0]:
-                _off_the_boundary.submit(services.learn_stage_seconds, lead.model, HOP, time.time() - hop_from)
+                _after_the_boundary(services.learn_stage_seconds, lead.model, HOP, time.time() - hop_from)
         if time.monotonic() - member.last_beat > HEARTBEAT_EVERY_SECONDS:
             member.last_beat = time.monotonic()
             if not services.heartbeat(job_id, worker, steps_done=step):
                 return Outcome.LEASE_LOST
+        events.card_stepping()  # the step runs: background work may take the interpreter beside it
         return ""
 
     def keep_card(step: int) -> bool:
@@ -216,6 +224,7 @@ def _denoise(members: list[_Member], worker: str, hop_from: float | None = None)
                 save=False,  # below, once the boundary knows whether the card keeps the jobs
             )
             boundary = time.perf_counter()
+            events.card_busy()  # until the next chunk's first step, or the task's end
             stay = keep_card(max(m.cursor.offset + r.step for m, r in zip(running, results)))
             for m, ran in zip(running, results):
                 if ran.stopped == Outcome.STEPS_CHANGED:
@@ -230,7 +239,7 @@ def _denoise(members: list[_Member], worker: str, hop_from: float | None = None)
                     m.state = m.cursor.next_state(family, m.state)  # a segment's end: the next, from its seed
             took = time.perf_counter() - boundary  # the yield test, the checkpoints written, the rows recorded
             metrics.observe(metrics.CHUNK_BOUNDARY, lead.model, took)
-            _off_the_boundary.submit(services.learn_stage_seconds, lead.model, BOUNDARY, took)
+            _after_the_boundary(services.learn_stage_seconds, lead.model, BOUNDARY, took)
     except Exception:  # noqa: BLE001 - recorded on each job, retried from its checkpoint
         error = traceback.format_exc()
         for m in members:
@@ -258,7 +267,7 @@ def _run_on_without_a_checkpoint(member: _Member, result: stages.ChunkResult, wo
     if not services.heartbeat(member.job.pk, worker, member.cursor.offset + result.step, chunk_starts=True):
         return Outcome.LEASE_LOST
     member.unsaved_seconds += result.seconds
-    _off_the_boundary.submit(services.learn_from_chunk, member.job, result.step_seconds, worker)
+    _after_the_boundary(services.learn_from_chunk, member.job, result.step_seconds, worker)
     return ""
 
 
@@ -284,12 +293,12 @@ def _record_chunk(member: _Member, result: stages.ChunkResult, worker: str, stay
         learn=False,
     ):
         return Outcome.SUPERSEDED
-    _off_the_boundary.submit(services.learn_from_chunk, member.job, result.step_seconds, worker)
+    _after_the_boundary(services.learn_from_chunk, member.job, result.step_seconds, worker)
     metrics.observe(metrics.CHECKPOINT_BYTES, member.job.model, result.checkpoint_bytes)
     if member.checkpoint_key and member.checkpoint_key != result.checkpoint_key:
         # The older checkpoint is no longer needed; an unlink right after an fsync can take
         # milliseconds, so it happens off the chunk boundary.
-        _off_the_boundary.submit(store.delete_prefix, member.checkpoint_key)
+        _after_the_boundary(store.delete_prefix, member.checkpoint_key)
     member.checkpoint_key = member.cursor.deletable(step, result.checkpoint_key)  # a segment's end is kept
     return "" if stay else f"step {step}"
 
@@ -312,5 +321,5 @@ def _hand_back_for_new_total(member: _Member, worker: str, family, store) -> str
     key = stages.save_checkpoint(family, store, state) if state.step > 0 else ""
     released = services.release_for_new_total(member.job.pk, worker, state.step, key)
     if released and key and member.checkpoint_key not in ("", key):
-        _off_the_boundary.submit(store.delete_prefix, member.checkpoint_key)
+        _after_the_boundary(store.delete_prefix, member.checkpoint_key)
     return Outcome.STEPS_CHANGED

@@ -12,7 +12,7 @@ import traceback
 from celery import shared_task
 from django.conf import settings
 
-from genserver.jobs import broker, services
+from genserver.jobs import broker, events, services
 from genserver.jobs.services import Outcome
 from genserver.metrics import count_embedding_cache
 from workers.runtime import stages
@@ -22,6 +22,14 @@ from .common import family_of, preload, request_of, storage, worker_id
 
 @shared_task(name=broker.ENCODE_TASK.name, bind=True)
 def encode(self, job_id: str) -> str:
+    events.card_busy()  # to the chunk's publish, this process's background threads wait (genserver/jobs/events.py)
+    try:
+        return _encode(self, job_id)
+    finally:
+        events.card_stepping()
+
+
+def _encode(self, job_id: str) -> str:
     worker = worker_id(self)
     if not preload(job_id, "encode"):
         return Outcome.SKIPPED
@@ -35,7 +43,7 @@ def encode(self, job_id: str) -> str:
         error = traceback.format_exc()
         return ",".join(services.fail_attempt(j.pk, worker, error) for j in batch)
     for member, result in zip(batch, results):
-        services.finish_encoding(member.pk, worker, result.key)
+        services.finish_encoding(member.pk, worker, result.key, claimed=member)
     hits = sum(r.cache_hit for r in results)
     count_embedding_cache(hits, len(results) - hits)
     return f"{len(batch)} encoded, {hits} from the cache"

@@ -21,7 +21,10 @@ and never fails the transition that committed.
 
 A worker publishes from a thread of its own (`publish_in_background`, called at
 its start): rendering the job (its queue position and ETA are several queries)
-must not delay the card. The API publishes at once, so a response that follows
+must not delay the card. Python runs one thread at a time, so that thread also
+waits while the card's thread is on its way to a step (`card_busy`): else it
+takes the interpreter for up to its switch interval (5 ms) at a time, in the
+middle of a dispatch. The API publishes at once, so a response that follows
 an event finds it in the log.
 """
 
@@ -29,8 +32,10 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
+import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 from uuid import UUID
 
@@ -87,6 +92,25 @@ def publish_in_background() -> None:
         _background = ThreadPoolExecutor(max_workers=1, thread_name_prefix="job-events")
 
 
+# Cleared while the card's thread runs the path to its next step (a task's claim to its first step, a chunk
+# boundary, an encode to its chunk's publish); the background thread starts its next item only once it is set
+# again, or after CARD_BUSY_MAX_SECONDS, so that no event waits long behind a card that holds it (a model load).
+_card_free = threading.Event()
+_card_free.set()
+CARD_BUSY_MAX_SECONDS = 0.5
+
+
+def card_busy() -> None:
+    """The card's thread is on its way to a step: this process's background work waits (a worker's)."""
+    _card_free.clear()
+
+
+def card_stepping() -> None:
+    """The card's thread is in a step or idle: background work runs beside it (a GPU step leaves the CPU free; a
+    task's end must always call this)."""
+    _card_free.set()
+
+
 def in_background(work: Callable[..., Any], *args: Any) -> None:
     """`work(*args)` on the worker's event thread, after the events already queued there; at once in a process
     without one (the API). For what a card must not wait for and a later pass repairs if it is lost: a failure
@@ -94,12 +118,21 @@ def in_background(work: Callable[..., Any], *args: Any) -> None:
     if _background is None:
         _logged(work, *args)
     else:
-        _background.submit(_on_own_connection, work, *args)
+        after_the_card(_background, work, *args)
 
 
-def _on_own_connection(work: Callable[..., Any], *args: Any) -> None:
-    close_old_connections()  # this thread's database connection: dropped if it broke (a database restart)
-    _logged(work, *args)
+def after_the_card(executor: ThreadPoolExecutor, work: Callable[..., Any], *args: Any) -> Future[None]:
+    """`work(*args)` on `executor`'s thread once the card's thread is not on its way to a step (`card_busy`), or
+    CARD_BUSY_MAX_SECONDS after now at the latest; on that thread's own database connection, dropped first if it
+    broke (a database restart). A failure is logged."""
+    latest = time.monotonic() + CARD_BUSY_MAX_SECONDS
+
+    def run() -> None:
+        _card_free.wait(max(0.0, latest - time.monotonic()))
+        close_old_connections()
+        _logged(work, *args)
+
+    return executor.submit(run)
 
 
 def _logged(work: Callable[..., Any], *args: Any) -> None:

@@ -12,6 +12,8 @@ from django.utils import timezone
 
 from genserver.jobs import services
 from genserver.jobs.models import Job, JobStage, JobStatus
+from genserver.redis_client import LEAD_IN, STAGE_SECONDS_KEY, client as redis_client
+from tests.support.broker import capture_sends
 from tests.support.jobs import make_job
 
 pytestmark = pytest.mark.django_db(transaction=True)  # the claim's follow-ups run on commit
@@ -115,3 +117,50 @@ def test_a_release_that_fails_is_logged_and_the_claim_stands(django_user_model, 
     assert services.claim_chunk(job.pk, CARD, 0) is not None
     assert Job.objects.get(pk=job.pk).lease_owner == CARD
     assert "background work broken(" in caplog.text and "database went away" in caplog.text
+
+
+def test_an_encode_finished_by_its_claimer_is_one_statement_then_its_chunk_is_published_first(
+    django_user_model, monkeypatch
+):
+    """The encode task passes the row it claimed: the finish is one compare-and-set, and the chunk's publish is the
+    first thing after it commits (the log line, the event and the lead-in learned come after)."""
+    order: list[tuple] = capture_sends(monkeypatch, "send_chunk")
+    monkeypatch.setattr(services.observe, "_report", lambda *args: order.append(("report",)))
+    monkeypatch.setattr(services.transitions.events, "publish", lambda job_id, kind: order.append(("event", kind)))
+    redis_client().delete(STAGE_SECONDS_KEY)
+    job = make_job(django_user_model.objects.create_user("encoded"), status=JobStatus.QUEUED, stage=JobStage.QUEUED)
+    Job.objects.filter(pk=job.pk).update(published_at=timezone.now() - timedelta(seconds=2))
+    claimed = services.start_encoding(job.pk, CARD)
+    order.clear()
+    with transaction.atomic():
+        with CaptureQueriesContext(connection) as statements:
+            assert services.finish_encoding(job.pk, CARD, "embeddings/y.pt", claimed=claimed)
+        assert order == []  # nothing is published before the row commits
+    on_the_job = [q["sql"] for q in statements.captured_queries if "jobs_job" in q["sql"]]
+    assert len(on_the_job) == 1 and on_the_job[0].startswith("UPDATE") and "RETURNING" in on_the_job[0], on_the_job
+    assert order[0] == ("chunk", job.pk, 0, job.queue, job.priority) and ("event", "waiting") in order[1:]
+    read = Job.objects.get(pk=job.pk)
+    assert (read.status, read.stage, read.embeddings_key, read.lease_owner) == (
+        JobStatus.DENOISING,
+        JobStage.WAITING,
+        "embeddings/y.pt",
+        "",
+    )
+    assert read.published_at > claimed.published_at  # its chunk's publish, which the queue picture counts from
+    learned = float(redis_client().hget(STAGE_SECONDS_KEY, f"{job.model}:{LEAD_IN}"))
+    assert learned == pytest.approx((read.published_at - claimed.published_at).total_seconds())
+
+
+def test_an_encode_cancelled_while_it_ran_ends_cancelled_without_its_chunk(django_user_model, monkeypatch):
+    sent = capture_sends(monkeypatch, "send_chunk")
+    job = make_job(django_user_model.objects.create_user("cancelled"), status=JobStatus.QUEUED, stage=JobStage.QUEUED)
+    claimed = services.start_encoding(job.pk, CARD)
+    Job.objects.filter(pk=job.pk).update(cancel_requested=True)
+    assert services.finish_encoding(job.pk, CARD, "embeddings/z.pt", claimed=claimed)
+    assert Job.objects.get(pk=job.pk).status == JobStatus.CANCELLED and sent == []
+    # Another worker's lease (the reaper gave the encode away): nothing changes.
+    other = make_job(job.owner, status=JobStatus.QUEUED, stage=JobStage.QUEUED)
+    claimed = services.start_encoding(other.pk, CARD)
+    Job.objects.filter(pk=other.pk).update(lease_owner="card1@test:1")
+    assert not services.finish_encoding(other.pk, CARD, "embeddings/z.pt", claimed=claimed)
+    assert Job.objects.get(pk=other.pk).status == JobStatus.ENCODING and sent == []

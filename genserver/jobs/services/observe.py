@@ -3,7 +3,8 @@
 A leaf (`_common` imports it): every transition that changes `status` calls
 `transition()`, the first step calls `first_step()`. Both act after the
 transaction commits (a rolled-back change is not reported), read the row
-once more, and never raise: a log or a metric must not fail a job.
+once more, and never raise: a log or a metric must not fail a job. In a worker
+they act on its background thread (events.in_background), off the card's path.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from django.db import transaction
 from django.utils import timezone
 
 from genserver import metrics
+from genserver.jobs import events
 from genserver.jobs.models import Job, JobStatus
 
 # Its own logger, so the format and level of these lines are set apart from the rest (settings.LOGGING).
@@ -46,7 +48,7 @@ def transition(job_id: JobId, from_status: str, to_status: str, *, worker: str =
     """Report a status change once it commits (at once outside a transaction)."""
     if from_status == to_status:
         return
-    transaction.on_commit(lambda: _report(job_id, str(from_status), str(to_status), worker, step))
+    transaction.on_commit(lambda: events.in_background(_report, job_id, str(from_status), str(to_status), worker, step))
 
 
 def recorded(job: Job) -> None:
@@ -57,7 +59,12 @@ def recorded(job: Job) -> None:
 
 
 def first_step(job_id: JobId, now: datetime) -> None:
-    """The job's first denoising step began: observe its wait (arrival → first step) in its class."""
+    """The job's first denoising step began: observe its wait (arrival → first step) in its class (on a worker's
+    background thread: the card is about to step)."""
+    events.in_background(_observe_wait, job_id, now)
+
+
+def _observe_wait(job_id: JobId, now: datetime) -> None:
     row = Job.objects.filter(pk=job_id).values_list("duration_class", "created_at").first()
     if row is not None:
         metrics.observe(metrics.JOB_WAIT, row[0], (now - row[1]).total_seconds())

@@ -7,6 +7,7 @@ workers or a redelivered message race and exactly one wins.
 from __future__ import annotations
 
 import logging
+from datetime import datetime
 from typing import Any
 
 from django.db import transaction
@@ -71,7 +72,28 @@ def claim_encode_batch(job: Job, worker: str, limit: int) -> list[Job]:
     return [taken for pk in list(candidates) if (taken := start_encoding(pk, worker)) is not None]
 
 
-def finish_encoding(job_id: JobId, worker: str, embeddings_key: str) -> bool:
+def finish_encoding(job_id: JobId, worker: str, embeddings_key: str, claimed: Job | None = None) -> bool:
+    """Record the job's embeddings and publish its first chunk. False when this worker no longer holds its encode.
+
+    `claimed`: the worker's copy of the row as `start_encoding` took it (its `published_at` says when the encode
+    was published, what LEAD_IN learns); with it, the common case (not cancelled meanwhile) is one compare-and-set
+    and the chunk's publish the first thing after it, on the path from submit to first step. Without it, or when a
+    cancel arrived while it encoded, a locked read and save."""
+    if claimed is not None:
+        now = timezone.now()
+        encoded = update_returning(
+            job_id,
+            Q(lease_owner=worker, status=JobStatus.ENCODING, cancel_requested=False),
+            embeddings_key=embeddings_key,
+            lease_owner="",
+            lease_expires_at=None,
+            status=JobStatus.DENOISING,
+            stage=JobStage.WAITING,
+            published_at=now,
+        )
+        if encoded is not None:
+            transaction.on_commit(lambda: _first_chunk_published(encoded, claimed.published_at, worker))
+            return True
     with transaction.atomic():
         job = Job.objects.select_for_update().filter(pk=job_id, lease_owner=worker, status=JobStatus.ENCODING).first()
         if job is None:
@@ -80,16 +102,21 @@ def finish_encoding(job_id: JobId, worker: str, embeddings_key: str) -> bool:
         job.lease_owner, job.lease_expires_at = "", None
         if end_if_cancelled(job):
             return True
-        now, encode_published = timezone.now(), job.published_at  # its encode message's publish (or release)
-        job.status, job.stage, job.published_at = JobStatus.DENOISING, JobStage.WAITING, now
+        encode_published = job.published_at  # its encode message's publish (or release)
+        job.status, job.stage, job.published_at = JobStatus.DENOISING, JobStage.WAITING, timezone.now()
         job.save()
-        if encode_published is not None:
-            lead_in = (now - encode_published).total_seconds()
-            transaction.on_commit(lambda: learn_stage_seconds(job.model, LEAD_IN, lead_in))
-        observe.transition(job.pk, JobStatus.ENCODING, JobStatus.DENOISING, worker=worker)
-        announce_on_commit(job_id, "waiting")
-        transaction.on_commit(lambda: _publish_first_chunk(job))
+        transaction.on_commit(lambda: _first_chunk_published(job, encode_published, worker))
     return True
+
+
+def _first_chunk_published(job: Job, encode_published: datetime | None, worker: str) -> None:
+    """After the encoded job's row committed: its chunk first, then what no card waits for."""
+    _publish_first_chunk(job)
+    observe.transition(job.pk, JobStatus.ENCODING, JobStatus.DENOISING, worker=worker)
+    events.publish_soon(job.pk, "waiting")
+    if encode_published is not None and job.published_at is not None:
+        lead_in = (job.published_at - encode_published).total_seconds()
+        events.in_background(learn_stage_seconds, job.model, LEAD_IN, lead_in)
 
 
 def _publish_first_chunk(job: Job) -> None:
