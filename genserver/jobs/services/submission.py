@@ -133,21 +133,23 @@ def submit(owner: Any, data: dict[str, Any], idempotency_key: str = "") -> tuple
         job = _record_job(
             owner, spec, data, est, queue, idempotency_key, fingerprint(recorded), charge, embeddings, held
         )
-        transaction.on_commit(lambda: metrics.count_submit(job.duration_class))
+        # Once the row commits, in this order: the cut mark (before a card can claim the job and clear it), the
+        # message (the job's dispatch waits for it), then what nobody waits for: the metrics and the log line.
         if ahead:
             transaction.on_commit(lambda: fairness.mark_ahead(job.id))
-        observe.recorded(job)
         if held:
             pass  # published by fairness.release_held when one of the owner's jobs in the queue starts or ends
         elif embeddings:
-            transaction.on_commit(lambda: metrics.count_embedding_cache(1, 0))  # a miss is counted by encode
             transaction.on_commit(
                 lambda: publish_or_leave_to_reaper(broker.send_chunk, job.id, 0, job.queue, job.priority)
             )
+            transaction.on_commit(lambda: metrics.count_embedding_cache(1, 0))  # a miss is counted by encode
         else:
             transaction.on_commit(
                 lambda: publish_or_leave_to_reaper(broker.send_encode, job.id, job.priority, job.queue)
             )
+        transaction.on_commit(lambda: metrics.count_submit(job.duration_class))
+        observe.recorded(job)
     return job, snapshot.with_new_job(job)
 
 
