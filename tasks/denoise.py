@@ -130,6 +130,9 @@ def _run_chunk(task, job_id: str, from_step: int, free_since: float) -> str:
 def _held_back_by_the_long_cap(task, job_id: str, from_step: int, worker: str) -> bool:
     """A long chunk met at the overload cap goes back to its queue (unclaimed, at its priority) and this
     worker stops reading long queues until the cap lets it (workers/long_cap.py)."""
+    delivered_from = (task.request.delivery_info or {}).get("routing_key")  # the queue the message came from
+    if delivered_from and class_of(delivered_from) != LONG:
+        return False  # the common case: not a long chunk, no read at all
     if not selectors.long_cap_state().engaged:  # the common case: one Redis read, no database read
         return False
     found = selectors.queue_and_priority(job_id)

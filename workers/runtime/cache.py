@@ -1,6 +1,7 @@
-"""The per-process model cache: load lazily, keep under a byte budget, evict least recently used.
+"""The per-process caches: models (load lazily, keep under a byte budget, evict least recently used), and the
+prompt embeddings read from storage.
 
-Keyed by (model, stage): an encode task loads the model's text encoders, a denoise
+Models are keyed by (model, stage): an encode task loads the model's text encoders, a denoise
 task its UNet or transformer, a decode task its VAE (components.py), so a worker
 that serves all three holds each component once. The budget counts real bytes
 (parameters + buffers × element size) of what is loaded.
@@ -12,7 +13,9 @@ import importlib
 import logging
 import os
 from collections import OrderedDict
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from genserver.registry import ModelSpec
 
@@ -133,3 +136,58 @@ def model_cache() -> ModelCache:
 def loaded_models() -> list[str]:
     """Models loaded in this process (the solo pool runs tasks here), for the worker heartbeat."""
     return _cache.loaded() if _cache is not None and _cache.pid == os.getpid() else []
+
+
+class EmbeddingsCache:
+    """Prompt embeddings this process has read, by storage key, under a byte budget (least recently used out).
+
+    A key names the text encoder and the prompts (storage.keys.embeddings_key), so an entry never goes stale. The
+    families read embeddings and never change them in place (each step takes `.to(device, dtype)` copies), so
+    every job of a prompt shares one dict. An entry larger than the whole budget is not kept.
+    """
+
+    def __init__(self, budget_bytes: int) -> None:
+        self.budget_bytes = budget_bytes
+        self._entries: OrderedDict[str, tuple[dict[str, Any], int]] = OrderedDict()
+        self.hits = self.misses = 0
+
+    def get(self, key: str, read: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+        """The embeddings stored under `key`: from memory, else `read()` (and kept)."""
+        found = self._entries.get(key)
+        if found is not None:
+            self._entries.move_to_end(key)
+            self.hits += 1
+            return found[0]
+        self.misses += 1
+        embeddings = read()
+        size = _tensor_bytes(embeddings)
+        if size <= self.budget_bytes:
+            self._entries[key] = (embeddings, size)
+            while self.used_bytes() > self.budget_bytes:
+                self._entries.popitem(last=False)
+        return embeddings
+
+    def used_bytes(self) -> int:
+        return sum(size for _, size in self._entries.values())
+
+
+def _tensor_bytes(value: Any) -> int:
+    if isinstance(value, dict):
+        return sum(_tensor_bytes(v) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return sum(_tensor_bytes(v) for v in value)
+    numel, element_size = getattr(value, "numel", None), getattr(value, "element_size", None)
+    return numel() * element_size() if callable(numel) and callable(element_size) else 0
+
+
+_embeddings: EmbeddingsCache | None = None
+
+
+def embeddings_cache() -> EmbeddingsCache:
+    """This process's embeddings cache (GENSERVER_EMBEDDINGS_CACHE_BYTES; created on first use)."""
+    global _embeddings
+    if _embeddings is None:
+        from django.conf import settings
+
+        _embeddings = EmbeddingsCache(settings.EMBEDDINGS_CACHE_BYTES)
+    return _embeddings

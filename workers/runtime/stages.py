@@ -19,6 +19,7 @@ import torch
 from genserver.storage import Storage, keys
 
 from .base import DenoiseState, Family, GenerationRequest
+from .cache import embeddings_cache
 from .common import png_bytes
 
 
@@ -67,7 +68,7 @@ def encode(family: Family, storage: Storage, requests: list[GenerationRequest]) 
 def load_state(
     family: Family, storage: Storage, request: GenerationRequest, embeddings_ref: str, checkpoint_ref: str
 ) -> DenoiseState:
-    embeddings = _from_bytes(storage.get(embeddings_ref))
+    embeddings = embeddings_cache().get(embeddings_ref, lambda: _from_bytes(storage.get(embeddings_ref)))
     if not checkpoint_ref:
         return family.prepare(request, embeddings)
     data = _from_bytes(storage.get(checkpoint_ref))
