@@ -5,7 +5,9 @@ client cares about (status and stage, progress at each heartbeat, a preview,
 outputs, an error, the end). Once the transaction commits, `publish`:
 
 1. renders the job once with the API's own representation (the renderer the
-   jobs app registers at start-up: the serializer of GET /api/v1/jobs/{id}/);
+   jobs app registers at start-up: the serializer of GET /api/v1/jobs/{id}/),
+   under the job's own short lock until step 2 is done, since several processes
+   publish one job's events (`_one_writer`);
 2. appends `{event, job, terminal}` to the job's capped Redis stream
    (`EVENT_LOG`, MAXLEN EVENTS_LOG_LENGTH, expiring EVENTS_TTL_SECONDS after
    its last event): the entry id is the SSE `id:`, so a client reconnecting
@@ -30,15 +32,17 @@ an event finds it in the log.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 from uuid import UUID
 
+import redis
 from django.conf import settings
 from django.db import close_old_connections, transaction
 
@@ -152,13 +156,51 @@ def publish_on_commit(job_id: UUID | str, kind: str) -> None:
     transaction.on_commit(lambda: publish_soon(job_id, kind))
 
 
+# A job's events are published by several processes (the API, its encode worker, each card a chunk of it runs on,
+# its decode worker). Each renders the row as it reads it, then appends: two of them rendering and appending at the
+# same time could append the older picture last, and a stream would see the job go back (step 5, then step 1). So a
+# job's render and append happen under its own short Redis lock; it expires on its own if its holder dies.
+PUBLISH_LOCK = "genserver:job-events-lock:{job_id}"
+PUBLISH_LOCK_SECONDS = 5.0  # held at most this long (a holder that died)
+PUBLISH_LOCK_WAIT_SECONDS = 2.0  # then the event goes out without it: a late event beats a lost one
+
+
+@contextlib.contextmanager
+def _one_writer(job_ids: list[UUID | str]) -> Iterator[None]:
+    """These jobs' events are rendered and appended by this thread alone inside the block (locks taken in one order,
+    so two publishers of overlapping sets never wait on each other)."""
+    with contextlib.ExitStack() as held:
+        for job_id in sorted(str(j) for j in job_ids):
+            lock = redis_client().lock(
+                PUBLISH_LOCK.format(job_id=job_id),
+                timeout=PUBLISH_LOCK_SECONDS,
+                sleep=0.002,
+                blocking_timeout=PUBLISH_LOCK_WAIT_SECONDS,
+            )
+            if lock.acquire():
+                held.callback(_release, lock)
+            else:
+                log.debug(
+                    "published job %s's event without its lock (held past %s s)", job_id, PUBLISH_LOCK_WAIT_SECONDS
+                )
+        yield
+
+
+def _release(lock: Any) -> None:
+    try:
+        lock.release()
+    except redis.exceptions.LockError:  # it expired meanwhile: another publisher may hold it now
+        pass
+
+
 def publish(job_id: UUID | str, kind: str) -> str | None:
     """Append the job's current representation to its event log and wake its streams; the entry id, or None."""
     try:
-        job = Job.objects.select_related("owner").prefetch_related("segments").filter(pk=job_id).first()
-        if job is None:
-            return None
-        return _append(job, kind, _render([job])[0])
+        with _one_writer([job_id]):
+            job = Job.objects.select_related("owner").prefetch_related("segments").filter(pk=job_id).first()
+            if job is None:
+                return None
+            return _append(job, kind, _render([job])[0])
     except Exception:
         log.warning("could not publish the %s event of job %s", kind, job_id, exc_info=True)
         return None
@@ -201,9 +243,10 @@ def publish_queue_moved(queue: str) -> int:
         watched = [pk for pk, (_name, subscribers) in zip(waiting, counts) if subscribers]
         if not watched:
             return 0
-        jobs = list(Job.objects.select_related("owner").prefetch_related("segments").filter(pk__in=watched))
-        for job, body in zip(jobs, _render(jobs)):
-            _append(job, "queue", body)
+        with _one_writer(watched):
+            jobs = list(Job.objects.select_related("owner").prefetch_related("segments").filter(pk__in=watched))
+            for job, body in zip(jobs, _render(jobs)):
+                _append(job, "queue", body)
         return len(jobs)
     except Exception:
         log.warning("could not refresh the watched jobs of queue %s", queue, exc_info=True)

@@ -161,6 +161,40 @@ def test_a_queue_move_refreshes_only_the_watched_waiting_jobs(api, redis_conn):
     pubsub.close()
 
 
+@pytest.mark.django_db(transaction=True)  # the publisher runs in a thread of its own
+def test_a_publisher_waits_for_another_publishing_the_same_job(api, redis_conn, monkeypatch):
+    """Several processes publish one job's events (its encode worker, each card a chunk runs on): each renders the
+    row and appends it under the job's lock, so an older picture is never appended after a newer one (a stream
+    that saw step 5, then step 1)."""
+    import threading
+
+    from tests.support.api import submit
+
+    job_id = submit(api, steps=10).json()["id"]
+    other = redis_conn.lock(events.PUBLISH_LOCK.format(job_id=job_id), timeout=30)
+    assert other.acquire()  # another process is between its render and its append
+    trying = threading.Event()
+    real_lock = redis_conn.lock
+
+    def watched_lock(name, **kwargs):
+        lock = real_lock(name, **kwargs)
+        acquire = lock.acquire
+        lock.acquire = lambda *a, **k: trying.set() or acquire(*a, **k)
+        return lock
+
+    monkeypatch.setattr(redis_conn, "lock", watched_lock)
+    monkeypatch.setattr(events, "redis_client", lambda: redis_conn)
+    publisher = threading.Thread(target=events.publish, args=(job_id, "progress"))
+    publisher.start()
+    assert trying.wait(30)
+    redis_conn.xadd(events.log_key(job_id), {"event": "theirs"})  # the other's append, while it holds the lock
+    other.release()
+    publisher.join(30)
+    logged = [fields[b"event"] for _, fields in redis_conn.xrange(events.log_key(job_id))]
+    assert logged == [b"theirs", b"progress"]
+    assert not redis_conn.exists(events.PUBLISH_LOCK.format(job_id=job_id))  # released once appended
+
+
 # --- the hub: one subscription and one read per entry for every stream of a process ------------------
 
 

@@ -7,6 +7,7 @@ import io
 
 import torch
 
+from genserver.storage import keys
 from workers.runtime import stages
 from workers.runtime.cache import EmbeddingsCache
 
@@ -46,8 +47,11 @@ def test_an_entry_larger_than_the_budget_is_read_every_time():
 
 
 class CountingStorage:
-    def __init__(self, blobs: dict[str, bytes]) -> None:
-        self.blobs, self.reads = blobs, []
+    def __init__(self, blobs: dict[str, bytes], where: str = "/var/storage") -> None:
+        self.blobs, self.reads, self.where = blobs, [], where
+
+    def describe(self) -> str:
+        return self.where
 
     def get(self, key: str) -> bytes:
         self.reads.append(key)
@@ -64,9 +68,17 @@ def test_load_state_reads_a_prompts_embeddings_from_storage_once(monkeypatch):
     monkeypatch.setattr(stages, "embeddings_cache", lambda: cache)
     buffer = io.BytesIO()
     torch.save(embeddings(1), buffer)
-    key = "embeddings/tiny-sd/0123abcd.pt"
-    storage = CountingStorage({key: buffer.getvalue()})
+    key = keys.embeddings_key(keys.encoder_identity("unet", "tiny-sd"), "a red fox", "")
+    storage = CountingStorage({key: buffer.getvalue(), "embeddings/by-hand.pt": buffer.getvalue()})
     first = stages.load_state(PreparingFamily(), storage, None, key, "")
     again = stages.load_state(PreparingFamily(), storage, None, key, "")
     assert again is first and storage.reads == [key]
     assert torch.equal(first["prompt_embeds"], embeddings(1)["prompt_embeds"])
+    # A key that does not name its content may be written again with other embeddings: read every time.
+    stages.load_state(PreparingFamily(), storage, None, "embeddings/by-hand.pt", "")
+    stages.load_state(PreparingFamily(), storage, None, "embeddings/by-hand.pt", "")
+    assert storage.reads == [key, "embeddings/by-hand.pt", "embeddings/by-hand.pt"]
+    # The same key in another store is another entry.
+    elsewhere = CountingStorage({key: buffer.getvalue()}, where="s3://other")
+    stages.load_state(PreparingFamily(), elsewhere, None, key, "")
+    assert elsewhere.reads == [key]

@@ -139,9 +139,10 @@ def loaded_models() -> list[str]:
 
 
 class EmbeddingsCache:
-    """Prompt embeddings this process has read, by storage key, under a byte budget (least recently used out).
+    """Prompt embeddings this process has read, by storage and key, under a byte budget (least recently used out).
 
-    A key names the text encoder and the prompts (storage.keys.embeddings_key), so an entry never goes stale. The
+    Only keys that name their content are kept (storage.keys.names_its_content: the text encoder and the prompts'
+    digest), so an entry never goes stale. The
     families read embeddings and never change them in place (each step takes `.to(device, dtype)` copies), so
     every job of a prompt shares one dict. An entry larger than the whole budget is not kept.
     """

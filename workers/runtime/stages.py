@@ -68,13 +68,24 @@ def encode(family: Family, storage: Storage, requests: list[GenerationRequest]) 
 def load_state(
     family: Family, storage: Storage, request: GenerationRequest, embeddings_ref: str, checkpoint_ref: str
 ) -> DenoiseState:
-    embeddings = embeddings_cache().get(embeddings_ref, lambda: _from_bytes(storage.get(embeddings_ref)))
+    embeddings = _embeddings(storage, embeddings_ref)
     if not checkpoint_ref:
         return family.prepare(request, embeddings)
     data = _from_bytes(storage.get(checkpoint_ref))
     if int(data.get("steps", request.steps)) != request.steps:
         return restore_for_new_total(family, request, embeddings, data)
     return family.restore(request, embeddings, data)
+
+
+def _embeddings(storage: Storage, ref: str) -> dict[str, Any]:
+    """The prompt embeddings stored under `ref`; kept in this process's memory when the key names its content."""
+
+    def read() -> dict[str, Any]:
+        return _from_bytes(storage.get(ref))
+
+    if not keys.names_its_content(ref):
+        return read()
+    return embeddings_cache().get(f"{storage.describe()} {ref}", read)
 
 
 def restore_for_new_total(
