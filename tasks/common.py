@@ -44,17 +44,19 @@ def family_of(job: Job, stage: str) -> Family:
     return model_cache().get(deployment.registry().get(job.model), stage)
 
 
-def preload(job_id: str, stage: str) -> bool:
+def preload(job_id: str, stage: str, model: str = "") -> bool:
     """Load the job's model (the components of `stage`) before taking its lease: a slow load must not
-    look like a dead worker.
+    look like a dead worker. `model`: the job's model as its message names it (read from the job without one,
+    or when the registry no longer has it).
 
-    False when there is no such job (a message for a deleted job)."""
+    False when there is no such job (a message for a deleted job; with `model` given, the claim finds that)."""
     from genserver.jobs.selectors import model_of
 
-    model = model_of(job_id)
-    if model is None:
+    registry = deployment.registry()
+    name = model if model in registry else model_of(job_id)
+    if name is None:
         return False
-    model_cache().get(deployment.registry().get(model), stage)
+    model_cache().get(registry.get(name), stage)
     return True
 
 

@@ -99,22 +99,23 @@ _free_since = time.time()
 
 
 @shared_task(name=broker.CHUNK_TASK.name, bind=True)
-def run_chunk(self, job_id: str, from_step: int) -> str:
+def run_chunk(self, job_id: str, from_step: int, model: str = "") -> str:
+    """`model`: the job's model, when the publisher had the job (broker.send_chunk); else it is read."""
     global _free_since
     free_since = _free_since
     events.card_busy()  # to the first step, this process's background threads wait (genserver/jobs/events.py)
     try:
-        return _run_chunk(self, job_id, from_step, free_since)
+        return _run_chunk(self, job_id, from_step, free_since, model)
     finally:
         events.card_stepping()
         _free_since = time.time()
 
 
-def _run_chunk(task, job_id: str, from_step: int, free_since: float) -> str:
+def _run_chunk(task, job_id: str, from_step: int, free_since: float, model: str) -> str:
     worker = worker_id(task)
-    if _held_back_by_the_long_cap(task, job_id, from_step, worker):
+    if _held_back_by_the_long_cap(task, job_id, from_step, worker, model):
         return Outcome.SKIPPED
-    if not preload(job_id, "denoise"):
+    if not preload(job_id, "denoise", model):
         return Outcome.SKIPPED
     job = services.claim_chunk(job_id, worker, from_step)
     if job is None:
@@ -127,7 +128,7 @@ def _run_chunk(task, job_id: str, from_step: int, free_since: float) -> str:
     return _denoise(members, worker, hop_from=job.published_at.timestamp() if found_idle else None)
 
 
-def _held_back_by_the_long_cap(task, job_id: str, from_step: int, worker: str) -> bool:
+def _held_back_by_the_long_cap(task, job_id: str, from_step: int, worker: str, model: str = "") -> bool:
     """A long chunk met at the overload cap goes back to its queue (unclaimed, at its priority) and this
     worker stops reading long queues until the cap lets it (workers/long_cap.py)."""
     delivered_from = (task.request.delivery_info or {}).get("routing_key")  # the queue the message came from
@@ -139,7 +140,7 @@ def _held_back_by_the_long_cap(task, job_id: str, from_step: int, worker: str) -
     if found is None or class_of(found[0]) != LONG or not selectors.must_leave_long(worker):
         return False
     queue, priority = found
-    broker.send_chunk(job_id, from_step, queue, priority)
+    broker.send_chunk(job_id, from_step, queue, priority, model)
     long_cap.pause(task.app, task.request.hostname, _consumed_queues(queue))
     return True
 

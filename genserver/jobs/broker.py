@@ -55,9 +55,11 @@ PING_TASK = TaskRoute("tasks.probe.ping", "")  # bench/overhead.py picks the que
 # --- publishing ----------------------------------------------------------------------
 
 
-def _send(task: TaskRoute, args: list[Any], priority: int | None = None, queue: str = "") -> None:
+def _send(
+    task: TaskRoute, args: list[Any], priority: int | None = None, queue: str = "", kwargs: dict[str, Any] | None = None
+) -> None:
     options: dict[str, Any] = {} if priority is None else {"priority": priority}
-    app.send_task(task.name, args=args, queue=queue or task.queue, **options)
+    app.send_task(task.name, args=args, kwargs=kwargs, queue=queue or task.queue, **options)
 
 
 _ARRIVED_SECONDS = 10  # how long a published chunk's wake-up waits for a card that holds for it
@@ -81,10 +83,11 @@ def send_encode(job_id: UUID, priority: int, chunk_queue: str = "") -> None:
     _send(ENCODE_TASK, [str(job_id)], priority)
 
 
-def send_chunk(job_id: UUID, from_step: int, queue: str, priority: int) -> None:
+def send_chunk(job_id: UUID, from_step: int, queue: str, priority: int, model: str = "") -> None:
     """The next denoise chunk goes to the job's queue (its class, or its model's own class queue)
-    at its current priority band."""
-    _send(CHUNK_TASK, [str(job_id), from_step], priority, queue=queue)
+    at its current priority band. `model`, where the caller has the job: the card loads it without reading
+    the job first (a read on the path to the first step)."""
+    _send(CHUNK_TASK, [str(job_id), from_step], priority, queue=queue, kwargs={"model": model} if model else None)
 
 
 def arrived(job_id: UUID, queue: str) -> None:

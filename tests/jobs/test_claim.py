@@ -138,7 +138,7 @@ def test_an_encode_finished_by_its_claimer_is_one_statement_then_its_chunk_is_pu
         assert order == []  # nothing is published before the row commits
     on_the_job = [q["sql"] for q in statements.captured_queries if "jobs_job" in q["sql"]]
     assert len(on_the_job) == 1 and on_the_job[0].startswith("UPDATE") and "RETURNING" in on_the_job[0], on_the_job
-    assert order[0] == ("chunk", job.pk, 0, job.queue, job.priority) and ("event", "waiting") in order[1:]
+    assert order[0] == ("chunk", job.pk, 0, job.queue, job.priority, job.model) and ("event", "waiting") in order[1:]
     read = Job.objects.get(pk=job.pk)
     assert (read.status, read.stage, read.embeddings_key, read.lease_owner) == (
         JobStatus.DENOISING,

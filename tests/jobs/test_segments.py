@@ -200,7 +200,7 @@ def test_admin_retry_of_a_failed_video_restarts_at_the_first_unpublished_segment
         segment_service.start_segment_decode(video.pk, 1, "dec")
         assert segment_service.fail_segment_decode(video.pk, 1, "dec", "boom") == "failed"
     sent.clear()
-    capture_sends(monkeypatch, into=sent, send_chunk=lambda job_id, step, q, p: ("chunk", step))
+    capture_sends(monkeypatch, into=sent, send_chunk=lambda job_id, step, q, p, *model: ("chunk", step))
     assert services.retry_failed(Job.objects.get(pk=video.pk))
     job = Job.objects.get(pk=video.pk)
     assert (job.status, job.checkpoint_step, job.steps_done, job.checkpoint_key) == ("denoising", 20, 20, "")
@@ -223,7 +223,7 @@ def test_admin_retry_of_a_video_failed_midway_through_a_segment_resumes_at_its_k
         assert services.fail_attempt(video.pk, "card", "RuntimeError: boom") == "failed"
     assert [e.key for e in storage.list(f"checkpoints/{video.pk}")] == [f"checkpoints/{video.pk}/s30.pt"]
     sent.clear()
-    capture_sends(monkeypatch, into=sent, send_chunk=lambda job_id, step, q, p: ("chunk", step))
+    capture_sends(monkeypatch, into=sent, send_chunk=lambda job_id, step, q, p, *model: ("chunk", step))
     assert services.retry_failed(Job.objects.get(pk=video.pk))
     job = Job.objects.get(pk=video.pk)
     assert (job.status, job.checkpoint_step, job.steps_done) == ("denoising", 30, 30)

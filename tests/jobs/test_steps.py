@@ -189,7 +189,7 @@ def test_a_waiting_job_given_more_steps_continues_with_them(api, sent):
     assert (job.status, job.steps, job.steps_requested, job.checkpoint_step) == ("denoising", 12, 20, 5)
     assert job.estimated_seconds == pytest.approx(before.estimated_seconds * 12 / 20)
     if job.priority != before.priority:  # re-published at its new priority; the older message is a harmless duplicate
-        assert sent == [("chunk", job.pk, 5, job.queue, job.priority)]
+        assert sent == [("chunk", job.pk, 5, job.queue, job.priority, job.model)]
     claimed = services.claim_chunk(job_id, "card0:1", 5)
     assert claimed is not None and claimed.steps == 12
     assert services.claim_chunk(job_id, "card0:2", 5) is None  # the duplicate
@@ -227,7 +227,7 @@ def test_a_held_job_given_more_steps_is_republished_from_where_its_worker_stoppe
         6,
         "",
     )
-    assert sent == [("chunk", job.pk, 6, job.queue, job.priority)]
+    assert sent == [("chunk", job.pk, 6, job.queue, job.priority, job.model)]
     # Stopped before any new step (no checkpoint): continues from the recorded one.
     denoising(job_id, done=6, held_by="card0:2")
     Job.objects.filter(pk=job_id).update(steps=40)

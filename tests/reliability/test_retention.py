@@ -95,7 +95,7 @@ def test_a_failed_job_keeps_its_latest_checkpoint_and_a_retry_resumes_there(
     assert services.retry_failed(job)
     job = job_row(job.pk)
     assert (job.status, job.checkpoint_step, job.steps_done, job.attempts) == ("denoising", 10, 10, 0)
-    assert sent == [("chunk", job.pk, 10, job.queue, job.priority)]
+    assert sent == [("chunk", job.pk, 10, job.queue, job.priority, job.model)]
 
 
 def test_retention_removes_a_failed_jobs_checkpoint_after_its_ttl(
@@ -113,7 +113,7 @@ def test_retention_removes_a_failed_jobs_checkpoint_after_its_ttl(
     assert services.expire_failed_checkpoints() == 0  # idempotent
     sent = capture_sends(monkeypatch, "send_chunk")
     assert services.retry_failed(job)  # from the start now
-    assert sent == [("chunk", job.pk, 0, job.queue, job.priority)]
+    assert sent == [("chunk", job.pk, 0, job.queue, job.priority, job.model)]
 
 
 def _ended_job_with_files(owner, ended_ago: float, status: str = JobStatus.SUCCEEDED) -> Job:

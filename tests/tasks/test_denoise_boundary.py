@@ -116,7 +116,7 @@ def test_a_checkpoint_interval_writes_at_kept_boundaries_only_when_due_and_alway
     assert denoise.run_chunk.apply(args=[str(job.pk), 0]).get() == "step 3"
     row = Job.objects.get(pk=job.pk)
     assert saved_at == [3] and (row.checkpoint_step, row.steps_done) == (3, 3)
-    assert sent == [("chunk", job.pk, 3, row.queue, row.priority)]
+    assert sent == [("chunk", job.pk, 3, row.queue, row.priority, row.model)]
     monkeypatch.setattr(denoise.broker, "should_yield", lambda *args, **kwargs: False)
     assert denoise.run_chunk.apply(args=[str(job.pk), 3]).get() == "step 6"
     assert saved_at == [3, 6] and Job.objects.get(pk=job.pk).status == JobStatus.DECODING
@@ -153,7 +153,9 @@ def test_a_fault_between_checkpoints_redoes_the_unsaved_chunks_from_the_last_one
     assert denoise.run_chunk.apply(args=[str(job.pk), 0]).get() == "retried"
     row = Job.objects.get(pk=job.pk)
     assert saved_at == [] and (row.status, row.checkpoint_step, row.attempts) == (JobStatus.DENOISING, 0, 1)
-    assert sent == [("chunk", job.pk, 0, row.queue, row.priority)]  # retried from the last checkpoint: the start
+    assert sent == [
+        ("chunk", job.pk, 0, row.queue, row.priority, row.model)
+    ]  # retried from the last checkpoint: the start
 
     monkeypatch.setattr(denoise.broker, "should_yield", lambda *args, **kwargs: False)
     assert denoise.run_chunk.apply(args=[str(job.pk), 0]).get() == "step 6"

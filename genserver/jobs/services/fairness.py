@@ -102,12 +102,12 @@ def stored_embeddings_key(job: Job) -> str:
         return ""
 
 
-def publish_new(job_id: Any, status: str, queue: str, priority: int) -> None:
+def publish_new(job_id: Any, status: str, queue: str, priority: int, model: str = "") -> None:
     """A new (or just released) job's first message: encode, or its first chunk when its embeddings are stored.
     A broker that is down leaves it to the reaper (its `published_at` is set)."""
     try:
         if status == JobStatus.DENOISING:
-            broker.send_chunk(job_id, 0, queue, priority)
+            broker.send_chunk(job_id, 0, queue, priority, model)
         else:
             broker.send_encode(job_id, priority, queue)
     except Exception:  # noqa: BLE001 - the row says published: the reaper re-publishes a missing message
@@ -148,7 +148,7 @@ def _release_one(pk: Any) -> bool:
         if not Job.objects.filter(pk=pk, held=True, status=job.status).update(**fields):
             return False
         status = fields.get("status", job.status)
-        transaction.on_commit(lambda: publish_new(pk, status, job.queue, job.priority))
+        transaction.on_commit(lambda: publish_new(pk, status, job.queue, job.priority, job.model))
         events.publish_on_commit(pk, "released")  # its position and ETA changed
     return True
 

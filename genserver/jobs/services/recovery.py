@@ -70,7 +70,7 @@ def republish(job: Job) -> None:
     if job.status in (JobStatus.QUEUED, JobStatus.ENCODING):
         broker.send_encode(job.id, job.priority)
     elif job.status == JobStatus.DENOISING:
-        broker.send_chunk(job.id, job.checkpoint_step, job.queue, job.priority)
+        broker.send_chunk(job.id, job.checkpoint_step, job.queue, job.priority, job.model)
     elif job.status == JobStatus.DECODING and job.segment_count > 1:
         segment_service.republish_decodes(job)  # the missing segment decodes, or the assembly
     elif job.status == JobStatus.DECODING:

@@ -76,7 +76,7 @@ def change_steps(job: Job, new_steps: int) -> Job:
             if job.status == JobStatus.DENOISING and not held and job.priority != before:
                 transaction.on_commit(
                     lambda: publish_or_leave_to_reaper(
-                        broker.send_chunk, job.id, job.checkpoint_step, job.queue, job.priority
+                        broker.send_chunk, job.id, job.checkpoint_step, job.queue, job.priority, job.model
                     )
                 )
         total = job.steps
@@ -154,7 +154,7 @@ def release_for_new_total(job_id: JobId, worker: str, step: int, checkpoint_key:
             job.save()
             transaction.on_commit(
                 lambda: publish_or_leave_to_reaper(
-                    broker.send_chunk, job.id, job.checkpoint_step, job.queue, job.priority
+                    broker.send_chunk, job.id, job.checkpoint_step, job.queue, job.priority, job.model
                 )
             )
     return True

@@ -141,7 +141,7 @@ def submit(owner: Any, data: dict[str, Any], idempotency_key: str = "") -> tuple
             pass  # published by fairness.release_held when one of the owner's jobs in the queue starts or ends
         elif embeddings:
             transaction.on_commit(
-                lambda: publish_or_leave_to_reaper(broker.send_chunk, job.id, 0, job.queue, job.priority)
+                lambda: publish_or_leave_to_reaper(broker.send_chunk, job.id, 0, job.queue, job.priority, job.model)
             )
             transaction.on_commit(lambda: metrics.count_embedding_cache(1, 0))  # a miss is counted by encode
         else:

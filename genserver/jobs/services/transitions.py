@@ -121,7 +121,7 @@ def _first_chunk_published(job: Job, encode_published: datetime | None, worker: 
 
 def _publish_first_chunk(job: Job) -> None:
     """The encoded job's chunk, then the end of its announcement (a card holding at a boundary stops holding)."""
-    broker.send_chunk(job.id, job.checkpoint_step, job.queue, job.priority)
+    broker.send_chunk(job.id, job.checkpoint_step, job.queue, job.priority, job.model)
     broker.arrived(job.id, job.queue)
 
 
@@ -310,7 +310,7 @@ def finish_chunk(
                 job.stage = JobStage.WAITING
                 job.save()
                 announce_on_commit(job_id, "waiting")
-                transaction.on_commit(lambda: broker.send_chunk(job.id, step, job.queue, job.priority))
+                transaction.on_commit(lambda: broker.send_chunk(job.id, step, job.queue, job.priority, job.model))
     if learn:
         learn_from_chunk(job, step_seconds, worker)
     return True
