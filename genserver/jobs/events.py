@@ -39,7 +39,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any
+from typing import Any, TypeVar
 from uuid import UUID
 
 import redis
@@ -50,6 +50,7 @@ from genserver.jobs.models import Job
 from genserver.redis_client import client as redis_client
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 EVENT_LOG = "genserver:job-events:{job_id}"  # a Redis stream per job: the events a reconnect may replay
 EVENT_CHANNEL = "genserver:job-events-notify:{job_id}"  # pub/sub: "a new entry is in the log"
@@ -206,6 +207,19 @@ def publish(job_id: UUID | str, kind: str) -> str | None:
         return None
 
 
+def snapshot(job_id: UUID | str, render: Callable[[], T]) -> tuple[str, T]:
+    """The id of the job's newest logged event ("0-0" when none) and `render()`, taken together under the job's
+    lock: every event logged after that id was rendered after this render (a new stream's first frame), so a
+    stream that starts from it never sees the job go back."""
+    with _one_writer([job_id]):
+        newest = redis_client().xrevrange(log_key(job_id), count=1)
+        return (_text(newest[0][0]) if newest else "0-0"), render()
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
 def _append(job: Job, kind: str, body: dict[str, Any]) -> str:
     terminal = job.is_terminal
     entry = {
@@ -214,13 +228,23 @@ def _append(job: Job, kind: str, body: dict[str, Any]) -> str:
         "terminal": "1" if terminal else "0",
     }
     conn = redis_client()
+    if terminal and (end := _logged_end(conn, job.pk, entry["event"])):
+        return end  # a late publisher (its transition came before the end) adds nothing after the end
     pipe = conn.pipeline(transaction=True)
     pipe.xadd(log_key(job.pk), entry, maxlen=settings.EVENTS_LOG_LENGTH, approximate=False)
     pipe.expire(log_key(job.pk), int(settings.EVENTS_TTL_SECONDS))
-    entry_id = pipe.execute()[0]
-    entry_id = entry_id.decode() if isinstance(entry_id, bytes) else str(entry_id)
+    entry_id = _text(pipe.execute()[0])
     conn.publish(channel(job.pk), entry_id)
     return entry_id
+
+
+def _logged_end(conn: Any, job_id: UUID | str, event: str) -> str:
+    """The id of the log's last entry when it is already this end of the job (`event`, terminal), else ""."""
+    newest = conn.xrevrange(log_key(job_id), count=1)
+    if not newest:
+        return ""
+    fields = {_text(k): _text(v) for k, v in newest[0][1].items()}
+    return _text(newest[0][0]) if fields.get("terminal") == "1" and fields.get("event") == event else ""
 
 
 def publish_queue_moved(queue: str) -> int:

@@ -195,6 +195,56 @@ def test_a_publisher_waits_for_another_publishing_the_same_job(api, redis_conn, 
     assert not redis_conn.exists(events.PUBLISH_LOCK.format(job_id=job_id))  # released once appended
 
 
+@pytest.mark.django_db(transaction=True)  # the snapshot runs in a thread of its own
+def test_a_new_streams_snapshot_waits_for_a_publisher_between_its_render_and_its_append(api, redis_conn, monkeypatch):
+    """A new stream's first frame (the job now, and the log's newest id) is taken under the job's lock: an event
+    another process rendered before it and logs after it is in the snapshot's log position, not after it."""
+    import threading
+
+    from tests.support.api import submit
+
+    job_id = submit(api, steps=10).json()["id"]
+    other = redis_conn.lock(events.PUBLISH_LOCK.format(job_id=job_id), timeout=30)
+    assert other.acquire()
+    trying, taken = threading.Event(), []
+    real_lock = redis_conn.lock
+
+    def watched_lock(name, **kwargs):
+        lock = real_lock(name, **kwargs)
+        acquire = lock.acquire
+        lock.acquire = lambda *a, **k: trying.set() or acquire(*a, **k)
+        return lock
+
+    monkeypatch.setattr(redis_conn, "lock", watched_lock)
+    monkeypatch.setattr(events, "redis_client", lambda: redis_conn)
+    reader = threading.Thread(target=lambda: taken.append(events.snapshot(job_id, lambda: "the job now")))
+    reader.start()
+    assert trying.wait(30)
+    theirs = redis_conn.xadd(events.log_key(job_id), {"event": "theirs"}).decode()  # rendered before, logged now
+    other.release()
+    reader.join(30)
+    assert taken == [(theirs, "the job now")]  # the stream replays from after it: nothing older comes later
+
+
+@pytest.mark.django_db
+def test_nothing_is_logged_after_a_jobs_end_but_a_new_end(api, redis_conn):
+    """A publisher whose transition came before the end renders the ended job: it adds no second end. A job taken
+    up again (an admin's retry) logs as before."""
+    from genserver.jobs.models import Job, JobStatus
+    from tests.support.api import submit
+
+    job_id = submit(api, steps=10).json()["id"]
+    api.post(f"/api/v1/jobs/{job_id}/cancel/")  # ends it at once: the terminal event
+    ended = redis_conn.xrange(events.log_key(job_id))
+    assert ended[-1][1][b"terminal"] == b"1"
+    assert events.publish(job_id, "decoding") == ended[-1][0].decode()  # late: rendered as cancelled
+    assert events.publish(job_id, "cancelled") == ended[-1][0].decode()
+    assert redis_conn.xrange(events.log_key(job_id)) == ended
+    Job.objects.filter(pk=job_id).update(status=JobStatus.QUEUED)  # taken up again
+    events.publish(job_id, "queued")
+    assert redis_conn.xrange(events.log_key(job_id))[-1][1][b"event"] == b"queued"
+
+
 # --- the hub: one subscription and one read per entry for every stream of a process ------------------
 
 

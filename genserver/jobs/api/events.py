@@ -296,6 +296,10 @@ def _visible_status(user: Any, job_id: Any) -> str | None:
     return selectors.jobs_visible_to(user).filter(pk=job_id).values_list("status", flat=True).first()
 
 
+def _snapshot(user: Any, job_id: str) -> tuple[str, dict[str, Any] | None]:
+    return events.snapshot(job_id, lambda: _visible_job(user, job_id))
+
+
 def _visible_job(user: Any, job_id: Any) -> dict[str, Any] | None:
     job = selectors.jobs_visible_to(user).select_related("owner").prefetch_related("segments").filter(pk=job_id).first()
     return render_jobs([job])[0] if job is not None else None
@@ -349,13 +353,12 @@ async def _stream(base: str, job_id: str, status: str, last_id: str, user: Any) 
         if last_id and status in events.TERMINAL_EVENTS and not await conn.xrange(log_key, min=f"({last_id}", count=1):
             last_id = ""  # ended, and its log no longer holds what came after: the job as it ended
         if not last_id:
-            newest = await conn.xrevrange(log_key, count=1)
-            last_id = _text(newest[0][0]) if newest else "0-0"
-            # The job as it is now, read after the log's newest entry: an event is logged after its
-            # transition commits, so whatever came before `last_id` is in this row, and whatever comes
-            # after is replayed from the log below. (Read before, a terminal event logged in between was
-            # skipped, and the stream waited on a job that had ended.)
-            current = await _closing_db(_visible_job)(user, job_id)
+            # The job as it is now, with the log's newest entry, both under the job's publish lock
+            # (events.snapshot): whatever was logged up to `last_id` is in this row, and whatever is logged after
+            # it was rendered after this row and is replayed from the log below. (The row read before the log's
+            # newest entry skipped a terminal event logged in between; read apart from it, an event rendered
+            # before this row but logged after showed the job going back.)
+            last_id, current = await _closing_db(_snapshot)(user, job_id)
             if current is None:  # deleted since the check
                 return
             yield f"retry: {RETRY_MS}\n".encode() + _frame(base, last_id, current)
