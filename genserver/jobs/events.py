@@ -169,7 +169,7 @@ PUBLISH_LOCK_WAIT_SECONDS = 2.0  # then the event goes out without it: a late ev
 @contextlib.contextmanager
 def _one_writer(job_ids: list[UUID | str]) -> Iterator[None]:
     """These jobs' events are rendered and appended by this thread alone inside the block (locks taken in one order,
-    so two publishers of overlapping sets never wait on each other)."""
+    so two publishers of overlapping sets never deadlock)."""
     with contextlib.ExitStack() as held:
         for job_id in sorted(str(j) for j in job_ids):
             lock = redis_client().lock(
