@@ -27,8 +27,17 @@ if __name__ == "__main__":
         "torch_threads": torch.get_num_threads() if torch is not None else None,
         "random": random.random(),
     }
-    with open(sys.argv[1], "w") as out:
+    # Written whole, then renamed into place: a test that waits for the file to exist never reads it half-written
+    # (seen once in CI: the supervisor test read an empty file).
+    target = sys.argv[1]
+    if os.path.exists(target) and not os.path.isfile(target):  # /dev/null: written in place, never replaced
+        partial = target
+    else:
+        partial = f"{target}.{os.getpid()}.partial"
+    with open(partial, "w") as out:
         json.dump(report, out)
+    if partial != target:
+        os.replace(partial, target)
     if sys.argv[2:] == ["wait"]:
         while True:
             time.sleep(0.05)
