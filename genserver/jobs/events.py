@@ -213,10 +213,11 @@ def snapshot(job_id: UUID | str, render: Callable[[], T]) -> tuple[str, T]:
     stream that starts from it never sees the job go back."""
     with _one_writer([job_id]):
         newest = redis_client().xrevrange(log_key(job_id), count=1)
-        return (_text(newest[0][0]) if newest else "0-0"), render()
+        return (as_text(newest[0][0]) if newest else "0-0"), render()
 
 
-def _text(value: Any) -> str:
+def as_text(value: Any) -> str:
+    """A Redis reply (bytes, or str on a client that decodes) as text."""
     return value.decode() if isinstance(value, bytes) else str(value)
 
 
@@ -233,7 +234,7 @@ def _append(job: Job, kind: str, body: dict[str, Any]) -> str:
     pipe = conn.pipeline(transaction=True)
     pipe.xadd(log_key(job.pk), entry, maxlen=settings.EVENTS_LOG_LENGTH, approximate=False)
     pipe.expire(log_key(job.pk), int(settings.EVENTS_TTL_SECONDS))
-    entry_id = _text(pipe.execute()[0])
+    entry_id = as_text(pipe.execute()[0])
     conn.publish(channel(job.pk), entry_id)
     return entry_id
 
@@ -243,8 +244,8 @@ def _logged_end(conn: Any, job_id: UUID | str, event: str) -> str:
     newest = conn.xrevrange(log_key(job_id), count=1)
     if not newest:
         return ""
-    fields = {_text(k): _text(v) for k, v in newest[0][1].items()}
-    return _text(newest[0][0]) if fields.get("terminal") == "1" and fields.get("event") == event else ""
+    fields = {as_text(k): as_text(v) for k, v in newest[0][1].items()}
+    return as_text(newest[0][0]) if fields.get("terminal") == "1" and fields.get("event") == event else ""
 
 
 def publish_queue_moved(queue: str) -> int:

@@ -161,18 +161,13 @@ def test_a_queue_move_refreshes_only_the_watched_waiting_jobs(api, redis_conn):
     pubsub.close()
 
 
-@pytest.mark.django_db(transaction=True)  # the publisher runs in a thread of its own
-def test_a_publisher_waits_for_another_publishing_the_same_job(api, redis_conn, monkeypatch):
-    """Several processes publish one job's events (its encode worker, each card a chunk runs on): each renders the
-    row and appends it under the job's lock, so an older picture is never appended after a newer one (a stream
-    that saw step 5, then step 1)."""
+def another_publisher_holds_the_lock(job_id: str, redis_conn, monkeypatch):
+    """(another process's hold on the job's publish lock, between its render and its append; an event set once
+    this process tries to take the lock)."""
     import threading
 
-    from tests.support.api import submit
-
-    job_id = submit(api, steps=10).json()["id"]
     other = redis_conn.lock(events.PUBLISH_LOCK.format(job_id=job_id), timeout=30)
-    assert other.acquire()  # another process is between its render and its append
+    assert other.acquire()
     trying = threading.Event()
     real_lock = redis_conn.lock
 
@@ -184,6 +179,20 @@ def test_a_publisher_waits_for_another_publishing_the_same_job(api, redis_conn, 
 
     monkeypatch.setattr(redis_conn, "lock", watched_lock)
     monkeypatch.setattr(events, "redis_client", lambda: redis_conn)
+    return other, trying
+
+
+@pytest.mark.django_db(transaction=True)  # the publisher runs in a thread of its own
+def test_a_publisher_waits_for_another_publishing_the_same_job(api, redis_conn, monkeypatch):
+    """Several processes publish one job's events (its encode worker, each card a chunk runs on): each renders the
+    row and appends it under the job's lock, so an older picture is never appended after a newer one (a stream
+    that saw step 5, then step 1)."""
+    import threading
+
+    from tests.support.api import submit
+
+    job_id = submit(api, steps=10).json()["id"]
+    other, trying = another_publisher_holds_the_lock(job_id, redis_conn, monkeypatch)
     publisher = threading.Thread(target=events.publish, args=(job_id, "progress"))
     publisher.start()
     assert trying.wait(30)
@@ -204,19 +213,8 @@ def test_a_new_streams_snapshot_waits_for_a_publisher_between_its_render_and_its
     from tests.support.api import submit
 
     job_id = submit(api, steps=10).json()["id"]
-    other = redis_conn.lock(events.PUBLISH_LOCK.format(job_id=job_id), timeout=30)
-    assert other.acquire()
-    trying, taken = threading.Event(), []
-    real_lock = redis_conn.lock
-
-    def watched_lock(name, **kwargs):
-        lock = real_lock(name, **kwargs)
-        acquire = lock.acquire
-        lock.acquire = lambda *a, **k: trying.set() or acquire(*a, **k)
-        return lock
-
-    monkeypatch.setattr(redis_conn, "lock", watched_lock)
-    monkeypatch.setattr(events, "redis_client", lambda: redis_conn)
+    other, trying = another_publisher_holds_the_lock(job_id, redis_conn, monkeypatch)
+    taken: list = []
     reader = threading.Thread(target=lambda: taken.append(events.snapshot(job_id, lambda: "the job now")))
     reader.start()
     assert trying.wait(30)

@@ -142,14 +142,15 @@ class EmbeddingsCache:
     """Prompt embeddings this process has read, by storage and key, under a byte budget (least recently used out).
 
     Only keys that name their content are kept (storage.keys.names_its_content: the text encoder and the prompts'
-    digest), so an entry never goes stale. The
-    families read embeddings and never change them in place (each step takes `.to(device, dtype)` copies), so
-    every job of a prompt shares one dict. An entry larger than the whole budget is not kept.
+    digest), so an entry never goes stale. The families read embeddings and never change them in place (each step
+    takes `.to(device, dtype)` copies), so every job of a prompt shares one dict. An entry larger than the whole
+    budget is not kept.
     """
 
     def __init__(self, budget_bytes: int) -> None:
         self.budget_bytes = budget_bytes
         self._entries: OrderedDict[str, tuple[dict[str, Any], int]] = OrderedDict()
+        self._used = 0
         self.hits = self.misses = 0
 
     def get(self, key: str, read: Callable[[], dict[str, Any]]) -> dict[str, Any]:
@@ -164,12 +165,13 @@ class EmbeddingsCache:
         size = _tensor_bytes(embeddings)
         if size <= self.budget_bytes:
             self._entries[key] = (embeddings, size)
-            while self.used_bytes() > self.budget_bytes:
-                self._entries.popitem(last=False)
+            self._used += size
+            while self._used > self.budget_bytes:
+                self._used -= self._entries.popitem(last=False)[1][1]
         return embeddings
 
     def used_bytes(self) -> int:
-        return sum(size for _, size in self._entries.values())
+        return self._used
 
 
 def _tensor_bytes(value: Any) -> int:

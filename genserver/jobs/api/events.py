@@ -75,10 +75,6 @@ def _sort_key(entry_id: str) -> tuple[int, int]:
     return int(ms), int(seq or 0)
 
 
-def _text(value: Any) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)
-
-
 def _absolute(base: str, body: dict[str, Any]) -> dict[str, Any]:
     """The body's relative URLs prefixed with `base` (scheme://host of the request, no trailing slash)."""
 
@@ -110,7 +106,7 @@ class Entry:
 
     @classmethod
     def from_redis(cls, entry_id: Any, fields: dict[bytes, bytes]) -> Entry:
-        return cls(_text(entry_id), _text(fields[b"job"]), fields.get(b"terminal") == b"1")
+        return cls(events.as_text(entry_id), events.as_text(fields[b"job"]), fields.get(b"terminal") == b"1")
 
     def frame(self, base: str) -> bytes:
         found = self.frames.get(base)
@@ -186,7 +182,7 @@ class Hub:
                 await asyncio.sleep(RESUBSCRIBE_SECONDS)
 
     def _on_message(self, message: dict[str, Any]) -> None:
-        job_id = _text(message["channel"]).rpartition(":")[2]
+        job_id = events.as_text(message["channel"]).rpartition(":")[2]
         followed = self.jobs.get(job_id)
         if followed is None:
             return
@@ -332,7 +328,7 @@ async def job_events(request: HttpRequest, job_id: Any) -> HttpResponseBase:
     last_id = last_id if ENTRY_ID.match(last_id) else ""  # not one of ours: start afresh
     if last_id and status in events.TERMINAL_EVENTS:
         log_tail = await _redis().xrevrange(events.log_key(job_id), count=1)
-        if log_tail and _text(log_tail[0][0]) == last_id:
+        if log_tail and events.as_text(log_tail[0][0]) == last_id:
             return HttpResponse(status=204)  # the client has the terminal event: stop reconnecting
     base = request.build_absolute_uri("/").rstrip("/")
     response = StreamingHttpResponse(_stream(base, job_id, status, last_id, user), content_type="text/event-stream")
