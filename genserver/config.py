@@ -318,6 +318,16 @@ def card_gib() -> float | None:
     return env_float("GENSERVER_CARD_GIB", 0.0, above=0)
 
 
+def embeddings_cache_bytes() -> int:
+    """Bytes of prompt embeddings a denoise worker keeps in host memory after reading them (0: none).
+
+    A first chunk of a known prompt and every chunk resumed after a yield read them again. More: fewer
+    storage reads (a deserialisation each; a GET from an object store); less: host memory left to the rest.
+    Read here, not from Django settings, so the runtime runs without Django (bench/gpu_bench.py).
+    """
+    return env_int("GENSERVER_EMBEDDINGS_CACHE_BYTES", 256 * 1024**2, minimum=0)
+
+
 def vae_tile_above_pixels() -> int:
     """Pixels per frame above which the VAE decodes in tiles (0: always tile)."""
     return env_int("GENSERVER_VAE_TILE_ABOVE_PIXELS", 768 * 768, minimum=0)

@@ -314,10 +314,8 @@ EFFECTIVE_TFLOPS = env_float("GENSERVER_EFFECTIVE_TFLOPS", 450.0, above=0)
 ENCODE_BATCH = env_int("GENSERVER_ENCODE_BATCH", 8, minimum=1)
 # Byte budget of the per-worker model cache (least recently used out first).
 MODEL_CACHE_BYTES = env_int("GENSERVER_MODEL_CACHE_BYTES", 40 * 1024**3, minimum=0)
-# Prompt embeddings a denoise worker keeps in host memory after reading them from storage (least recently used out):
-# a first chunk of a known prompt and every chunk resumed after a yield read them again. More: fewer storage reads
-# (a deserialisation each; a GET from an object store); less: host memory left to the rest. 0 reads them every time.
-EMBEDDINGS_CACHE_BYTES = env_int("GENSERVER_EMBEDDINGS_CACHE_BYTES", 256 * 1024**2, minimum=0)
+# Prompt embeddings a denoise worker keeps in host memory (least recently used out); what it trades: config.py.
+EMBEDDINGS_CACHE_BYTES = config.embeddings_cache_bytes()
 
 # --- Scheduling --------------------------------------------------------------------
 # Class thresholds on expected seconds: short < SHORT ≤ medium < MEDIUM ≤ long.

@@ -4,6 +4,10 @@ tiny shape), the download-free tokenizers of the full-size trees, and its refusa
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -36,6 +40,30 @@ def test_per_model_routine_runs_stock_and_ours_on_the_same_modules(model, tmp_pa
     row = result.row()
     assert row.startswith(f"| {model} | 64×64") and row.endswith("| yes |")
     assert row.count("|") == gpu_bench.TABLE_HEADER.splitlines()[0].count("|")
+
+
+def test_runs_where_django_is_not_installed(tmp_path):
+    # The GPU machine's image has torch and transformers but no Django: the benchmark (and the model
+    # runtime under it) must run without it. A child process where `import django` fails runs one model.
+    copy_tiny_models(tmp_path / "models")
+    script = textwrap.dedent(
+        f"""
+        import sys
+        sys.modules["django"] = None  # import django: ImportError, as where it is not installed
+        from pathlib import Path
+        from bench import gpu_bench
+        from genserver.registry import load_registry
+        from genserver.storage import LocalStorage
+        tmp = Path({str(tmp_path)!r})
+        spec = gpu_bench.config_tree_with_tokenizers(load_registry().get("tiny-sdxl"), tmp, tmp)
+        request = gpu_bench.bench_request(spec, *gpu_bench.TINY["tiny-sdxl"])
+        result = gpu_bench.bench_model(spec, request, "cpu", "checkpoint", LocalStorage(tmp / "storage"))
+        assert result.bit_exact and "django.conf" not in sys.modules
+        """
+    )
+    env = {k: v for k, v in os.environ.items() if k != "DJANGO_SETTINGS_MODULE"}
+    done = subprocess.run([sys.executable, "-c", script], cwd=REPO, env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
 
 
 @pytest.mark.parametrize(

@@ -17,6 +17,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from genserver import config
 from genserver.registry import ModelSpec
 
 from . import group
@@ -190,7 +191,5 @@ def embeddings_cache() -> EmbeddingsCache:
     """This process's embeddings cache (GENSERVER_EMBEDDINGS_CACHE_BYTES; created on first use)."""
     global _embeddings
     if _embeddings is None:
-        from django.conf import settings
-
-        _embeddings = EmbeddingsCache(settings.EMBEDDINGS_CACHE_BYTES)
+        _embeddings = EmbeddingsCache(config.embeddings_cache_bytes())
     return _embeddings
