@@ -20,10 +20,12 @@ import os
 from collections.abc import Iterator
 from typing import Protocol
 
-from .base import StorageError, StoredEntry, StoredObject
+from .base import Data, StorageError, StoredEntry, StoredObject, data_size
 from .local import LocalStorage
 
 __all__ = [
+    "Data",
+    "data_size",
     "Storage",
     "StorageError",
     "LocalStorage",
@@ -37,7 +39,7 @@ __all__ = [
 class Storage(Protocol):
     """What every backend offers; the model runtime, the tasks and the services use only this."""
 
-    def put(self, key: str, data: bytes) -> str: ...
+    def put(self, key: str, data: Data) -> str: ...
 
     def get(self, key: str) -> bytes: ...
 

@@ -5,6 +5,19 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import BinaryIO
 
+# What `put` writes: bytes, or parts written one after another (a checkpoint's header, then each tensor's
+# own memory: workers/runtime/blob.py), so a large object never passes through an intermediate buffer.
+Data = bytes | bytearray | list[bytes | bytearray | memoryview]
+
+
+def joined(data: Data) -> bytes | bytearray:
+    """`data` as one buffer (a backend that sends one body)."""
+    return bytearray().join(data) if isinstance(data, list) else data
+
+
+def data_size(data: Data) -> int:
+    return sum(memoryview(part).nbytes for part in data) if isinstance(data, list) else len(data)
+
 
 class StorageError(RuntimeError):
     """A key that does not exist, or a write or read the backend refused; the text says which and why."""

@@ -12,7 +12,7 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
-from .base import StorageError, StoredEntry, StoredObject, check_key
+from .base import Data, StorageError, StoredEntry, StoredObject, check_key
 
 
 class LocalStorage:
@@ -26,14 +26,17 @@ class LocalStorage:
         """The file of `key` (this backend only: code that must run on both uses the methods below)."""
         return self.root.joinpath(*check_key(key).split("/"))
 
-    def put(self, key: str, data: bytes) -> str:
+    def put(self, key: str, data: Data) -> str:
         target = self.path(key)
         try:
             target.parent.mkdir(parents=True, exist_ok=True)
             fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=target.parent)
             try:
                 with os.fdopen(fd, "wb") as fh:
-                    fh.write(data)
+                    if isinstance(data, list):
+                        fh.writelines(data)  # each part from its own memory
+                    else:
+                        fh.write(data)
                     fh.flush()
                     os.fsync(fh.fileno())
                 os.replace(tmp, target)

@@ -14,7 +14,7 @@ import os
 from collections.abc import Iterator
 from typing import Any
 
-from .base import StorageError, StoredEntry, StoredObject, check_key
+from .base import Data, StorageError, StoredEntry, StoredObject, check_key, joined
 
 _MISSING = ("NoSuchKey", "404", "NotFound")
 # A store that is out of space or over its quota: no retry helps until someone frees space, so the
@@ -56,9 +56,9 @@ class S3Storage:
     def _key_of(self, name: str) -> str:
         return name[len(self.prefix) + 1 :] if self.prefix else name
 
-    def put(self, key: str, data: bytes) -> str:
+    def put(self, key: str, data: Data) -> str:
         try:
-            self.client.put_object(Bucket=self.bucket, Key=self._object(key), Body=data)
+            self.client.put_object(Bucket=self.bucket, Key=self._object(key), Body=joined(data))
         except Exception as exc:
             raise self._storage_error(exc, "write", key) from exc
         return key

@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from genserver.registry import RegistryError, load_registry
+from workers.runtime import blob
 from workers.runtime.components import build_stage, torch_dtype
-from workers.runtime.stages import _from_bytes, _to_bytes
 
 from .conftest import REPO_ROOT, make_request
 
@@ -179,7 +179,7 @@ def test_a_bf16_state_resumes_bit_exactly_in_another_process(
         state = family.prepare(request, embeddings)
         for _ in range(3):  # past the multistep solvers' warm-up: their history is in the checkpoint
             family.step(state)
-        checkpoint = _from_bytes(_to_bytes(family.checkpoint(state)))
+        checkpoint = blob.loads(blob.dumps(family.checkpoint(state)))
         assert checkpoint["latents"].dtype == (torch.float32 if spec.family == "wan" else torch.bfloat16)
         while not state.done:
             family.step(state)

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from genserver.registry import load_registry
+from workers.runtime import blob
 from workers.runtime.base import Family
 from workers.runtime.cache import FAMILY_ADAPTERS, ModelCache
 from workers.runtime.common import CheckpointMissingError
@@ -27,7 +28,6 @@ from workers.runtime.components import (
     read_config,
     stage_components,
 )
-from workers.runtime.stages import _from_bytes, _to_bytes
 
 from .conftest import make_request
 
@@ -126,12 +126,12 @@ def test_one_stage_workers_never_touch_the_other_stages_weights(model: str, mode
 
     encoder, denoiser, decoder = one_stage("encode"), one_stage("denoise"), one_stage("decode")
     assert denoiser.memory_bytes() == sum(component_bytes(m) for m in denoiser.components.values())
-    embeddings = _from_bytes(_to_bytes(encoder.encode([(request.prompt, request.negative_prompt)])[0]))
+    embeddings = blob.loads(blob.dumps(encoder.encode([(request.prompt, request.negative_prompt)])[0]))
     state = denoiser.prepare(request, embeddings)
     while not state.done:
         denoiser.step(state)
     denoiser.preview(state)
-    saved = _from_bytes(_to_bytes(denoiser.checkpoint(state)))
+    saved = blob.loads(blob.dumps(denoiser.checkpoint(state)))
     ours = decoder.decode(decoder.restore(request, embeddings, saved))
 
     whole = cls(spec, "cpu", models_root)

@@ -20,6 +20,15 @@ def unique(folder: str) -> str:
     return f"{folder}/{uuid.uuid4().hex}"
 
 
+def test_put_writes_parts_one_after_another(storage_backend):
+    # A checkpoint arrives as its header, then each tensor's own memory (workers/runtime/blob.py).
+    storage = default_storage()
+    key = unique("checkpoints") + "/step-00004.pt"
+    parts = [b"head", bytearray(b"-pad-"), memoryview(bytes(range(256))), b""]
+    assert storage.put(key, parts) == key
+    assert storage.get(key) == b"head-pad-" + bytes(range(256))
+
+
 def test_put_get_exists_and_overwrite(storage_backend):
     storage = default_storage()
     key = unique("outputs") + "/0.png"

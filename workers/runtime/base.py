@@ -192,6 +192,8 @@ class Family(ABC):
 
     def checkpoint_fields(self, state: DenoiseState, checkpoint_format: str) -> dict[str, Any]:
         """What every family's checkpoint holds: position, latents, scheduler index and RNG (CPU copies)."""
+        from .common import host_copy  # common imports this module
+
         scheduler = state.scheduler
         # The index the next step will use. None until the first scale_model_input/step,
         # in which case begin_index says where it will start.
@@ -201,7 +203,7 @@ class Family(ABC):
             "model": self.spec.name,
             "step": int(state.step),
             "steps": int(state.request.steps),
-            "latents": state.latents.detach().to("cpu", copy=True),
+            "latents": host_copy(state.latents),
             "scheduler_class": type(scheduler).__name__,
             "scheduler_step_index": int(index),
             "generator_state": state.generator.get_state().clone(),
@@ -212,8 +214,10 @@ class Family(ABC):
     def denoised_field(state: DenoiseState) -> dict[str, Any]:
         """The last step's x0 estimate as a checkpoint entry (none before the first step): what a job
         stopped early decodes, and what a rescheduled one continues from."""
+        from .common import host_copy
+
         denoised = state.extra.get("denoised")
-        return {} if denoised is None else {"denoised": denoised.detach().to("cpu", copy=True)}
+        return {} if denoised is None else {"denoised": host_copy(denoised)}
 
     def final_latents(self, state: DenoiseState) -> Any:
         """What `decode` turns into pixels: the latents of a finished state; for one whose schedule has
