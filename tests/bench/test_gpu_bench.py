@@ -38,7 +38,8 @@ def test_per_model_routine_runs_stock_and_ours_on_the_same_modules(model, tmp_pa
     assert result.save_s > 0 and result.restore_s > 0 and result.preview_s > 0
     assert all(result.weights[stage] > 0 for stage in ("encode", "denoise", "decode"))
     row = result.row()
-    assert row.startswith(f"| {model} | 64×64") and row.endswith("| yes |")
+    assert result.rounds == gpu_bench.ROUNDS  # a tiny model's stock call is short: alternated
+    assert row.startswith(f"| {model} | 64×64") and row.endswith(f"| yes | {gpu_bench.ROUNDS} |")
     assert row.count("|") == gpu_bench.TABLE_HEADER.splitlines()[0].count("|")
 
 
