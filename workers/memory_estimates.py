@@ -15,6 +15,24 @@ from genserver.registry import ModelSpec
 
 GIB = 1024**3
 ACTIVATION_MARGIN = 1.25  # allocator fragmentation and the small tensors the estimate leaves out
+# What the formulas below miss, measured: bench/gpu_bench.py's peak per stage above the resident weights
+# (torch.cuda.max_memory_allocated) on one H200 at the bench's shapes (SDXL and FLUX 1024², Wan 832×480×81;
+# docs/BENCHMARKS.md, "GPU benchmark", 2026-12-04) ÷ the formula with its margin, rounded up to 0.05.
+# The formulas count one block's live tensors; the peaks also hold what sits around it: the VAE's
+# upsampler inputs and, for Wan's causal decoder, the cached frames of every causal convolution; Wan's
+# float32 residual arithmetic and FLUX's joint text + image stream; the encoders' outputs kept while the
+# next encoder runs. Unlisted (family, stage) pairs: 1.0.
+MEASURED_OVER_FORMULA: dict[tuple[str, str], float] = {
+    ("unet", "encode"): 4.2,  # 19.5 MiB against 4.7
+    ("unet", "denoise"): 1.1,  # 327.6 MiB against 306.2
+    ("unet", "decode"): 1.3,  # 2.38 GiB against 1.88
+    ("flux", "encode"): 2.65,  # 92.0 MiB against 35.0
+    ("flux", "denoise"): 1.45,  # 478.1 MiB against 337.5
+    ("flux", "decode"): 1.3,  # 2.38 GiB against 1.88
+    ("wan", "encode"): 3.0,  # 208.5 MiB against 70.0
+    ("wan", "denoise"): 1.25,  # 14B: 7.03 GiB against 5.78 (1.3B: 3.09 GiB against 3.20)
+    ("wan", "decode"): 2.05,  # 4.39 GiB against 2.14
+}
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 
 
@@ -126,7 +144,12 @@ def activation_bytes(spec: ModelSpec, stage: str, shape: Shape) -> int:
              full-resolution channel count (the upsampler's output), per tile when tiled
              (GENSERVER_VAE_TILE_ABOVE_PIXELS), for the frames decoded at once (Wan: 4)
     rows: outputs × 2 with classifier-free guidance (both passes in one call), × 1 for FLUX.
+    Then × MEASURED_OVER_FORMULA: what a card measured beyond the formula.
     """
+    return int(_formula_bytes(spec, stage, shape) * MEASURED_OVER_FORMULA.get((spec.family, stage), 1.0))
+
+
+def _formula_bytes(spec: ModelSpec, stage: str, shape: Shape) -> int:
     cfg_rows = 1 if spec.family == "flux" else 2
     rows = shape.outputs * (cfg_rows if stage != "decode" else 1)
     elem = _elem(spec)

@@ -61,6 +61,27 @@ def test_each_stage_holds_only_its_own_modules(registry):
     }  # tokenizers hold no tensors and are not built on meta
 
 
+# bench/gpu_bench.py on one H200 (2026-12-04, docs/BENCHMARKS.md "GPU benchmark"): each stage's peak above the
+# weights already resident, MiB, at the bench's shapes.
+H200_PEAKS_MIB = {
+    ("sdxl-base-1.0", (1024, 1024, 1)): {"encode": 19.5, "denoise": 327.6, "decode": 2.38 * 1024},
+    ("flux.1-dev", (1024, 1024, 1)): {"encode": 92.0, "denoise": 478.1, "decode": 2.38 * 1024},
+    ("wan2.1-t2v-1.3b", (832, 480, 81)): {"encode": 208.5, "denoise": 3.09 * 1024, "decode": 4.39 * 1024},
+    ("wan2.1-t2v-14b", (832, 480, 81)): {"encode": 208.5, "denoise": 7.03 * 1024, "decode": 4.38 * 1024},
+}
+
+
+@pytest.mark.parametrize("model, shape", list(H200_PEAKS_MIB))
+def test_estimates_cover_what_a_card_measured(registry, model, shape):
+    # A plan that counts less than a card used lets a layout through that runs out of memory.
+    from workers.memory_estimates import Shape, activation_bytes
+
+    for stage, peak_mib in H200_PEAKS_MIB[(model, shape)].items():
+        estimate_mib = activation_bytes(registry.get(model), stage, Shape(*shape)) / 1024**2
+        assert estimate_mib >= peak_mib, f"{model} {stage}: estimated {estimate_mib:.1f} MiB, measured {peak_mib}"
+        assert estimate_mib <= 1.5 * peak_mib, f"{model} {stage}: {estimate_mib:.1f} MiB, far above {peak_mib}"
+
+
 def test_80_gib_card_fits_the_four_models(registry, settings, capsys):
     settings.POOLS = ""  # the generated layout, as the launcher would start it
     status = main(["--registry", str(FULL_SIZE), "--card-gib", "80", "--gpus", "1", "--cache-gib", "40"])
