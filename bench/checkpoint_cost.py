@@ -31,7 +31,7 @@ import torch
 
 from genserver.storage import Data, data_size
 from workers.runtime import blob
-from workers.runtime.common import to_cpu
+from workers.runtime.common import to_cpu, to_device
 
 LATENT_CHANNELS, TEMPORAL, SPATIAL = 16, 4, 8  # Wan 2.1's VAE: 16 channels, 4× in time, 8× in space
 
@@ -131,19 +131,9 @@ def measure(device: str, shape: tuple[int, ...], repeat: int, folder: Path) -> d
             add("restore: read", seconds)
             loaded, seconds = timed(lambda: load(raw), device)  # noqa: B023
             add("restore: deserialise", seconds)
-            _, seconds = timed(lambda: to_device(loaded, device), device)  # noqa: B023
+            _, seconds = timed(lambda: {k: to_device(v, device) for k, v in loaded.items()}, device)  # noqa: B023
             add("restore: host → card", seconds)
     return {path: {part: values[1:] for part, values in parts.items()} for path, parts in rows.items()}
-
-
-def to_device(value: Any, device: str) -> Any:
-    if isinstance(value, torch.Tensor):
-        return value.to(device)
-    if isinstance(value, dict):
-        return {k: to_device(v, device) for k, v in value.items()}
-    if isinstance(value, list):
-        return [to_device(v, device) for v in value]
-    return value
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -17,7 +17,7 @@ import torch
 
 from genserver.registry import load_registry
 from genserver.storage import LocalStorage
-from workers.runtime import stages
+from workers.runtime import blob, stages
 from workers.runtime.base import DenoiseState, Family, GenerationRequest
 from workers.runtime.simulated import SimulatedFamily
 
@@ -144,7 +144,7 @@ def test_each_member_checkpoint_resumes_alone(load_family: Callable[..., Family]
     )
     for request, result in zip(requests, results):
         embeddings = family.encode([(request.prompt, request.negative_prompt)])[0]
-        resumed = family.restore(request, embeddings, stages._from_bytes(storage.get(result.checkpoint_key)))
+        resumed = family.restore(request, embeddings, blob.loads(storage.get(result.checkpoint_key)))
         assert resumed.step == 3
         assert torch.allclose(run_to_end(family, resumed), alone(family, request), atol=LATENT_TOLERANCE, rtol=0)
 
@@ -180,7 +180,7 @@ def test_a_chunk_cut_short_ends_the_whole_batch_at_that_step_with_checkpoints(
         assert result.checkpoint_key == stages.checkpoint_key(request.job_id, 2)
         assert storage.exists(result.checkpoint_key)
         embeddings = family.encode([(request.prompt, request.negative_prompt)])[0]
-        resumed = family.restore(request, embeddings, stages._from_bytes(storage.get(result.checkpoint_key)))
+        resumed = family.restore(request, embeddings, blob.loads(storage.get(result.checkpoint_key)))
         assert torch.allclose(run_to_end(family, resumed), alone(family, request), atol=LATENT_TOLERANCE, rtol=0)
 
 

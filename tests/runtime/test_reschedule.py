@@ -20,7 +20,7 @@ import torch
 from genserver.registry import load_registry
 from genserver.storage import LocalStorage
 from tests.runtime.conftest import make_request, resume_in_child, run_to_end
-from workers.runtime import stages
+from workers.runtime import blob, stages
 from workers.runtime.base import DenoiseState, Family, GenerationRequest
 from workers.runtime.simulated import SimulatedFamily
 
@@ -132,7 +132,7 @@ def test_extending_a_finished_schedule_is_deterministic(get_family, model: str, 
 def saved(family, state, tmp_path: Path) -> tuple[LocalStorage, str, str]:
     """The state's embeddings and checkpoint in storage, as a worker leaves them: (storage, embeddings, checkpoint)."""
     storage = LocalStorage(tmp_path)
-    embeddings_key = storage.put("embeddings/e.pt", stages._to_bytes(state.embeddings))
+    embeddings_key = storage.put("embeddings/e.pt", blob.dumps(state.embeddings))
     return storage, embeddings_key, stages.save_checkpoint(family, storage, state)
 
 
@@ -144,7 +144,7 @@ def test_stop_early_decodes_the_saved_x0_estimate(
     request = request_for(model)
     state = started(family, request, 2)
     storage, embeddings_key, key = saved(family, state, tmp_path)
-    data = stages._from_bytes(storage.get(key))
+    data = blob.loads(storage.get(key))
     assert torch.equal(data["denoised"], state.extra["denoised"].cpu())
     # The job's record now says 2 steps: decode restores the 6-step state and decodes its x0 estimate.
     stopped = dataclasses.replace(request, steps=2)
@@ -169,7 +169,7 @@ def test_load_state_reschedules_a_checkpoint_made_for_another_total(
     state = started(family, request, 3)
     storage, embeddings_key, key = saved(family, state, tmp_path)
     with pytest.raises(ValueError, match="made for 6 steps"):
-        family.restore(dataclasses.replace(request, steps=9), state.embeddings, stages._from_bytes(storage.get(key)))
+        family.restore(dataclasses.replace(request, steps=9), state.embeddings, blob.loads(storage.get(key)))
     loaded = stages.load_state(family, storage, dataclasses.replace(request, steps=9), embeddings_key, key)
     direct = family.reschedule(state, 9)
     assert loaded.step == 3 and loaded.request.steps == 9
@@ -244,12 +244,12 @@ def test_simulated_reschedule_stop_and_extend(simulated: SimulatedFamily, tmp_pa
     # Stopped after 2: the decode is the saved x0 estimate's.
     state = started(simulated, request, 2)
     storage = LocalStorage(tmp_path)
-    embeddings_key = storage.put("embeddings/e.pt", stages._to_bytes(state.embeddings))
+    embeddings_key = storage.put("embeddings/e.pt", blob.dumps(state.embeddings))
     key = stages.save_checkpoint(simulated, storage, state)
     stopped = dataclasses.replace(request, steps=2)
     loaded = stages.load_state(simulated, storage, stopped, embeddings_key, key)
     decoded = pixels(simulated.decode(loaded))
-    data = stages._from_bytes(storage.get(key))
+    data = blob.loads(storage.get(key))
     assert data["steps"] == 6
     finished = DenoiseState(request=stopped, step=2, latents=data["denoised"], embeddings=state.embeddings)
     assert np.array_equal(decoded, pixels(simulated.decode(finished)))

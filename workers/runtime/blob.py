@@ -24,7 +24,13 @@ import torch
 MAGIC = b"GSBLOB1\n"
 ALIGN = 64  # each tensor's bytes start at a multiple of this (aligned loads; any dtype's itemsize divides it)
 _LENGTH_BYTES = 8
-_DTYPES = {str(dtype).removeprefix("torch."): dtype for dtype in (
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+_DTYPES = {_dtype_name(dtype): dtype for dtype in (
     torch.float64, torch.float32, torch.float16, torch.bfloat16,
     torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool,
     torch.complex64, torch.complex128,
@@ -46,8 +52,7 @@ def dump_parts(obj: Any) -> list[bytes | memoryview]:
         offsets.append(_aligned(end))
         end = offsets[-1] + tensor.numel() * tensor.element_size()
     manifest = [
-        {"dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape), "offset": offset}
-        for t, offset in zip(tensors, offsets)
+        {"dtype": _dtype_name(t.dtype), "shape": list(t.shape), "offset": offset} for t, offset in zip(tensors, offsets)
     ]
     body = {"object": described, "tensors": manifest, "bytes": end}  # "bytes": a cut or padded blob is refused
     header = json.dumps(body, separators=(",", ":")).encode()
@@ -90,9 +95,9 @@ def loads(data: bytes | bytearray | memoryview) -> Any:
             raise BlobError(f"blob has {len(view) - expected} bytes after its end: not one whole blob")
         tensors = [_tensor(view, start, entry) for entry in header["tensors"]]
         return _rebuild(header["object"], tensors)
+    except BlobError:
+        raise
     except (KeyError, TypeError, ValueError, IndexError) as exc:
-        if isinstance(exc, BlobError):
-            raise
         raise BlobError(f"blob header unreadable: {exc}") from exc
 
 
@@ -114,7 +119,7 @@ def _as_bytes(tensor: torch.Tensor) -> torch.Tensor:
 
 def _describe(value: Any, tensors: list[torch.Tensor], path: str) -> Any:
     if isinstance(value, torch.Tensor):
-        if str(value.dtype).removeprefix("torch.") not in _DTYPES:
+        if _dtype_name(value.dtype) not in _DTYPES:
             where = path or "the top"
             raise TypeError(f"blob: tensor at {where} has dtype {value.dtype}, not one of {sorted(_DTYPES)}")
         tensors.append(value)
@@ -140,7 +145,7 @@ def _tensor(view: memoryview, start: int, entry: dict[str, Any]) -> torch.Tensor
     dtype = _DTYPES[entry["dtype"]]
     shape = [int(n) for n in entry["shape"]]
     numel = math.prod(shape)
-    itemsize = torch.empty((), dtype=dtype).element_size()
+    itemsize = dtype.itemsize
     offset = start + int(entry["offset"])
     if offset + numel * itemsize > len(view):
         raise BlobError(f"blob truncated: a tensor ends at byte {offset + numel * itemsize}, the blob at {len(view)}")

@@ -21,14 +21,6 @@ from .cache import embeddings_cache
 from .common import png_bytes
 
 
-def _to_bytes(obj: Any) -> list[bytes | memoryview]:
-    return blob.dump_parts(obj)  # tensors and plain values; no pickle, no CRC, no copy (blob.py says why)
-
-
-def _from_bytes(data: bytes | bytearray) -> Any:
-    return blob.loads(data)  # also what torch.save wrote before
-
-
 def checkpoint_key(job_id: str, step: int) -> str:
     return f"checkpoints/{job_id}/step-{step:05d}.pt"
 
@@ -57,7 +49,7 @@ def encode(family: Family, storage: Storage, requests: list[GenerationRequest]) 
             missing[key] = (r.prompt, r.negative_prompt)
     if missing:
         for key, embeddings in zip(missing, family.encode(list(missing.values()))):
-            storage.put(key, _to_bytes(embeddings))
+            storage.put(key, blob.dump_parts(embeddings))
     return [EncodeResult(key, key not in missing) for key in keys]
 
 
@@ -67,7 +59,7 @@ def load_state(
     embeddings = _embeddings(storage, embeddings_ref)
     if not checkpoint_ref:
         return family.prepare(request, embeddings)
-    data = _from_bytes(storage.get(checkpoint_ref))
+    data = blob.loads(storage.get(checkpoint_ref))
     if int(data.get("steps", request.steps)) != request.steps:
         return restore_for_new_total(family, request, embeddings, data)
     return family.restore(request, embeddings, data)
@@ -77,7 +69,7 @@ def _embeddings(storage: Storage, ref: str) -> dict[str, Any]:
     """The prompt embeddings stored under `ref`; kept in this process's memory when the key names its content."""
 
     def read() -> dict[str, Any]:
-        return _from_bytes(storage.get(ref))
+        return blob.loads(storage.get(ref))
 
     if not keys.names_its_content(ref):
         return read()
@@ -203,7 +195,7 @@ def run_merged_chunk(
 def save_chunk_end(family: Family, storage: Storage, state: DenoiseState, result: ChunkResult) -> ChunkResult:
     """Save the atomic checkpoint of a chunk that ran to its end: `result` with where, how large, how long."""
     saving = time.perf_counter()
-    data = _to_bytes(family.checkpoint(state))
+    data = blob.dump_parts(family.checkpoint(state))
     key = storage.put(checkpoint_key(state.request.job_id, state.step), data)
     return dataclasses.replace(
         result, checkpoint_key=key, checkpoint_bytes=data_size(data), checkpoint_seconds=time.perf_counter() - saving
@@ -212,7 +204,7 @@ def save_chunk_end(family: Family, storage: Storage, state: DenoiseState, result
 
 def save_checkpoint(family: Family, storage: Storage, state: DenoiseState) -> str:
     """An atomic checkpoint of `state` outside a chunk's end (a worker stopping for a change of steps)."""
-    return storage.put(checkpoint_key(state.request.job_id, state.step), _to_bytes(family.checkpoint(state)))
+    return storage.put(checkpoint_key(state.request.job_id, state.step), blob.dump_parts(family.checkpoint(state)))
 
 
 def decode(
