@@ -37,10 +37,14 @@ def _free_port() -> int:
 class UpStack:
     """`python -m workers.stack` in its own data directory, ports and worker name, its output in a log file."""
 
-    def __init__(self, worker: str, stdout: int | None = None, *, seeded: bool = True) -> None:
+    def __init__(
+        self, worker: str, stdout: int | None = None, *, seeded: bool = True, derived_redis_port: bool = True
+    ) -> None:
         """`stdout`: a file descriptor for the banner instead of the log (stderr still goes to the log).
         `seeded`: the tiny checkpoints copied in first, as a second `make up` finds them; else the stack
-        generates them, as a user's first `make up` does (7 CPU-s: one stack of the suite does it)."""
+        generates them, as a user's first `make up` does (7 CPU-s: one stack of the suite does it).
+        `derived_redis_port`: the embedded Redis on the port the data directory derives (what `make up`
+        does, 1,000 ports: two stacks of the suite running at once collide now and then); else a free one."""
         self.data_dir = Path(tempfile.mkdtemp(prefix=f"genserver-up-{worker}-"))
         if seeded:
             copy_tiny_models(self.data_dir / "models")
@@ -55,6 +59,7 @@ class UpStack:
         }
         env |= {
             "GENSERVER_DATA_DIR": str(self.data_dir),
+            **({} if derived_redis_port else {"GENSERVER_EMBEDDED_REDIS_PORT": str(_free_port())}),
             "GENSERVER_PORT": str(self.port),
             "FLOWER_PORT": str(self.flower_port),
             "GENSERVER_API_WORKERS": "1",
@@ -180,7 +185,7 @@ def test_a_stack_whose_output_is_gone_stops_what_it_started():
     printing the banner fails, and the stack stops its children instead of leaving them running."""
     read, write = os.pipe()
     os.close(read)  # nobody reads the banner
-    stack = UpStack("gamma", stdout=write)
+    stack = UpStack("gamma", stdout=write, derived_redis_port=False)  # what it stops matters here, not the port
     os.close(write)
     try:
         assert stack.process.wait(timeout=BOOT_SECONDS) != 0
