@@ -71,6 +71,10 @@ class ModelSpec:
     compile: bool = False  # torch.compile the denoiser (per repeated block where diffusers can), warmed up
     attention: str = ""  # a diffusers attention backend (set_attention_backend), "" = the default
     encode_device: str = ""  # "cpu": text encoders on the CPU, for cards too small to keep them
+    # The denoise worker encodes a new prompt itself, before the first step, instead of the encode worker: one
+    # Celery hop and the encode worker's queue fewer on an embedding miss, for the text encoders' memory on every
+    # card that denoises the model (workers/memory_plan.py counts them) and no batching of waiting prompts.
+    encode_on_card: bool = False
 
     def resolved_dtype(self, device: str) -> str:
         """The dtype name weights and latents run in on `device` ("cuda…" or "cpu")."""
@@ -141,6 +145,9 @@ def _spec_from(name: str, raw: dict[str, Any]) -> ModelSpec:
     compile_denoiser = raw.get("compile", False)
     if not isinstance(compile_denoiser, bool):
         raise RegistryError(f"{where}: compile must be true or false, got {compile_denoiser!r}")
+    encode_on_card = raw.get("encode_on_card", False)
+    if not isinstance(encode_on_card, bool):
+        raise RegistryError(f"{where}: encode_on_card must be true or false, got {encode_on_card!r}")
     encode_device = str(raw.get("encode_device", ""))
     if encode_device not in ENCODE_DEVICES:
         raise RegistryError(
@@ -166,6 +173,7 @@ def _spec_from(name: str, raw: dict[str, Any]) -> ModelSpec:
         compile=compile_denoiser,
         attention=str(raw.get("attention", "")),
         encode_device=encode_device,
+        encode_on_card=encode_on_card,
     )
 
 

@@ -13,6 +13,7 @@ from django.db import close_old_connections
 from genserver import config, deployment
 from genserver.jobs import events
 from genserver.jobs.models import Job
+from genserver.metrics import count_embedding_cache
 from genserver.storage import default_storage
 from workers.runtime.base import Family, GenerationRequest
 from workers.runtime.cache import model_cache
@@ -44,10 +45,24 @@ def family_of(job: Job, stage: str) -> Family:
     return model_cache().get(deployment.registry().get(job.model), stage)
 
 
+def card_encoder(job: Job) -> Callable[[], Family] | None:
+    """For a model that encodes on its card (the registry's `encode_on_card`): its text encoders, loaded and
+    the miss counted when a job's embeddings are not stored yet (stages.load_state). None for the others."""
+    spec = deployment.registry().get(job.model)
+    if not spec.encode_on_card:
+        return None
+
+    def encoder() -> Family:
+        events.in_background(count_embedding_cache, 0, 1)  # a Redis round trip the first step need not wait for
+        return model_cache().get(spec, "encode")
+
+    return encoder
+
+
 def preload(job_id: str, stage: str, model: str = "") -> bool:
-    """Load the job's model (the components of `stage`) before taking its lease: a slow load must not
-    look like a dead worker. `model`: the job's model as its message names it (read from the job without one,
-    or when the registry no longer has it).
+    """Load the job's model (the components of `stage`; a denoise of a model that encodes on its card, its
+    text encoders too) before taking its lease: a slow load must not look like a dead worker. `model`: the
+    job's model as its message names it (read from the job without one, or when the registry no longer has it).
 
     False when there is no such job (a message for a deleted job; with `model` given, the claim finds that)."""
     from genserver.jobs.selectors import model_of
@@ -56,7 +71,10 @@ def preload(job_id: str, stage: str, model: str = "") -> bool:
     name = model if model in registry else model_of(job_id)
     if name is None:
         return False
-    model_cache().get(registry.get(name), stage)
+    spec = registry.get(name)
+    model_cache().get(spec, stage)
+    if stage == "denoise" and spec.encode_on_card:
+        model_cache().get(spec, "encode")
     return True
 
 

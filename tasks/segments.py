@@ -26,7 +26,7 @@ from genserver.scheduling.segments import segment_of_step
 from workers.runtime import segments as runtime_segments, stages
 from workers.runtime.base import DenoiseState, Family, GenerationRequest
 
-from .common import family_of, preload, renewing, request_of, storage, worker_id
+from .common import card_encoder, family_of, preload, renewing, request_of, storage, worker_id
 
 
 def job_id_of(request: GenerationRequest) -> str:
@@ -65,7 +65,8 @@ class SegmentCursor:
             index, local = job.segment_count - 1, job.steps
         self.index, self.offset = index, index * job.steps
         resume_from = checkpoint_key if local else ""
-        return stages.load_state(family, store, segment_request(job, index), job.embeddings_key, resume_from)
+        request = segment_request(job, index)
+        return stages.load_state(family, store, request, job.embeddings_key, resume_from, card_encoder(job))
 
     def next_state(self, family: Family, state: DenoiseState) -> DenoiseState:
         """At a segment's end, the next segment's fresh state (same embeddings); else `state` itself."""

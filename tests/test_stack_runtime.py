@@ -80,6 +80,39 @@ def test_repeated_prompt_hits_the_embedding_cache(stack, api):
     assert np.abs(pixels(str(jobs[0].pk)) - pixels(first)).max() > 1  # another seed: another picture
 
 
+def test_a_model_that_encodes_on_its_card_never_queues_a_new_prompt_for_encode(stack, api):
+    """tiny-sd-card (tiny-sd's weights, `encode_on_card`): a new prompt is recorded `denoising` at submit, its
+    card encodes it (a miss, counted once) and stores it, the same prompt again is a hit, and the picture is
+    tiny-sd's through the encode worker."""
+    prompt = f"encoded on the card {uuid.uuid4()}"
+    before = embedding_cache_counts()
+    bodies = [submit(api, model="tiny-sd-card", prompt=prompt, steps=2, seed=3).json()]
+    assert bodies[0]["status"] == "denoising"  # never queued for the encode worker
+    assert finished(bodies[0]["id"]).status == "succeeded", job_row(bodies[0]["id"]).error
+    bodies.append(submit(api, model="tiny-sd-card", prompt=prompt, steps=2, seed=3).json())
+    through_encode = submit(api, model="tiny-sd", prompt=prompt, steps=2, seed=3).json()
+    assert through_encode["status"] == "queued"
+    jobs = [finished(body["id"]) for body in (*bodies[1:], through_encode)]
+    assert [job.status for job in jobs] == ["succeeded", "succeeded"], [job.error for job in jobs]
+
+    # The card counts its miss off its path (a background thread): waited for, as the encode worker's.
+    def misses() -> int:
+        return embedding_cache_counts()["misses"] - before["misses"]
+
+    wait_for(lambda: misses() >= 2, 30, what="the card's and the encode worker's misses counted")
+    after = embedding_cache_counts()
+    assert after["misses"] - before["misses"] == 2 and after["hits"] - before["hits"] == 1
+    assert job_row(bodies[0]["id"]).embeddings_key == jobs[0].embeddings_key != jobs[1].embeddings_key
+
+    def pixels(job_id: str) -> np.ndarray:
+        url = api.get(f"/api/v1/jobs/{job_id}/").json()["outputs"][0]["url"]
+        return np.asarray(Image.open(io.BytesIO(download(api, url))), np.int16)
+
+    # Within one level, as test_repeated_prompt_hits_the_embedding_cache says why.
+    assert np.abs(pixels(bodies[0]["id"]) - pixels(through_encode["id"])).max() <= 1
+    assert np.abs(pixels(bodies[1]["id"]) - pixels(through_encode["id"])).max() <= 1
+
+
 def test_cancelling_a_real_model_during_denoise_skips_decode(stack, api):
     job_id = submit(api, model="tiny-sd", prompt="cancel me", steps=50, width=256, height=256).json()["id"]
     wait_for(lambda: job_row(job_id).steps_done >= 1, 60, what="denoising to start")

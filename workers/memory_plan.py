@@ -106,6 +106,14 @@ def served_models(worker: WorkerSpec, registry: Registry) -> tuple[str, ...]:
     return tuple(n for n in names if n in registry and registry.get(n).backend == "diffusers")
 
 
+def held_stages(stages: tuple[str, ...], spec: ModelSpec) -> tuple[str, ...]:
+    """The stages whose components a worker running `stages` holds for `spec`: a denoise worker of a model that
+    encodes on its card (`encode_on_card`) holds its text encoders as well."""
+    if "denoise" in stages and "encode" not in stages and spec.encode_on_card:
+        return ("encode", *stages)
+    return stages
+
+
 def on_card(spec: ModelSpec, stage: str) -> bool:
     """Whether `stage` of `spec` runs on the worker's card (`encode_device = "cpu"` keeps it in host memory)."""
     return not (stage == "encode" and spec.encode_device == "cpu")
@@ -148,7 +156,7 @@ def _held(card: CardPlan, registry: Registry, model: str) -> list[tuple[str, Com
         (worker.name, c)
         for worker, stages, models in card.workers
         if model in models
-        for stage in stages
+        for stage in held_stages(stages, registry.get(model))
         if on_card(registry.get(model), stage)
         for c in stage_components(registry.get(model), stage)
     ]
@@ -160,7 +168,7 @@ def _headroom(card: CardPlan, registry: Registry, worker: WorkerSpec, shape_of: 
     sizes = [
         (activation_bytes(registry.get(m), stage, shape_of(registry.get(m))), m)
         for m in models
-        for stage in stages
+        for stage in held_stages(stages, registry.get(m))
         if on_card(registry.get(m), stage)
     ]
     return max(sizes, default=(0, ""))
@@ -193,7 +201,7 @@ def _check_card_worst_case(card: CardPlan, registry: Registry, cache_budget: int
         entries = [
             stage_components(registry.get(m), stage)
             for m in models
-            for stage in stages
+            for stage in held_stages(stages, registry.get(m))
             if on_card(registry.get(m), stage)
         ]
         held = worst_cache([e for e in entries if e], cache_budget)

@@ -20,12 +20,13 @@ import os
 from collections.abc import Iterator
 from typing import Protocol
 
-from .base import Data, StorageError, StoredEntry, StoredObject, data_size
+from .base import Data, StorageError, StoredEntry, StoredObject, data_size, joined
 from .local import LocalStorage
 
 __all__ = [
     "Data",
     "data_size",
+    "joined",
     "Storage",
     "StorageError",
     "LocalStorage",

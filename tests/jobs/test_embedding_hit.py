@@ -109,3 +109,23 @@ def test_a_cancelled_hit_ends_at_once_and_its_chunk_does_nothing(api):
     assert api.post(f"/api/v1/jobs/{job_id}/cancel/").status_code in (200, 202)
     assert Job.objects.get(pk=job_id).status == JobStatus.CANCELLED
     assert services.claim_chunk(job_id, "card0@test:1", 0) is None
+
+
+def test_a_miss_of_a_model_that_encodes_on_its_card_publishes_the_first_chunk_with_the_key_to_store(api):
+    """sdxl-turbo-sim has `encode_on_card`: its new prompt skips the encode worker like a hit, recorded with the
+    key its card stores the embeddings under, and counts nothing at submit (the card counts the miss)."""
+    spec = deployment.registry().get("sdxl-turbo-sim")
+    assert spec.encode_on_card
+    prompt = f"encoded by the card {uuid.uuid4()}"
+    before = embedding_cache_counts()
+    body = submit(api, model=spec.name, prompt=prompt).json()
+    job = Job.objects.get(pk=body["id"])
+    key = keys.embeddings_key(keys.encoder_identity(spec.family, spec.name), prompt, "")
+    assert (job.status, job.stage, job.embeddings_key) == (JobStatus.DENOISING, JobStage.WAITING, key)
+    assert not default_storage().exists(key)  # the card writes it before its first step
+    assert waiting(body["id"]) == {job.queue: [broker.CHUNK_TASK.name]}
+    assert embedding_cache_counts() == before
+    store_embeddings(spec.name, prompt)  # once stored, the same prompt is a hit, counted as one
+    submit(api, model=spec.name, prompt=prompt)
+    after = embedding_cache_counts()
+    assert (after["hits"] - before["hits"], after["misses"] - before["misses"]) == (1, 0)

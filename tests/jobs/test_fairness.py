@@ -203,7 +203,7 @@ def test_admission_counts_held_jobs(api):
 
 def test_a_job_released_after_its_embeddings_are_stored_skips_encode(api, monkeypatch):
     ids = burst(api, 2)
-    monkeypatch.setattr(fairness, "stored_embeddings_key", lambda job: f"embeddings/{job.pk}")
+    monkeypatch.setattr(fairness, "_first_chunk_embeddings", lambda job: f"embeddings/{job.pk}")
     start(ids[0])
     job = Job.objects.get(pk=ids[1])
     assert not job.held and job.status == JobStatus.DENOISING and job.embeddings_key

@@ -125,6 +125,27 @@ def test_two_cards_put_encode_and_decode_beside_the_video_card(registry):
     assert problems_of(cards) == []
 
 
+def test_a_model_that_encodes_on_its_card_keeps_its_text_encoders_on_every_denoise_card(tmp_path):
+    """SDXL with `encode_on_card` on two cards: gpu0 (denoise only) holds its CLIPs beside the UNet; and the
+    80-GiB card of the four models does not fit with them (78.49 GiB + the CLIPs and their activations = 80.02
+    GiB), which is why full-size.toml leaves it off."""
+    entry = FULL_SIZE.read_text().split('[models."sdxl-base-1.0"]')[1].split("[models.")[0]
+    entry = entry.replace('path = "bench/full-size/', f'path = "{REPO}/bench/full-size/')
+    on_card = tmp_path / "on-card.toml"
+    on_card.write_text('[models."sdxl-base-1.0"]\nencode_on_card = true' + entry)
+    cards = plan_cards(default_layout(num_gpus=2), load_registry(on_card), 80 * GIB, 40 * GIB)
+    held = {(c.stage, c.name) for c in cards[0].resident}
+    assert held == {("denoise", "unet"), ("encode", "text_encoder"), ("encode", "text_encoder_2")}
+    four = (
+        FULL_SIZE.read_text()
+        .replace('[models."sdxl-base-1.0"]', '[models."sdxl-base-1.0"]\nencode_on_card = true')
+        .replace('path = "bench/full-size/', f'path = "{REPO}/bench/full-size/')
+    )
+    (tmp_path / "four.toml").write_text(four)
+    refused = plan_cards(default_layout(num_gpus=1), load_registry(tmp_path / "four.toml"), 80 * GIB, 40 * GIB)
+    assert any("gpu0 35.63 GiB" in p and "= 80.02 GiB" in p for p in problems_of(refused)), problems_of(refused)
+
+
 def test_a_worker_cache_holds_the_largest_set_within_its_budget():
     def entry(name: str, gib: float) -> list[Component]:
         return [Component(name, "denoise", "transformer", "bfloat16", 0, int(gib * GIB))]

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from genserver.storage import Storage, data_size, keys
+from genserver.storage import Storage, data_size, joined, keys
 
 from . import blob
 from .base import DenoiseState, Family, GenerationRequest
@@ -54,9 +54,17 @@ def encode(family: Family, storage: Storage, requests: list[GenerationRequest]) 
 
 
 def load_state(
-    family: Family, storage: Storage, request: GenerationRequest, embeddings_ref: str, checkpoint_ref: str
+    family: Family,
+    storage: Storage,
+    request: GenerationRequest,
+    embeddings_ref: str,
+    checkpoint_ref: str,
+    encoder: Callable[[], Family] | None = None,
 ) -> DenoiseState:
-    embeddings = _embeddings(storage, embeddings_ref)
+    """The state to denoise (or decode) from: fresh from the request's seed, or restored from `checkpoint_ref`.
+    `encoder`: for a model that encodes on its card, the text encoders to call (and how to load them) when the
+    embeddings under `embeddings_ref` are not stored yet (`encode_on_card`)."""
+    embeddings = _embeddings(storage, embeddings_ref, request, encoder)
     if not checkpoint_ref:
         return family.prepare(request, embeddings)
     data = blob.loads(storage.get(checkpoint_ref))
@@ -65,15 +73,32 @@ def load_state(
     return family.restore(request, embeddings, data)
 
 
-def _embeddings(storage: Storage, ref: str) -> dict[str, Any]:
-    """The prompt embeddings stored under `ref`; kept in this process's memory when the key names its content."""
+def _embeddings(
+    storage: Storage, ref: str, request: GenerationRequest, encoder: Callable[[], Family] | None
+) -> dict[str, Any]:
+    """The prompt embeddings stored under `ref` (encoded and stored first when `encoder` is given and they are
+    not); kept in this process's memory when the key names its content."""
 
     def read() -> dict[str, Any]:
+        if encoder is not None and not storage.exists(ref):
+            return encode_on_card(encoder(), storage, request, ref)
         return blob.loads(storage.get(ref))
 
     if not keys.names_its_content(ref):
         return read()
     return embeddings_cache().get(f"{storage.describe()} {ref}", read)
+
+
+def encode_on_card(family: Family, storage: Storage, request: GenerationRequest, ref: str) -> dict[str, Any]:
+    """Encode the request's prompts on the denoising card and store them under `ref` (the key the API computed,
+    so later jobs of the prompt hit and a resume on another card or the decode reads them), before the first
+    step. Returns them as a reader of `ref` gets them, so the first chunk denoises exactly what a resume would."""
+    expected = embeddings_key(family, request.prompt, request.negative_prompt)
+    if ref != expected:  # the job's key names another encoder (the registry entry changed since the submit)
+        raise ValueError(f"job {request.job_id}: its embeddings key {ref!r} is not this encoder's {expected!r}")
+    data = blob.dump_parts(family.encode([(request.prompt, request.negative_prompt)])[0])
+    storage.put(ref, data)
+    return blob.loads(joined(data))
 
 
 def restore_for_new_total(

@@ -18,7 +18,7 @@ the quota check takes (`quotas.check_limits`), so the window is not overshot
 by concurrent submits; two releases racing can overshoot it by one at most
 (each counts, then flips its own row), which only costs a little fairness.
 
-A leaf like `_common` (it imports no other part of the service), so that
+A leaf like `_common` (it imports no other part of the service but the leaf `embeddings`), so that
 `_common.after_end` can call it.
 """
 
@@ -37,7 +37,8 @@ from genserver.jobs import broker, events, selectors
 from genserver.jobs.models import ACTIVE, Job, JobStage, JobStatus
 from genserver.registry import RegistryError
 from genserver.scheduling.fairness import FairWindow, ahead_priority, release_key
-from genserver.storage import StorageError, default_storage, keys
+
+from .embeddings import first_stage
 
 log = logging.getLogger(__name__)
 
@@ -92,16 +93,6 @@ def clear_ahead(job_id: Any) -> None:
         log.warning("could not clear job %s's ahead mark; it expires", job_id, exc_info=True)
 
 
-def stored_embeddings_key(job: Job) -> str:
-    """The key of the job's prompt embeddings when they are stored now, else "" (it goes through encode)."""
-    try:
-        spec = deployment.registry().get(job.model)
-        key = keys.embeddings_key(keys.encoder_identity(spec.family, spec.name), job.prompt, job.negative_prompt)
-        return key if default_storage().exists(key) else ""
-    except (RegistryError, StorageError):
-        return ""
-
-
 def publish_new(job_id: Any, status: str, queue: str, priority: int, model: str = "") -> None:
     """A new (or just released) job's first message: encode, or its first chunk when its embeddings are stored.
     A broker that is down leaves it to the reaper (its `published_at` is set)."""
@@ -141,8 +132,8 @@ def _release_one(pk: Any) -> bool:
     if job is None:
         return False
     fields: dict[str, Any] = {"held": False, "published_at": timezone.now()}
-    embeddings = stored_embeddings_key(job) if job.status == JobStatus.QUEUED else ""
-    if embeddings:  # as submit does on an embedding hit: the encode worker never sees it
+    embeddings = _first_chunk_embeddings(job) if job.status == JobStatus.QUEUED else ""
+    if embeddings:  # as submit does on an embedding hit (or for a model that encodes on its card)
         fields.update(status=JobStatus.DENOISING, stage=JobStage.WAITING, embeddings_key=embeddings)
     with transaction.atomic():
         if not Job.objects.filter(pk=pk, held=True, status=job.status).update(**fields):
@@ -151,6 +142,15 @@ def _release_one(pk: Any) -> bool:
         transaction.on_commit(lambda: publish_new(pk, status, job.queue, job.priority, job.model))
         events.publish_on_commit(pk, "released")  # its position and ETA changed
     return True
+
+
+def _first_chunk_embeddings(job: Job) -> str:
+    """The key its first chunk denoises from when it skips the encode worker, else "" (services/embeddings.py)."""
+    try:
+        spec = deployment.registry().get(job.model)
+    except RegistryError:
+        return ""
+    return first_stage(spec, job.prompt, job.negative_prompt).embeddings_key
 
 
 def release_all_with_room() -> int:

@@ -17,11 +17,11 @@ from genserver.jobs import broker, selectors
 from genserver.jobs.models import ACTIVE, DEFAULT_WEBHOOK_EVENTS, Job, JobStage, JobStatus
 from genserver.redis_client import CANCEL_KEY, client as redis_client
 from genserver.scheduling.admission import Decision, decide
-from genserver.storage import StorageError, default_storage, keys
 
 from . import fairness, observe
 from ._common import after_end, announce_on_commit, publish_or_leave_to_reaper
 from .deadlines import StartDeadlineRefused, deadline_from
+from .embeddings import first_stage
 from .estimates import Estimate, chunked_for_queue, estimate
 from .quotas import NotAllowed, QuotaExceeded, charge_of, check_allowed, check_limits
 
@@ -80,9 +80,10 @@ def submit_job(owner: Any, data: dict[str, Any], idempotency_key: str = "") -> J
 
 def submit(owner: Any, data: dict[str, Any], idempotency_key: str = "") -> tuple[Job, selectors.QueueSnapshot]:
     """Admit and record a validated request, then publish its encode task, or, when the prompt's
-    embeddings are already stored (a retry, a re-run, the same prompt at another seed or size), its
-    first denoise chunk: the job is recorded `denoising`/`waiting` with its embeddings, as the encode
-    stage would have left it, and the encode worker never sees it.
+    embeddings are already stored (a retry, a re-run, the same prompt at another seed or size) or the
+    model encodes on its card (`encode_on_card`), its first denoise chunk: the job is recorded
+    `denoising`/`waiting` with its embeddings' key, as the encode stage would have left it, and the
+    encode worker never sees it (services/embeddings.py).
 
     Writes nothing and raises NotAllowed (→ 403) when the owner's quota does not allow the model
     or lane (services/quotas.py), AdmissionRefused (→ 429) when the class is over its limit,
@@ -117,7 +118,8 @@ def submit(owner: Any, data: dict[str, Any], idempotency_key: str = "") -> tuple
         own = est.seconds * est.clock_scale / capacity.job_speedup(queue)  # as QueueSnapshot's ETA
         raise StartDeadlineRefused(start_within, decision.expected_wait_seconds, own)
     recorded = {k: v for k, v in data.items() if k != "seed_drawn"}
-    embeddings = stored_embeddings(spec, data["prompt"], data.get("negative_prompt", ""))
+    first = first_stage(spec, data["prompt"], data.get("negative_prompt", ""))
+    embeddings = first.embeddings_key
     with transaction.atomic():
         try:
             check_limits(owner, quota, charge)
@@ -143,7 +145,8 @@ def submit(owner: Any, data: dict[str, Any], idempotency_key: str = "") -> tuple
             transaction.on_commit(
                 lambda: publish_or_leave_to_reaper(broker.send_chunk, job.id, 0, job.queue, job.priority, job.model)
             )
-            transaction.on_commit(lambda: metrics.count_embedding_cache(1, 0))  # a miss is counted by encode
+            if first.stored:  # a miss is counted where it is encoded (the encode worker, or the card)
+                transaction.on_commit(lambda: metrics.count_embedding_cache(1, 0))
         else:
             transaction.on_commit(
                 lambda: publish_or_leave_to_reaper(broker.send_encode, job.id, job.priority, job.queue)
@@ -151,17 +154,6 @@ def submit(owner: Any, data: dict[str, Any], idempotency_key: str = "") -> tuple
         transaction.on_commit(lambda: metrics.count_submit(job.duration_class))
         observe.recorded(job)
     return job, snapshot.with_new_job(job)
-
-
-def stored_embeddings(spec: Any, prompt: str, negative: str) -> str:
-    """The storage key of these prompts' embeddings under the model's text encoder when they are already
-    stored, else "" (the job goes through encode). A storage error reads as "not stored": encode retries it."""
-    key = keys.embeddings_key(keys.encoder_identity(spec.family, spec.name), prompt, negative)
-    try:
-        return key if default_storage().exists(key) else ""
-    except StorageError:
-        log.warning("could not look up cached embeddings %s; the job goes through encode", key, exc_info=True)
-        return ""
 
 
 def submit_or_replay(
