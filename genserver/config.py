@@ -328,6 +328,17 @@ def embeddings_cache_bytes() -> int:
     return env_int("GENSERVER_EMBEDDINGS_CACHE_BYTES", 256 * 1024**2, minimum=0)
 
 
+def png_compress_level() -> int:
+    """zlib level of the PNGs the workers write (outputs on the decode worker, previews on the card, posters).
+
+    Higher: smaller files, more CPU per image; PIL's own default is 6. At 1 a smooth 1024² picture encoded in
+    91 ms instead of 251 for 16 % more bytes, a grainy one 10 % faster for 3 % more (`python -m bench.png_level`,
+    docs/BENCHMARKS.md "PNG level"): the encode is on every image's path to `succeeded`, and a preview's is on
+    the card's. 0 stores uncompressed (fastest, 1.3-8.6× larger).
+    """
+    return env_int("GENSERVER_PNG_COMPRESS_LEVEL", 1, minimum=0, maximum=9)
+
+
 def vae_tile_above_pixels() -> int:
     """Pixels per frame above which the VAE decodes in tiles (0: always tile)."""
     return env_int("GENSERVER_VAE_TILE_ABOVE_PIXELS", 768 * 768, minimum=0)

@@ -316,6 +316,8 @@ ENCODE_BATCH = env_int("GENSERVER_ENCODE_BATCH", 8, minimum=1)
 MODEL_CACHE_BYTES = env_int("GENSERVER_MODEL_CACHE_BYTES", 40 * 1024**3, minimum=0)
 # Prompt embeddings a denoise worker keeps in host memory (least recently used out); what it trades: config.py.
 EMBEDDINGS_CACHE_BYTES = config.embeddings_cache_bytes()
+# zlib level of the PNGs workers write; what it trades: config.py.
+PNG_COMPRESS_LEVEL = config.png_compress_level()
 
 # --- Scheduling --------------------------------------------------------------------
 # Class thresholds on expected seconds: short < SHORT ≤ medium < MEDIUM ≤ long.

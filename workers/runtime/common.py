@@ -13,6 +13,7 @@ import numpy as np
 import torch
 from PIL import Image
 
+from genserver import config
 from genserver.registry import ModelSpec
 
 from .base import DenoiseState, GenerationRequest
@@ -220,6 +221,7 @@ def pil_images(pixels: torch.Tensor) -> list[Image.Image]:
 
 
 def png_bytes(image: Image.Image) -> bytes:
+    """The image as a PNG at GENSERVER_PNG_COMPRESS_LEVEL (genserver.config: what the level trades)."""
     buf = io.BytesIO()
-    image.save(buf, format="PNG")
+    image.save(buf, format="PNG", compress_level=config.png_compress_level())
     return buf.getvalue()
