@@ -9,9 +9,10 @@ resident, with its bytes: parameters and buffers × their dtype, from a build
 of the model on the `meta` device through the same adapter code that loads a
 real checkpoint (workers/runtime/components.py: config only, no memory, cached
 per process). A worker holds its stage's components only (encode: text
-encoders; denoise: the UNet or transformer; decode: the VAE), of every model it
-serves (its `models`, else every diffusers entry of the registry; a simulated
-entry holds nothing). Its model cache keeps them under GENSERVER_MODEL_CACHE_BYTES
+encoders; denoise: the UNet or transformer, and the text encoders of a model
+with `encode_on_card`; decode: the VAE), of every model it serves (its
+`models`, else every diffusers entry of the registry; a simulated entry holds
+nothing). Its model cache keeps them under GENSERVER_MODEL_CACHE_BYTES
 (least recently used out first), so the worst case between jobs is the largest
 set of its entries within that budget (or its largest single entry).
 
