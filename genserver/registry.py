@@ -73,7 +73,7 @@ class ModelSpec:
     encode_device: str = ""  # "cpu": text encoders on the CPU, for cards too small to keep them
     # The denoise worker encodes a new prompt itself, before the first step, instead of the encode worker: one
     # Celery hop and the encode worker's queue fewer on an embedding miss, for the text encoders' memory on every
-    # card that denoises the model (workers/memory_plan.py counts them) and no batching of waiting prompts.
+    # card that denoises the model (workers/memory_plan.py counts them), prompts batched only within a merged batch.
     encode_on_card: bool = False
 
     def resolved_dtype(self, device: str) -> str:

@@ -43,7 +43,7 @@ from genserver import config, deployment, metrics
 from genserver.jobs import broker, events, selectors, services
 from genserver.jobs.models import Job
 from genserver.jobs.services import Outcome
-from genserver.metrics import count_merged_batch
+from genserver.metrics import count_embedding_cache, count_merged_batch
 from genserver.redis_client import BOUNDARY, CANCEL_KEY, HOP, STEPS_KEY, client as redis_client
 from genserver.scheduling.classes import CLASSES, LONG, priority_for, yields_to_equal_priority
 from genserver.scheduling.fairness import CUT_AFTER_SECONDS
@@ -52,7 +52,7 @@ from workers import long_cap
 from workers.runtime import stages
 from workers.runtime.base import DenoiseState
 
-from .common import family_of, preload, storage, worker_id
+from .common import card_encoder, family_of, preload, request_of, storage, worker_id
 from .segments import SegmentCursor, job_id_of
 
 HEARTBEAT_EVERY_SECONDS = 1.0  # lease renewal + progress write; per step would hammer the DB on fast models
@@ -213,6 +213,7 @@ def _denoise(members: list[_Member], worker: str, hop_from: float | None = None)
 
     family, store = family_of(lead, "denoise"), storage()
     try:
+        _encode_new_prompts_together(members, store)
         for m in members:
             m.state = m.cursor.load_state(family, store, m.job.checkpoint_step, m.job.checkpoint_key)
         while running := [m for m in members if not m.outcome]:
@@ -250,6 +251,18 @@ def _denoise(members: list[_Member], worker: str, hop_from: float | None = None)
             if not m.outcome:  # still held here; the others were recorded and let go
                 m.outcome = services.fail_attempt(m.job.pk, worker, error)
     return members[0].outcome
+
+
+def _encode_new_prompts_together(members: list[_Member], store) -> None:
+    """A merged batch of a model that encodes on its card: the prompts of its new members that are not stored yet,
+    in one text-encoder call (stages.encode batches them) before each member's load reads them. A job alone
+    encodes its own prompt in its load (stages.load_state), without this read of storage first."""
+    fresh = [m.job for m in members if m.job.checkpoint_step == 0]
+    if len(fresh) < 2 or card_encoder(fresh[0]) is None:
+        return
+    results = stages.encode(family_of(fresh[0], "encode"), store, [request_of(job) for job in fresh])
+    if misses := sum(not r.cache_hit for r in results):
+        events.in_background(count_embedding_cache, 0, misses)
 
 
 def _checkpoint_due(member: _Member, result: stages.ChunkResult) -> bool:
