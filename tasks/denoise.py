@@ -30,6 +30,7 @@ cancelled or loses its lease leaves the batch and the others go on.
 
 from __future__ import annotations
 
+import contextlib
 import time
 import traceback
 from concurrent.futures import ThreadPoolExecutor
@@ -230,6 +231,7 @@ def _denoise(members: list[_Member], worker: str, hop_from: float | None = None)
             )
             boundary = time.perf_counter()
             events.card_busy()  # until the next chunk's first step, or the task's end
+            stages.embeddings_stored()  # encoded on this card: stored before anything is recorded that reads them
             stay = keep_card(max(m.cursor.offset + r.step for m, r in zip(running, results)))
             for m, ran in zip(running, results):
                 if ran.stopped == Outcome.STEPS_CHANGED:
@@ -250,6 +252,8 @@ def _denoise(members: list[_Member], worker: str, hop_from: float | None = None)
         for m in members:
             if not m.outcome:  # still held here; the others were recorded and let go
                 m.outcome = services.fail_attempt(m.job.pk, worker, error)
+        with contextlib.suppress(Exception):  # a write still running: the retry encodes again if it failed
+            stages.embeddings_stored()
     return members[0].outcome
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from genserver.storage import LocalStorage
+from genserver.storage import LocalStorage, StorageError
 from workers.runtime import blob, stages
 
 from .conftest import make_request, run_to_end
@@ -22,6 +22,7 @@ def test_a_missing_prompt_is_encoded_stored_and_denoised_as_the_encode_stage_wou
         return family
 
     state = stages.load_state(family, on_card, request, key, "", encoder)
+    stages.embeddings_stored()  # written beside the first steps; the chunk's end waits for it
     assert calls == [1] and on_card.exists(key)
 
     # The encode worker's path on another storage (another entry of the process's embeddings cache): the same
@@ -51,3 +52,18 @@ def test_a_key_of_another_encoder_is_refused_with_both_keys(family, tmp_path):
     request = make_request(prompt="renamed model")
     with pytest.raises(ValueError, match="is not this encoder's"):
         stages.load_state(family, LocalStorage(tmp_path), request, "embeddings/other/abc.pt", "", lambda: family)
+
+
+class RefusingStorage(LocalStorage):
+    def put(self, key, data):
+        raise StorageError(f"could not write {key!r}: No space left on device")
+
+
+def test_a_failed_write_is_raised_where_the_chunk_ends_and_only_there(family, tmp_path):
+    request = make_request(prompt="nowhere to write")
+    key = stages.embeddings_key(family, request.prompt, request.negative_prompt)
+    state = stages.load_state(family, RefusingStorage(tmp_path), request, key, "", lambda: family)
+    assert state.step == 0  # the first steps need not wait for the write
+    with pytest.raises(StorageError, match="No space left on device"):
+        stages.embeddings_stored()
+    stages.embeddings_stored()  # reported once: the next chunk's end has nothing pending

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -91,14 +92,31 @@ def _embeddings(
 
 def encode_on_card(family: Family, storage: Storage, request: GenerationRequest, ref: str) -> dict[str, Any]:
     """Encode the request's prompts on the denoising card and store them under `ref` (the key the API computed,
-    so later jobs of the prompt hit and a resume on another card or the decode reads them), before the first
-    step. Returns them as a reader of `ref` gets them, so the first chunk denoises exactly what a resume would."""
+    so later jobs of the prompt hit and a resume on another card or the decode reads them); the write runs beside
+    the first steps (`embeddings_stored`). Returns them as a reader of `ref` gets them, so the first chunk
+    denoises exactly what a resume would."""
     expected = embeddings_key(family, request.prompt, request.negative_prompt)
     if ref != expected:  # the job's key names another encoder (the registry entry changed since the submit)
         raise ValueError(f"job {request.job_id}: its embeddings key {ref!r} is not this encoder's {expected!r}")
     data = blob.dump_parts(family.encode([(request.prompt, request.negative_prompt)])[0])
-    storage.put(ref, data)
+    _pending_writes.append(_embeddings_writer.submit(storage.put, ref, data))  # beside the first steps
     return blob.loads(joined(data))
+
+
+# The card's embeddings are written while its first steps run (on an object store a PUT is milliseconds): nothing
+# reads them before the chunk's end, which waits for the write before it records the chunk or publishes what reads
+# them (`embeddings_stored`). A crash before the write leaves the key missing, and the retried chunk encodes again.
+_embeddings_writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="embeddings-write")
+_pending_writes: list[Future[str]] = []
+
+
+def embeddings_stored() -> None:
+    """Wait until the embeddings this process encoded on its card are stored; raises the first write's error. The
+    denoise task calls it at every chunk's end, before it records the chunk (after which another worker, the
+    decode or a resume elsewhere, may read them)."""
+    writes, _pending_writes[:] = list(_pending_writes), []
+    for write in writes:
+        write.result()
 
 
 def restore_for_new_total(
