@@ -20,7 +20,7 @@ import os
 from collections.abc import Iterator
 from typing import Protocol
 
-from .base import Data, StorageError, StoredEntry, StoredObject, data_size, joined
+from .base import Data, StorageError, StorageKeyMissing, StoredEntry, StoredObject, data_size, joined
 from .local import LocalStorage
 
 __all__ = [
@@ -29,6 +29,7 @@ __all__ = [
     "joined",
     "Storage",
     "StorageError",
+    "StorageKeyMissing",
     "LocalStorage",
     "StoredObject",
     "StoredEntry",

@@ -23,6 +23,10 @@ class StorageError(RuntimeError):
     """A key that does not exist, or a write or read the backend refused; the text says which and why."""
 
 
+class StorageKeyMissing(StorageError):
+    """The key does not exist (a read that found nothing, as opposed to one the backend refused)."""
+
+
 @dataclass(frozen=True)
 class StoredObject:
     """An object opened for streaming: read `stream` to the end, then close it."""

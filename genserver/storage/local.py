@@ -12,7 +12,7 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
-from .base import Data, StorageError, StoredEntry, StoredObject, check_key
+from .base import Data, StorageError, StorageKeyMissing, StoredEntry, StoredObject, check_key
 
 
 class LocalStorage:
@@ -51,7 +51,7 @@ class LocalStorage:
         try:
             return self.path(key).read_bytes()
         except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
-            raise StorageError(f"storage key {key!r} does not exist") from None
+            raise StorageKeyMissing(f"storage key {key!r} does not exist") from None
         except OSError as exc:
             raise StorageError(f"could not read {key!r} under {self.root}: {exc.strerror or exc}") from exc
 
@@ -60,7 +60,7 @@ class LocalStorage:
         try:
             stream = open(self.path(key), "rb")
         except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
-            raise StorageError(f"storage key {key!r} does not exist") from None
+            raise StorageKeyMissing(f"storage key {key!r} does not exist") from None
         except OSError as exc:
             raise StorageError(f"could not read {key!r} under {self.root}: {exc.strerror or exc}") from exc
         return StoredObject(stream=stream, size=os.fstat(stream.fileno()).st_size)
@@ -100,14 +100,14 @@ class LocalStorage:
         try:
             os.utime(self.path(key), (when, when))
         except FileNotFoundError:
-            raise StorageError(f"storage key {key!r} does not exist") from None
+            raise StorageKeyMissing(f"storage key {key!r} does not exist") from None
 
     def move(self, key: str, to: str) -> None:
         """Rename `key` to `to` (atomic here: one rename)."""
         try:
             os.replace(self.path(key), self.path(to))
         except FileNotFoundError:
-            raise StorageError(f"storage key {key!r} does not exist") from None
+            raise StorageKeyMissing(f"storage key {key!r} does not exist") from None
         except OSError as exc:
             raise StorageError(f"could not move {key!r} to {to!r} under {self.root}: {exc.strerror or exc}") from exc
 

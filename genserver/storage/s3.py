@@ -14,7 +14,7 @@ import os
 from collections.abc import Iterator
 from typing import Any
 
-from .base import Data, StorageError, StoredEntry, StoredObject, check_key, joined
+from .base import Data, StorageError, StorageKeyMissing, StoredEntry, StoredObject, check_key, joined
 
 _MISSING = ("NoSuchKey", "404", "NotFound")
 # A store that is out of space or over its quota: no retry helps until someone frees space, so the
@@ -164,7 +164,7 @@ class S3Storage:
         code = _code(exc)
         where = self.describe()
         if code in _MISSING:
-            return StorageError(f"storage key {key!r} does not exist")
+            return StorageKeyMissing(f"storage key {key!r} does not exist")
         if code in _FULL:
             return StorageError(f"could not {action} {key!r} in {where}: {code}: {os.strerror(_FULL[code])}")
         if code == "NoSuchBucket":

@@ -13,7 +13,7 @@ import uuid
 
 import pytest
 
-from genserver.storage import StorageError, default_storage
+from genserver.storage import StorageError, StorageKeyMissing, default_storage
 
 
 def unique(folder: str) -> str:
@@ -53,11 +53,13 @@ def test_the_backend_is_the_one_the_environment_names(storage_backend):
 
 
 def test_a_missing_key_is_a_storage_error_saying_so(storage_backend):
+    """…of its own kind (StorageKeyMissing: a card that encodes on itself encodes a missing prompt, and only then),
+    while a refused read stays a plain StorageError."""
     storage = default_storage()
     key = unique("checkpoints") + "/step-00004.pt"
-    with pytest.raises(StorageError, match="does not exist"):
+    with pytest.raises(StorageKeyMissing, match="does not exist"):
         storage.get(key)
-    with pytest.raises(StorageError, match="does not exist"):
+    with pytest.raises(StorageKeyMissing, match="does not exist"):
         storage.open(key)
 
 
@@ -166,3 +168,4 @@ def test_s3_errors_say_what_they_mean(s3_server, monkeypatch):
         assert disk_full(traceback_tail), "a full store fails the job at once, as a full disk does"
     denied = ClientError({"Error": {"Code": "AccessDenied", "Message": "no"}}, "PutObject")
     assert "AWS_ACCESS_KEY_ID" in str(storage._storage_error(denied, "write", "outputs/x/0.png"))
+    assert not isinstance(storage._storage_error(denied, "read", "embeddings/x.pt"), StorageKeyMissing)

@@ -65,7 +65,9 @@ def test_a_full_disk_under_the_cards_embeddings_write_fails_the_job_at_once(make
     monkeypatch.setattr(LocalStorage, "put", full_for_embeddings)
     capture_sends(monkeypatch, "send_encode", "send_chunk", "send_decode")
     request = {"model": "tiny-sd-card", "width": 64, "height": 64, "num_frames": 1, "steps": 2, "guidance_scale": 5.0}
-    job = services.submit_job(make_user("full").user, request | {"num_outputs": 1, "seed": 1, "prompt": f"full {time.time()}"})
+    job = services.submit_job(
+        make_user("full").user, request | {"num_outputs": 1, "seed": 1, "prompt": f"full {time.time()}"}
+    )
     denoise.run_chunk.apply(args=[str(job.pk), 0]).get()
     row = Job.objects.get(pk=job.pk)
     assert row.status == JobStatus.FAILED and row.error.startswith("storage full"), row.error

@@ -14,7 +14,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-from genserver.storage import Storage, data_size, joined, keys
+from genserver.storage import Storage, StorageKeyMissing, data_size, joined, keys
 
 from . import blob
 from .base import DenoiseState, Family, GenerationRequest
@@ -81,9 +81,12 @@ def _embeddings(
     not); kept in this process's memory when the key names its content."""
 
     def read() -> dict[str, Any]:
-        if encoder is not None and not storage.exists(ref):
+        try:
+            return blob.loads(storage.get(ref))
+        except StorageKeyMissing:  # one request either way: a stored prompt costs no lookup before its read
+            if encoder is None:
+                raise
             return encode_on_card(encoder(), storage, request, ref)
-        return blob.loads(storage.get(ref))
 
     if not keys.names_its_content(ref):
         return read()
