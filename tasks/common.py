@@ -13,7 +13,7 @@ from django.db import close_old_connections
 from genserver import config, deployment
 from genserver.jobs import events
 from genserver.jobs.models import Job
-from genserver.metrics import count_embedding_cache
+from genserver.registry import ModelSpec
 from genserver.storage import default_storage
 from workers.runtime.base import Family, GenerationRequest
 from workers.runtime.cache import model_cache
@@ -45,18 +45,24 @@ def family_of(job: Job, stage: str) -> Family:
     return model_cache().get(deployment.registry().get(job.model), stage)
 
 
-def card_encoder(job: Job) -> Callable[[], Family] | None:
-    """For a model that encodes on its card (the registry's `encode_on_card`): its text encoders, loaded and
-    the miss counted when a job's embeddings are not stored yet (stages.load_state). None for the others."""
+class CardEncoder:
+    """A model's text encoders on the denoising card (the registry's `encode_on_card`), for stages.load_state to
+    call when a job's embeddings are not stored yet; `encoded` says whether it was called (the card counts the
+    job's lookup: a miss, else a hit)."""
+
+    def __init__(self, spec: ModelSpec) -> None:
+        self.spec = spec
+        self.encoded = False
+
+    def __call__(self) -> Family:
+        self.encoded = True
+        return model_cache().get(self.spec, "encode")
+
+
+def card_encoder(job: Job) -> CardEncoder | None:
+    """The job's model's text encoders when it encodes on its card, else None (the encode worker's path)."""
     spec = deployment.registry().get(job.model)
-    if not spec.encode_on_card:
-        return None
-
-    def encoder() -> Family:
-        events.in_background(count_embedding_cache, 0, 1)  # a Redis round trip the first step need not wait for
-        return model_cache().get(spec, "encode")
-
-    return encoder
+    return CardEncoder(spec) if spec.encode_on_card else None
 
 
 def preload(job_id: str, stage: str, model: str = "") -> bool:

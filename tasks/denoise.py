@@ -214,9 +214,16 @@ def _denoise(members: list[_Member], worker: str, hop_from: float | None = None)
 
     family, store = family_of(lead, "denoise"), storage()
     try:
-        _encode_new_prompts_together(members, store)
+        encoded = _encode_new_prompts_together(members, store)
+        fresh = hits = 0
         for m in members:
-            m.state = m.cursor.load_state(family, store, m.job.checkpoint_step, m.job.checkpoint_key)
+            encoder = card_encoder(m.job)
+            m.state = m.cursor.load_state(family, store, m.job.checkpoint_step, m.job.checkpoint_key, encoder)
+            if encoder is not None and m.job.checkpoint_step == 0:  # its first chunk: the job's one lookup
+                fresh += 1
+                hits += not encoder.encoded and m.job.pk not in encoded
+        if fresh:
+            events.in_background(count_embedding_cache, hits, fresh - hits)  # off the way to the first step
         while running := [m for m in members if not m.outcome]:
             results = stages.run_merged_chunk(
                 family,
@@ -257,16 +264,16 @@ def _denoise(members: list[_Member], worker: str, hop_from: float | None = None)
     return members[0].outcome
 
 
-def _encode_new_prompts_together(members: list[_Member], store) -> None:
+def _encode_new_prompts_together(members: list[_Member], store) -> set:
     """A merged batch of a model that encodes on its card: the prompts of its new members that are not stored yet,
     in one text-encoder call (stages.encode batches them) before each member's load reads them. A job alone
-    encodes its own prompt in its load (stages.load_state), without this read of storage first."""
+    encodes its own prompt in its load (stages.load_state), without this lookup first. Returns the ids of the
+    jobs whose prompts it encoded."""
     fresh = [m.job for m in members if m.job.checkpoint_step == 0]
     if len(fresh) < 2 or card_encoder(fresh[0]) is None:
-        return
+        return set()
     results = stages.encode(family_of(fresh[0], "encode"), store, [request_of(job) for job in fresh])
-    if misses := sum(not r.cache_hit for r in results):
-        events.in_background(count_embedding_cache, 0, misses)
+    return {job.pk for job, result in zip(fresh, results) if not result.cache_hit}
 
 
 def _checkpoint_due(member: _Member, result: stages.ChunkResult) -> bool:

@@ -26,7 +26,7 @@ from genserver.scheduling.segments import segment_of_step
 from workers.runtime import segments as runtime_segments, stages
 from workers.runtime.base import DenoiseState, Family, GenerationRequest
 
-from .common import card_encoder, family_of, preload, renewing, request_of, storage, worker_id
+from .common import CardEncoder, family_of, preload, renewing, request_of, storage, worker_id
 
 
 def job_id_of(request: GenerationRequest) -> str:
@@ -56,9 +56,12 @@ class SegmentCursor:
         self.index = 0
         self.offset = 0
 
-    def load_state(self, family: Family, store, global_step: int, checkpoint_key: str) -> DenoiseState:
+    def load_state(
+        self, family: Family, store, global_step: int, checkpoint_key: str, encoder: CardEncoder | None = None
+    ) -> DenoiseState:
         """The state to continue from `global_step`. A segment's start (global step i × steps) begins
-        from the segment's seed: the checkpoint there is the previous segment's end, kept for its decode."""
+        from the segment's seed: the checkpoint there is the previous segment's end, kept for its decode.
+        `encoder`: the model's text encoders, for a prompt not stored yet (a model that encodes on its card)."""
         job = self.job
         index, local = segment_of_step(global_step, job.steps) if job.segment_count > 1 else (0, global_step)
         if index >= job.segment_count:  # every step done (only a decoding job is here)
@@ -66,7 +69,7 @@ class SegmentCursor:
         self.index, self.offset = index, index * job.steps
         resume_from = checkpoint_key if local else ""
         request = segment_request(job, index)
-        return stages.load_state(family, store, request, job.embeddings_key, resume_from, card_encoder(job))
+        return stages.load_state(family, store, request, job.embeddings_key, resume_from, encoder)
 
     def next_state(self, family: Family, state: DenoiseState) -> DenoiseState:
         """At a segment's end, the next segment's fresh state (same embeddings); else `state` itself."""

@@ -99,7 +99,10 @@ def test_a_model_that_encodes_on_its_card_never_queues_a_new_prompt_for_encode(s
     def misses() -> int:
         return embedding_cache_counts()["misses"] - before["misses"]
 
-    wait_for(lambda: misses() >= 2, 30, what="the card's and the encode worker's misses counted")
+    def hits() -> int:
+        return embedding_cache_counts()["hits"] - before["hits"]
+
+    wait_for(lambda: misses() >= 2 and hits() >= 1, 30, what="the lookups counted (the card's, the encode worker's)")
     after = embedding_cache_counts()
     assert after["misses"] - before["misses"] == 2 and after["hits"] - before["hits"] == 1
     assert job_row(bodies[0]["id"]).embeddings_key == jobs[0].embeddings_key != jobs[1].embeddings_key

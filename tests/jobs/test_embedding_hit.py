@@ -113,7 +113,8 @@ def test_a_cancelled_hit_ends_at_once_and_its_chunk_does_nothing(api):
 
 def test_a_miss_of_a_model_that_encodes_on_its_card_publishes_the_first_chunk_with_the_key_to_store(api):
     """sdxl-turbo-sim has `encode_on_card`: its new prompt skips the encode worker like a hit, recorded with the
-    key its card stores the embeddings under, and counts nothing at submit (the card counts the miss)."""
+    key its card stores the embeddings under, with no lookup at submit and nothing counted there (its card reads
+    the key, encodes only when it finds nothing, and counts the lookup)."""
     spec = deployment.registry().get("sdxl-turbo-sim")
     assert spec.encode_on_card
     prompt = f"encoded by the card {uuid.uuid4()}"
@@ -125,7 +126,7 @@ def test_a_miss_of_a_model_that_encodes_on_its_card_publishes_the_first_chunk_wi
     assert not default_storage().exists(key)  # the card writes it before its first step
     assert waiting(body["id"]) == {job.queue: [broker.CHUNK_TASK.name]}
     assert embedding_cache_counts() == before
-    store_embeddings(spec.name, prompt)  # once stored, the same prompt is a hit, counted as one
-    submit(api, model=spec.name, prompt=prompt)
-    after = embedding_cache_counts()
-    assert (after["hits"] - before["hits"], after["misses"] - before["misses"]) == (1, 0)
+    store_embeddings(spec.name, prompt)  # stored now: the same prompt's job is recorded the same way
+    again = Job.objects.get(pk=submit(api, model=spec.name, prompt=prompt).json()["id"])
+    assert (again.status, again.embeddings_key) == (JobStatus.DENOISING, key)
+    assert embedding_cache_counts() == before

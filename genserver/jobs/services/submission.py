@@ -145,7 +145,7 @@ def submit(owner: Any, data: dict[str, Any], idempotency_key: str = "") -> tuple
             transaction.on_commit(
                 lambda: publish_or_leave_to_reaper(broker.send_chunk, job.id, 0, job.queue, job.priority, job.model)
             )
-            if first.stored:  # a miss is counted where it is encoded (the encode worker, or the card)
+            if first.stored:  # counted where it is looked up: here, by the encode worker, or by the card
                 transaction.on_commit(lambda: metrics.count_embedding_cache(1, 0))
         else:
             transaction.on_commit(
