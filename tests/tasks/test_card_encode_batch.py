@@ -13,6 +13,7 @@ from genserver.jobs.models import Job, JobStatus
 from genserver.metrics import embedding_cache_counts
 from genserver.storage import default_storage
 from tests.support.broker import capture_sends
+from tests.support.encoders import encoder_calls
 from tests.support.waits import wait_for
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -22,14 +23,7 @@ def test_a_merged_batch_encodes_its_new_prompts_in_one_call(make_user, monkeypat
     from tasks import denoise
     from workers.runtime.unet import UNetFamily
 
-    calls: list[int] = []
-    encode = UNetFamily.encode
-
-    def counting(self, prompts):
-        calls.append(len(prompts))
-        return encode(self, prompts)
-
-    monkeypatch.setattr(UNetFamily, "encode", counting)
+    calls = encoder_calls(monkeypatch, UNetFamily)
     sent = capture_sends(monkeypatch, "send_encode", "send_chunk", "send_decode")
     before = embedding_cache_counts()
     shape = {"model": "tiny-sd-card", "width": 64, "height": 64, "num_frames": 1, "steps": 2, "guidance_scale": 5.0}

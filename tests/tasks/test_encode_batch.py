@@ -8,20 +8,14 @@ import pytest
 
 from genserver.jobs.models import Job
 from tasks.encode import encode
+from tests.support.encoders import encoder_calls
 from workers.runtime.simulated import SimulatedFamily
 
 pytestmark = pytest.mark.django_db
 
 
 def test_waiting_prompts_are_encoded_in_one_batch(api, monkeypatch):
-    calls: list[int] = []
-    original = SimulatedFamily.encode
-
-    def counting(self, prompts):
-        calls.append(len(prompts))
-        return original(self, prompts)
-
-    monkeypatch.setattr(SimulatedFamily, "encode", counting)
+    calls = encoder_calls(monkeypatch, SimulatedFamily)
     ids = [
         api.post(
             "/api/v1/jobs/", data=json.dumps({"model": "sdxl-sim", "prompt": p}), content_type="application/json"
