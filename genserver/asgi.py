@@ -1,11 +1,13 @@
-"""ASGI entry point: `make up` serves it with uvicorn workers under gunicorn (event streams are async views)."""
+"""ASGI entry point: `make up` serves it with uvicorn workers under gunicorn (genserver/serving.py: which request
+runs on Django's ASGI handler, which on kept WSGI threads)."""
 
 import os
 
-from django.core.asgi import get_asgi_application
-
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "genserver.settings")
-# Each request runs in a thread of its own here: its database connection goes back to a pool at its end
-# (genserver/settings.py, DATABASE_POOL) instead of staying open with the thread.
+# On PostgreSQL every request borrows its connection from a pool and hands it back at its end (genserver/settings.py,
+# DATABASE_POOL), so the server's connections stay bounded whatever the threads do.
 os.environ.setdefault("GENSERVER_DATABASE_POOL", "16")
-application = get_asgi_application()
+
+from genserver import serving  # after the environment above: Django reads it as the handlers are built
+
+application = serving.application()

@@ -273,6 +273,13 @@ def api_workers() -> int:
     return env_int("GENSERVER_API_WORKERS", 2, minimum=1)
 
 
+def api_threads() -> int:
+    """Threads per API process serving the quick requests (genserver.asgi): more serve more at once when the
+    database or Redis is slow to answer, each holding a database connection; on a CPU-bound machine more than a
+    few only queue inside the process instead of on its socket."""
+    return env_int("GENSERVER_API_THREADS", 8, minimum=1)
+
+
 def worker_pool() -> str:
     """Celery's execution pool for each worker: `solo` runs tasks in the worker process itself."""
     return env_choice("GENSERVER_WORKER_POOL", "solo", ("solo", "prefork", "threads"))

@@ -118,22 +118,24 @@ if DATABASES["default"]["ENGINE"].endswith("sqlite3"):
         "transaction_mode": "IMMEDIATE",
         "init_command": "PRAGMA journal_mode=WAL; PRAGMA synchronous=NORMAL;",
     }
-# The API serves each request in a thread of its own (Django under ASGI, genserver.asgi), so a connection kept
-# for DATABASE_CONN_MAX_AGE stays open with a thread that is gone: under a submit load the API's processes
-# left idle connections until PostgreSQL refused new ones (89 of max_connections=100 in one bench.overhead run, then
-# 503s). With a pool size (genserver.asgi sets it for the API's processes; workers and beat keep their one
-# persistent connection each), a request hands its connection back at its end: to a pool of that many per
-# process on PostgreSQL (psycopg_pool), closed on SQLite. A larger pool serves more concurrent requests
-# (each `Prefer: wait` holds one) and holds more of the server's connections.
+# The API's long requests (event streams, waits) run in a thread of their own each (Django's ASGI handler,
+# genserver.asgi), so a connection kept for DATABASE_CONN_MAX_AGE would stay open with a thread that is gone:
+# under a submit load, before the quick requests moved to kept threads, the API's processes left idle connections
+# until PostgreSQL refused new ones (89 of max_connections=100 in one bench.overhead run, then 503s). genserver.asgi
+# closes such a request's connections at its end; the quick requests' kept threads keep theirs. With a pool size
+# (genserver.asgi sets it for the API's processes; workers and beat keep their one persistent connection each),
+# every request on PostgreSQL borrows from a pool of that many per process (psycopg_pool) and hands it back at its
+# end, so the server's connections stay bounded whatever the threads do; SQLite has no pool and ignores it. A
+# larger pool serves more concurrent requests (each `Prefer: wait` holds one) and holds more of the server's
+# connections.
 DATABASE_POOL = env_int("GENSERVER_DATABASE_POOL", 0, minimum=0)
-if DATABASE_POOL:
+if DATABASE_POOL and DATABASES["default"]["ENGINE"].endswith("postgresql"):
     DATABASES["default"]["CONN_MAX_AGE"] = 0  # Django's pool takes persistent connections for none
-    if DATABASES["default"]["ENGINE"].endswith("postgresql"):
-        DATABASES["default"].setdefault("OPTIONS", {})["pool"] = {
-            "min_size": 1,
-            "max_size": DATABASE_POOL,
-            "timeout": 10,  # seconds a request waits for a free connection, then 503 (the database is busy)
-        }
+    DATABASES["default"].setdefault("OPTIONS", {})["pool"] = {
+        "min_size": 1,
+        "max_size": DATABASE_POOL,
+        "timeout": 10,  # seconds a request waits for a free connection, then 503 (the database is busy)
+    }
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 
 USE_TZ = True
@@ -236,7 +238,8 @@ SPECTACULAR_SETTINGS = {
 # --- Synchronous waits: Prefer: wait and the OpenAI images endpoint ------------------
 # POST /api/v1/jobs/ with `Prefer: wait=N` holds the request until the job ends or N
 # seconds pass; N above this cap is cut to it. 0 turns the preference off. Each waiting
-# request holds an API worker: size GENSERVER_API_WORKERS for the waits you allow.
+# request holds a thread of its own and, on PostgreSQL, a pooled connection (GENSERVER_DATABASE_POOL): size the
+# pool for the waits you allow. It never takes one of the quick requests' threads (genserver/serving.py).
 PREFER_WAIT_MAX_SECONDS = env_float("GENSERVER_PREFER_WAIT_MAX_SECONDS", 60.0, minimum=0)
 # POST /v1/images/generations waits this long for the job; then it answers 202 naming
 # the job, which keeps running (poll GET /api/v1/jobs/{id}/).

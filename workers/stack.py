@@ -147,8 +147,8 @@ def wait_for_http(url: str, supervisor: Supervisor | None = None, timeout: float
 
 
 def api_argv(port: int, workers: int, data_dir: Path) -> list[str]:
-    """gunicorn with uvicorn workers serving genserver.asgi: event streams wait on the event loop, not a thread,
-    and the DRF views run in Django's sync-to-async threads as before."""
+    """gunicorn with uvicorn workers serving genserver.asgi: event streams wait on the event loop, waits in a
+    thread each, and the other requests on each process's kept threads (genserver/serving.py)."""
     return [
         python(),
         "-m",

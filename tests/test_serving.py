@@ -1,0 +1,90 @@
+"""The API's two handlers (genserver/serving.py): long requests on Django's ASGI handler, the rest on kept threads."""
+
+from __future__ import annotations
+
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from urllib.request import Request, urlopen
+
+import pytest
+from django.db import connection
+
+from genserver.serving import holds_the_request
+from tests.reliability.conftest import using_postgres
+from tests.support.live_server import AsgiServer
+from tests.support.waits import wait_for
+
+THREADS = 2
+REQUESTS = 24
+
+
+def _http(path: str, *headers: tuple[bytes, bytes]) -> dict:
+    return {"type": "http", "path": path, "headers": list(headers)}
+
+
+@pytest.mark.parametrize(
+    "scope",
+    [
+        _http("/api/v1/jobs/0b8e7c2a-3f7e-4a55-9d8e-2f1f5a0f7e11/events/"),
+        _http("/v1/images/generations"),
+        _http("/api/v1/jobs/", (b"prefer", b"wait=10")),
+        _http("/api/v1/jobs/", (b"prefer", b"respond-async, wait = 5")),
+        {"type": "lifespan"},
+    ],
+)
+def test_a_request_that_may_stay_open_goes_to_the_asgi_handler(scope):
+    assert holds_the_request(scope)
+
+
+@pytest.mark.parametrize(
+    "scope",
+    [
+        _http("/api/v1/jobs/"),
+        _http("/api/v1/jobs/0b8e7c2a-3f7e-4a55-9d8e-2f1f5a0f7e11/"),
+        _http("/api/v1/jobs/", (b"prefer", b"return=minimal")),
+        _http("/api/v1/jobs/", (b"x-wait", b"wait=5")),
+        _http("/healthz"),
+        _http("/metrics"),
+    ],
+)
+def test_a_quick_request_goes_to_the_kept_threads(scope):
+    assert not holds_the_request(scope)
+
+
+def _open_connections(application_name: str) -> int:
+    """PostgreSQL's connections from the server process (its PGAPPNAME)."""
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND application_name = %s",
+            [application_name],
+        )
+        return cursor.fetchone()[0]
+
+
+# SQLite keeps a closed connection's file open while another connection of the process holds a lock on the
+# file (its POSIX locks are per process), so its descriptors do not count connections.
+@pytest.mark.skipif(not using_postgres(), reason="counts PostgreSQL's connections (DATABASE_URL)")
+@pytest.mark.django_db(transaction=True)
+def test_long_requests_leave_no_connection_behind_and_the_kept_threads_keep_theirs(api_token):
+    """Each request on the ASGI handler runs in a thread that ends with it; its connection must close with it
+    (left open, they piled up until PostgreSQL refused new ones). Quick requests keep at most one per thread."""
+    token = api_token("connections")
+    name = f"genserver-test-asgi-{uuid.uuid4().hex[:8]}"
+    server = AsgiServer(env={"GENSERVER_API_THREADS": str(THREADS), "GENSERVER_DATABASE_POOL": "0", "PGAPPNAME": name})
+    try:
+
+        def get(prefer: str) -> int:
+            headers = {"Authorization": f"Token {token}", **({"Prefer": prefer} if prefer else {})}
+            with urlopen(Request(f"{server.url}/api/v1/jobs/", headers=headers), timeout=30) as resp:
+                return resp.status
+
+        with ThreadPoolExecutor(8) as pool:
+            # a list is never waited on: `Prefer: wait` only routes these to the ASGI handler's threads
+            statuses = list(pool.map(get, ["wait=5"] * REQUESTS + [""] * REQUESTS))
+        assert statuses == [200] * (2 * REQUESTS)
+        # a request's connection closes after its answer is sent: wait for the last ones (without the close, one
+        # per request on the ASGI side stays open for good)
+        wait_for(lambda: _open_connections(name) <= THREADS, what="the long requests' connections closed")
+        assert _open_connections(name) >= 1  # the kept threads keep theirs
+    finally:
+        server.stop()
