@@ -26,10 +26,12 @@ from .jobs import jobs_visible_to, model_of, queue_and_priority
 from .overview import QUEUE_SUMMARY_FIELDS, queue_overview, step_time_corrections
 from .positions import (
     NEAR_END,
+    FairPicture,
     HeldRow,
     QueueSnapshot,
     WaitingGroup,
     backlog_items,
+    fair_picture,
     headwind_for,
     held_rows,
     running_jobs,
@@ -56,6 +58,7 @@ from .waits import (
 
 __all__ = [
     "EffectiveQuota",
+    "FairPicture",
     "HeldRow",
     "LongCapState",
     "NEAR_END",
@@ -73,6 +76,7 @@ __all__ = [
     "capacity_of",
     "cards_running_long",
     "effective_quota",
+    "fair_picture",
     "headwind_for",
     "held_rows",
     "in_flight_jobs",

@@ -217,18 +217,42 @@ def _held_sums(rows: Iterable[HeldRow]) -> dict[tuple[str, str, int], WaitingGro
 PUBLISHED_READ = 2000
 
 
-def unstarted_by_owner(queue: str, held: Iterable[HeldRow] | None = None) -> dict[Any, int]:
+@dataclass(frozen=True)
+class FairPicture:
+    """What the fair window reads of a queue: every held tally row (of every queue) and, per user, their
+    published, not yet started jobs in this queue (`complete` unless the read stopped at PUBLISHED_READ rows).
+    A submit places its new job with it and its answer reuses it (QueueSnapshot.with_new_job)."""
+
+    queue: str
+    held: list[HeldRow]
+    published: dict[Any, int]
+    complete: bool
+
+    def unstarted(self) -> dict[Any, int]:
+        """Per user with unstarted jobs in the queue, how many: published and not started, and held."""
+        counts = dict(self.published)
+        for r in self.held:
+            if r.queue == self.queue:
+                counts[r.owner_id] = counts.get(r.owner_id, 0) + r.count
+        return counts
+
+
+def fair_picture(queue: str, held: list[HeldRow] | None = None) -> FairPicture:
+    """The queue's FairPicture: the published, unstarted jobs' owners over the partial index job_fair_window
+    (at most PUBLISHED_READ rows), and the held tally's rows (`held` when the caller read them already)."""
+    published: dict[Any, int] = {}
+    rows = Job.objects.filter(queue=queue, status__in=ACTIVE, held=False, chunks_run=0).order_by()
+    owners = list(rows.values_list("owner_id", flat=True)[:PUBLISHED_READ])
+    for owner_id in owners:
+        published[owner_id] = published.get(owner_id, 0) + 1
+    return FairPicture(queue, held_rows() if held is None else held, published, len(owners) < PUBLISHED_READ)
+
+
+def unstarted_by_owner(queue: str, held: list[HeldRow] | None = None) -> dict[Any, int]:
     """Per user with unstarted jobs in the queue, how many: published and not started (over the partial
     index job_fair_window, at most PUBLISHED_READ rows read) and held (the held tally's rows; `held` when the
     caller read them already)."""
-    counts: dict[Any, int] = {}
-    published = Job.objects.filter(queue=queue, status__in=ACTIVE, held=False, chunks_run=0).order_by()
-    for owner_id in published.values_list("owner_id", flat=True)[:PUBLISHED_READ]:
-        counts[owner_id] = counts.get(owner_id, 0) + 1
-    for r in held_rows() if held is None else held:
-        if r.queue == queue:
-            counts[r.owner_id] = counts.get(r.owner_id, 0) + r.count
-    return counts
+    return fair_picture(queue, held).unstarted()
 
 
 @dataclass
@@ -435,10 +459,14 @@ class QueueSnapshot:
         """The active jobs as admission sees them (`backlog_items`), from this snapshot's reads."""
         return _backlog(self.groups, self.running)
 
-    def with_new_job(self, job: Job) -> QueueSnapshot:
+    def with_new_job(
+        self, job: Job, fair: FairPicture | None = None, headwind: Headwind | None = None
+    ) -> QueueSnapshot:
         """This snapshot as it is once `job`, just recorded and waiting, counts in the tally (its group one
         job and its wall seconds larger), on a clock taken now: what a fresh `load` would read, less what
-        other requests recorded meanwhile, without reading it again (a submit's answer)."""
+        other requests recorded meanwhile, without reading it again (a submit's answer). What admission and
+        the fair window read to place the job (before its insert; the job is not of a class better than its
+        own, so its headwind is the same after it) go in too: its position and ETA then read nothing."""
         mine = (job.queue or job.duration_class, job.duration_class, job.priority)
         wall = job.remaining_seconds * job.clock_scale
         groups = [
@@ -451,7 +479,28 @@ class QueueSnapshot:
             # The newest at its priority: what waits there is ahead of it, and what was recorded after it is
             # not in this picture, so `prepare` has nothing to read for it (one indexed read less per submit).
             snapshot._peers[job.pk] = snapshot._all_but(job, [])
+        if fair is not None:
+            snapshot._take_fair_picture(job, wall, fair)
+        if headwind is not None:
+            snapshot._winds[(job.duration_class, job.queue or job.duration_class)] = headwind
         return snapshot
+
+    def _take_fair_picture(self, job: Job, wall: float, fair: FairPicture) -> None:
+        """The held rows and the queue's waiting users as the fair window read them, with `job` counted in. The
+        job is the newest in this picture: for a held one, its owner's held jobs before it are every one they
+        held (`_prepare_own_held`); for a published one, the other users' held jobs at its priority submitted
+        up to its wait key are every one they hold there (`_prepare_held`)."""
+        if job.held:  # its owner's in its queue and priority, of every class (as `_prepare_own_held` counts them)
+            mine = (job.queue, job.owner_id, job.priority)
+            earlier = [r for r in fair.held if (r.queue, r.owner_id, r.priority) == mine]
+            self._own_earlier[job.pk] = (sum(r.count for r in earlier), sum(r.seconds for r in earlier))
+            new_row = HeldRow(job.queue, job.duration_class, job.priority, job.owner_id, count=1, seconds=wall)
+            self._held_rows = [*fair.held, new_row]  # every reader of the rows sums them
+        else:
+            self._held_rows = list(fair.held)
+            others = (r for r in fair.held if r.priority == job.priority and r.owner_id != job.owner_id)
+            self._held_peers[job.pk] = _held_sums(others)
+        self._memo[("owners waiting", job.queue)] = set(fair.unstarted()) | {job.owner_id}
 
     def __post_init__(self) -> None:
         self._peers: dict[Any, list[WaitingGroup]] = {}

@@ -25,6 +25,7 @@ A leaf like `_common` (it imports no other part of the service but the leaf `emb
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from typing import Any
 
 from django.conf import settings
@@ -57,22 +58,34 @@ def in_window(owner_id: Any, queue: str) -> int:
     return Job.objects.filter(_window_jobs(owner_id, queue)).count()
 
 
-def place_new_job(owner_id: Any, queue: str, priority: int, duration_class: str) -> tuple[bool, int]:
-    """Inside submit's transaction (after the owner's row is locked): (whether the new job is held, the
-    priority it is recorded and published at). The lightest user's job goes one step ahead of its own
+@dataclass(frozen=True)
+class Placement:
+    """Where a new job goes: held or published, at which priority, and what the window read to decide (None
+    with the window off), which the submit's answer reuses (QueueSnapshot.with_new_job)."""
+
+    held: bool
+    priority: int
+    picture: selectors.FairPicture | None = None
+
+
+def place_new_job(owner_id: Any, queue: str, priority: int, duration_class: str) -> Placement:
+    """Inside submit's transaction (after the owner's row is locked): whether the new job is held, and the
+    priority it is recorded and published at. The lightest user's job goes one step ahead of its own
     priority (scheduling.fairness.ahead_priority), so that it is taken before the heavier users' messages
     at its priority rather than behind them."""
     policy = window()
     if not policy.enabled:
-        return False, priority
-    waiting = selectors.unstarted_by_owner(queue)  # published and not started, and held
+        return Placement(False, priority)
+    picture = selectors.fair_picture(queue)
+    waiting = picture.unstarted()  # published and not started, and held
     mine = waiting.get(owner_id, 0)
     others = [n for owner, n in waiting.items() if owner != owner_id]
-    if policy.holds(in_window(owner_id, queue) if mine else 0, mine, others):
-        return True, priority
+    published_mine = picture.published.get(owner_id, 0) if picture.complete else in_window(owner_id, queue)
+    if policy.holds(published_mine if mine else 0, mine, others):
+        return Placement(True, priority, picture)
     if policy.goes_ahead(mine, others):
-        return False, ahead_priority(priority, duration_class)
-    return False, priority
+        return Placement(False, ahead_priority(priority, duration_class), picture)
+    return Placement(False, priority, picture)
 
 
 def mark_ahead(job_id: Any) -> None:

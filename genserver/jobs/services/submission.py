@@ -127,7 +127,8 @@ def submit(owner: Any, data: dict[str, Any], idempotency_key: str = "") -> tuple
             metrics.count_submit(est.duration_class, _METRIC_REASON[refused.reason])
             raise
         # The owner's row is locked (check_limits): the user's submits count their window one at a time.
-        held, priority = fairness.place_new_job(owner.pk, queue, est.priority, est.duration_class)
+        placement = fairness.place_new_job(owner.pk, queue, est.priority, est.duration_class)
+        held, priority = placement.held, placement.priority
         ahead = priority < est.priority
         est = replace(est, priority=priority)
         if held:
@@ -153,7 +154,7 @@ def submit(owner: Any, data: dict[str, Any], idempotency_key: str = "") -> tuple
             )
         transaction.on_commit(lambda: metrics.count_submit(job.duration_class))
         observe.recorded(job)
-    return job, snapshot.with_new_job(job)
+    return job, snapshot.with_new_job(job, placement.picture, wind)
 
 
 def submit_or_replay(
