@@ -112,7 +112,9 @@ DATABASES = {
 }
 if DATABASES["default"]["ENGINE"].endswith("sqlite3"):
     # Several processes (API, workers, beat) share the file: wait for locks
-    # instead of failing, and let readers run beside one writer.
+    # instead of failing, and let readers run beside one writer. A process's own
+    # threads queue for their turn at writing in Python (genserver/db/sqlite3/base.py).
+    DATABASES["default"]["ENGINE"] = "genserver.db.sqlite3"
     DATABASES["default"]["OPTIONS"] = {
         "timeout": 30,
         "transaction_mode": "IMMEDIATE",

@@ -1,0 +1,1 @@
+"""Database backends of our own (Django loads one by its ENGINE path)."""

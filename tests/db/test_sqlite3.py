@@ -1,0 +1,130 @@
+"""The SQLite backend's write turns (genserver/db/sqlite3/base.py): held from BEGIN to its end, given back on every
+path. Each test opens its own SQLite file through the backend, whatever database the session runs on."""
+
+from __future__ import annotations
+
+import sqlite3
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from django.db import OperationalError
+from django.db.utils import ConnectionHandler
+
+from genserver.db.sqlite3 import base
+
+
+@pytest.fixture(autouse=True)
+def _own_database(django_db_blocker) -> Iterator[None]:
+    with django_db_blocker.unblock():  # these connections are to the test's own file, not the session's database
+        yield
+
+
+@pytest.fixture
+def database(tmp_path: Path) -> Path:
+    path = tmp_path / "turns.sqlite3"
+    with sqlite3.connect(path) as setup:
+        setup.execute("CREATE TABLE t (x INTEGER)")
+    return path
+
+
+def _wrapper(path: Path, timeout: float = 5) -> base.DatabaseWrapper:
+    handler = ConnectionHandler(
+        {
+            "default": {
+                "ENGINE": "genserver.db.sqlite3",
+                "NAME": str(path),
+                "OPTIONS": {"timeout": timeout, "transaction_mode": "IMMEDIATE"},
+            }
+        }
+    )
+    return handler["default"]
+
+
+@pytest.fixture
+def wrapper(database: Path) -> Iterator[base.DatabaseWrapper]:
+    conn = _wrapper(database)
+    yield conn
+    conn.close()
+
+
+def _begin(conn: base.DatabaseWrapper) -> None:
+    """What transaction.atomic() does first on SQLite: BEGIN while in autocommit."""
+    conn.set_autocommit(False, force_begin_transaction_with_broken_autocommit=True)
+
+
+def _write(conn: base.DatabaseWrapper) -> None:
+    with conn.cursor() as cursor:
+        cursor.execute("INSERT INTO t VALUES (1)")
+
+
+@pytest.mark.parametrize("end", ["commit", "rollback", "close"])
+def test_a_transaction_holds_the_processs_turn_until_it_ends(wrapper, end):
+    assert not base._WRITER.locked()
+    _begin(wrapper)
+    _write(wrapper)
+    assert base._WRITER.locked()
+    getattr(wrapper, end)()
+    assert not base._WRITER.locked()
+
+
+def test_a_begin_that_sqlite_refuses_gives_the_turn_back(database):
+    other_process = sqlite3.connect(database, isolation_level=None)  # its own lock, as another process's
+    other_process.execute("BEGIN IMMEDIATE")
+    conn = _wrapper(database, timeout=0.05)
+    try:
+        with pytest.raises(OperationalError, match="locked"):
+            _begin(conn)
+        assert not base._WRITER.locked()
+    finally:
+        other_process.execute("ROLLBACK")
+        other_process.close()
+        conn.close()
+
+
+def test_a_thread_waits_for_the_turn_and_takes_it_when_the_holder_commits(wrapper, database):
+    _begin(wrapper)
+    _write(wrapper)
+    waiting, wrote = threading.Event(), threading.Event()
+
+    def second_thread() -> None:
+        conn = _wrapper(database)
+        waiting.set()
+        _begin(conn)  # blocks on the turn, not in SQLite's busy handler
+        _write(conn)
+        conn.commit()
+        conn.close()
+        wrote.set()
+
+    thread = threading.Thread(target=second_thread)
+    thread.start()
+    waiting.wait(5)
+    assert not wrote.is_set()
+    wrapper.commit()
+    thread.join(10)
+    assert wrote.is_set()
+    with wrapper.cursor() as cursor:
+        cursor.execute("SELECT count(*) FROM t")
+        assert cursor.fetchone()[0] == 2
+
+
+def test_no_turn_within_the_timeout_fails_with_a_message_that_says_so(wrapper, database):
+    _begin(wrapper)
+    errors: list[Exception] = []
+
+    def impatient() -> None:
+        conn = _wrapper(database, timeout=0.05)
+        try:
+            _begin(conn)
+        except OperationalError as error:
+            errors.append(error)
+        finally:
+            conn.close()
+
+    thread = threading.Thread(target=impatient)
+    thread.start()
+    thread.join(10)
+    wrapper.rollback()
+    assert [str(e) for e in errors] == ["database is locked: no turn to write within 0.05 s"]
+    assert not base._WRITER.locked()
