@@ -274,7 +274,7 @@ def api_workers() -> int:
 
 
 def api_threads() -> int:
-    """Threads per API process serving the quick requests (genserver.asgi): more serve more at once when the
+    """Threads per API process serving the quick requests (genserver/serving.py): more serve more at once when the
     database or Redis is slow to answer, each holding a database connection; on a CPU-bound machine more than a
     few only queue inside the process instead of on its socket."""
     return env_int("GENSERVER_API_THREADS", 8, minimum=1)

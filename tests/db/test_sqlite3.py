@@ -83,15 +83,36 @@ def test_a_begin_that_sqlite_refuses_gives_the_turn_back(database):
         conn.close()
 
 
-def test_a_thread_waits_for_the_turn_and_takes_it_when_the_holder_commits(wrapper, database):
+class _WatchedLock:
+    """The process's turn, telling when a thread other than the first asks for it."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.asked_by_another = threading.Event()
+        self.first = threading.get_ident()
+
+    def acquire(self, timeout: float = -1) -> bool:
+        if threading.get_ident() != self.first:
+            self.asked_by_another.set()
+        return self.lock.acquire(timeout=timeout)
+
+    def release(self) -> None:
+        self.lock.release()
+
+    def locked(self) -> bool:
+        return self.lock.locked()
+
+
+def test_a_thread_waits_for_the_turn_and_takes_it_when_the_holder_commits(wrapper, database, monkeypatch):
+    turn = _WatchedLock()
+    monkeypatch.setattr(base, "_WRITER", turn)
     _begin(wrapper)
     _write(wrapper)
-    waiting, wrote = threading.Event(), threading.Event()
+    wrote = threading.Event()
 
     def second_thread() -> None:
         conn = _wrapper(database)
-        waiting.set()
-        _begin(conn)  # blocks on the turn, not in SQLite's busy handler
+        _begin(conn)  # waits on the turn, before it asks SQLite
         _write(conn)
         conn.commit()
         conn.close()
@@ -99,7 +120,7 @@ def test_a_thread_waits_for_the_turn_and_takes_it_when_the_holder_commits(wrappe
 
     thread = threading.Thread(target=second_thread)
     thread.start()
-    waiting.wait(5)
+    assert turn.asked_by_another.wait(10)  # it queued on the process's turn (SQLite's busy handler would not)
     assert not wrote.is_set()
     wrapper.commit()
     thread.join(10)

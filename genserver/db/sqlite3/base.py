@@ -12,6 +12,7 @@ still meet in the busy handler.
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from typing import Any
 
 from django.db import OperationalError
@@ -26,11 +27,12 @@ class DatabaseWrapper(base.DatabaseWrapper):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._has_turn = False
+        # As long as SQLite's own busy timeout would wait (Django's default for it is 5 s).
+        self._turn_timeout = float(self.settings_dict.get("OPTIONS", {}).get("timeout", 5))
 
     def _start_transaction_under_autocommit(self) -> None:
-        seconds = float(self.settings_dict.get("OPTIONS", {}).get("timeout", 5))
-        if not _WRITER.acquire(timeout=seconds):  # as SQLite's own busy timeout would fail it
-            raise OperationalError(f"database is locked: no turn to write within {seconds:g} s")
+        if not _WRITER.acquire(timeout=self._turn_timeout):
+            raise OperationalError(f"database is locked: no turn to write within {self._turn_timeout:g} s")
         self._has_turn = True
         try:
             super()._start_transaction_under_autocommit()
@@ -38,25 +40,23 @@ class DatabaseWrapper(base.DatabaseWrapper):
             self._give_turn_back()
             raise
 
+    def _commit(self) -> None:
+        self._then_give_turn_back(super()._commit)
+
+    def _rollback(self) -> None:
+        self._then_give_turn_back(super()._rollback)
+
+    def _close(self) -> None:
+        self._then_give_turn_back(super()._close)
+
+    def _then_give_turn_back(self, end: Callable[[], Any]) -> None:
+        """Commit, roll back or close, and give the turn back (if this connection holds it) whatever happens."""
+        try:
+            end()
+        finally:
+            self._give_turn_back()
+
     def _give_turn_back(self) -> None:
         if self._has_turn:
             self._has_turn = False
             _WRITER.release()
-
-    def _commit(self) -> None:
-        try:
-            super()._commit()
-        finally:
-            self._give_turn_back()
-
-    def _rollback(self) -> None:
-        try:
-            super()._rollback()
-        finally:
-            self._give_turn_back()
-
-    def _close(self) -> None:
-        try:
-            super()._close()
-        finally:
-            self._give_turn_back()

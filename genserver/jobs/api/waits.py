@@ -3,11 +3,20 @@
 from __future__ import annotations
 
 import re
+from typing import TYPE_CHECKING
 
 from django.conf import settings
-from rest_framework.request import Request
+
+if TYPE_CHECKING:  # imported by genserver.serving before Django is set up: no DRF at import
+    from rest_framework.request import Request
 
 _WAIT = re.compile(r"(?:^|[,;\s])wait\s*=\s*\"?(\d{1,9})\"?(?=$|[,;\s])", re.IGNORECASE)
+
+
+def asks_to_wait(prefer: str) -> bool:
+    """Whether a Prefer header's value holds a well-formed `wait=N` (genserver.serving routes such a request to
+    the handler whose waits cannot starve the others)."""
+    return _WAIT.search(prefer) is not None
 
 
 def preferred_wait(request: Request) -> int | None:

@@ -80,8 +80,11 @@ def place_new_job(owner_id: Any, queue: str, priority: int, duration_class: str)
     waiting = picture.unstarted()  # published and not started, and held
     mine = waiting.get(owner_id, 0)
     others = [n for owner, n in waiting.items() if owner != owner_id]
-    published_mine = picture.published.get(owner_id, 0) if picture.complete else in_window(owner_id, queue)
-    if policy.holds(published_mine if mine else 0, mine, others):
+    if mine:  # their published, unstarted jobs: counted by the picture's read unless it stopped short
+        published_mine = picture.published.get(owner_id, 0) if picture.complete else in_window(owner_id, queue)
+    else:
+        published_mine = 0
+    if policy.holds(published_mine, mine, others):
         return Placement(True, priority, picture)
     if policy.goes_ahead(mine, others):
         return Placement(False, ahead_priority(priority, duration_class), picture)
