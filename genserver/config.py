@@ -20,6 +20,7 @@ import math
 import os
 import sys
 import tomllib
+import zlib
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
@@ -219,6 +220,20 @@ def env_registry(name: str, default: str) -> str:
 def data_dir() -> Path:
     """Where everything the service writes lives (GENSERVER_DATA_DIR, default ./var of the checkout)."""
     return env_path("GENSERVER_DATA_DIR", BASE_DIR / "var")
+
+
+def derived_redis_port(directory: Path) -> int:
+    """The bundled Redis's port for a data directory: 6389 for the default ./var, one of 6390-7389 for
+    any other, so a second stack with its own GENSERVER_DATA_DIR never meets the first one's Redis
+    (two directories share a port 1 time in 1,000: `make up` then refuses to start, naming the variable)."""
+    if directory == (BASE_DIR / "var").resolve():
+        return 6389
+    return 6390 + zlib.crc32(str(directory).encode()) % 1000
+
+
+def embedded_redis_port() -> int:
+    """GENSERVER_EMBEDDED_REDIS_PORT, else the port the data directory derives."""
+    return env_int("GENSERVER_EMBEDDED_REDIS_PORT", derived_redis_port(data_dir()), minimum=1, maximum=65535)
 
 
 def api_port() -> int:

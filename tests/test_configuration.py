@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import re
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -13,6 +12,7 @@ import pytest
 
 from genserver import config
 from genserver.config import SettingsError, env_bool, env_choice, env_float, env_int, env_optional_int, env_pools
+from workers.bundled_redis import free_port
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 VARIABLE = re.compile(r"\bGENSERVER_[A-Z0-9_]*[A-Z0-9]\b")
@@ -100,12 +100,6 @@ def test_the_runtime_reads_its_variables_strictly_at_call_time(monkeypatch):
 # --------------------------------------------------------------------------- entry points: one line, exit 2
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def _run(argv: list[str], data_dir: Path, **bad: str) -> subprocess.CompletedProcess:
     """Run an entry point against the real settings module with one bad variable; nothing shared is touched."""
     # REDIS_URL unset: the stack would start its own Redis; PROMETHEUS_MULTIPROC_DIR unset: `make up`
@@ -114,9 +108,9 @@ def _run(argv: list[str], data_dir: Path, **bad: str) -> subprocess.CompletedPro
     env |= {
         "DJANGO_SETTINGS_MODULE": "genserver.settings",
         "GENSERVER_DATA_DIR": str(data_dir),
-        "GENSERVER_EMBEDDED_REDIS_PORT": str(_free_port()),
-        "GENSERVER_PORT": str(_free_port()),
-        "FLOWER_PORT": str(_free_port()),
+        "GENSERVER_EMBEDDED_REDIS_PORT": str(free_port()),
+        "GENSERVER_PORT": str(free_port()),
+        "FLOWER_PORT": str(free_port()),
     } | bad
     return subprocess.run(
         [sys.executable, *argv],

@@ -14,13 +14,16 @@ import subprocess
 import sys
 import tempfile
 import urllib.request
+from collections.abc import Collection
 from pathlib import Path
 
 import pytest
 import redis
 
+from genserver import config
 from tests.conftest import wait_for
 from tests.support.tiny_models import copy_tiny_models
+from workers.bundled_redis import free_port
 
 pytestmark = pytest.mark.stack
 
@@ -28,27 +31,27 @@ BOOT_SECONDS = 240  # two stacks boot side by side on a small machine
 ALL_QUEUES = '["short", "medium", "long", "encode", "decode", "control", "webhooks"]'
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 class UpStack:
     """`python -m workers.stack` in its own data directory, ports and worker name, its output in a log file."""
 
     def __init__(
-        self, worker: str, stdout: int | None = None, *, seeded: bool = True, derived_redis_port: bool = True
+        self,
+        worker: str,
+        stdout: int | None = None,
+        *,
+        seeded: bool = True,
+        derived_redis_port: bool = True,
+        avoid_ports: Collection[int] = (),
     ) -> None:
         """`stdout`: a file descriptor for the banner instead of the log (stderr still goes to the log).
         `seeded`: the tiny checkpoints copied in first, as a second `make up` finds them; else the stack
         generates them, as a user's first `make up` does (7 CPU-s: one stack of the suite does it).
         `derived_redis_port`: the embedded Redis on the port the data directory derives (what `make up`
-        does, 1,000 ports: two stacks of the suite running at once collide now and then); else a free one."""
-        self.data_dir = Path(tempfile.mkdtemp(prefix=f"genserver-up-{worker}-"))
+        does), in a directory whose port is free and not in `avoid_ports`; else on a port the OS hands out."""
+        self.data_dir, self.redis_port = _data_dir(worker, derived_redis_port, avoid_ports)
         if seeded:
             copy_tiny_models(self.data_dir / "models")
-        self.port, self.flower_port = _free_port(), _free_port()
+        self.port, self.flower_port = free_port(), free_port()
         self.worker = worker
         env = {
             k: v
@@ -59,7 +62,7 @@ class UpStack:
         }
         env |= {
             "GENSERVER_DATA_DIR": str(self.data_dir),
-            **({} if derived_redis_port else {"GENSERVER_EMBEDDED_REDIS_PORT": str(_free_port())}),
+            **({} if derived_redis_port else {"GENSERVER_EMBEDDED_REDIS_PORT": str(self.redis_port)}),
             "GENSERVER_PORT": str(self.port),
             "FLOWER_PORT": str(self.flower_port),
             "GENSERVER_API_WORKERS": "1",
@@ -117,9 +120,33 @@ class UpStack:
         self.log.close()
 
 
+def _data_dir(worker: str, derived_redis_port: bool, avoid_ports: Collection[int]) -> tuple[Path, int]:
+    """A fresh data directory and its stack's Redis port. A derived port can meet another directory's
+    (1 in 1,000) or something else listening (the suite runs stacks at once): such a directory is
+    traded for another, since the derivation, not the draw, is what these tests prove."""
+    while True:
+        data_dir = Path(tempfile.mkdtemp(prefix=f"genserver-up-{worker}-")).resolve()
+        if not derived_redis_port:
+            return data_dir, free_port()
+        port = config.derived_redis_port(data_dir)
+        if port not in avoid_ports and _nothing_listens(port):
+            return data_dir, port
+        shutil.rmtree(data_dir)
+
+
+def _nothing_listens(port: int) -> bool:
+    with socket.socket() as probe:
+        try:
+            probe.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
 @pytest.fixture
 def two_stacks():
-    stacks = [UpStack("alpha", seeded=False), UpStack("beta")]
+    alpha = UpStack("alpha", seeded=False)
+    stacks = [alpha, UpStack("beta", avoid_ports={alpha.redis_port})]
     try:
         for stack in stacks:
             wait_for(
@@ -141,6 +168,8 @@ def test_two_stacks_keep_their_own_redis_and_ctrl_c_stops_in_order_without_trace
     # A first `make up` writes the tiny checkpoints; one that finds them (beta's were copied in) does not.
     assert "making the tiny demo checkpoints" in alpha.output()
     assert "making the tiny demo checkpoints" not in beta.output()
+    # Each on the port its data directory derives, so the two differ.
+    assert [s.redis_url() for s in two_stacks] == [f"redis://127.0.0.1:{s.redis_port}/0" for s in two_stacks]
     assert alpha.redis_url() != beta.redis_url()
     # Each Redis holds only its own stack's worker heartbeat: the second stack did not join the first.
     for stack, other in ((alpha, beta), (beta, alpha)):

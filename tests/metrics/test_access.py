@@ -7,6 +7,7 @@ import pytest
 from django.test import override_settings
 
 from tests.support.waits import wait_for
+from workers.bundled_redis import free_port
 
 from .scrapes import scrape
 
@@ -48,14 +49,6 @@ def test_metrics_takes_a_staff_users_api_token_and_refuses_others(make_user, cli
     assert client.get("/metrics", HTTP_AUTHORIZATION=f"Token {staff_key}").status_code == 403
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def test_a_worker_nodes_exporter_beyond_loopback_needs_the_metrics_token():
     import threading
     import urllib.error
@@ -65,9 +58,9 @@ def test_a_worker_nodes_exporter_beyond_loopback_needs_the_metrics_token():
 
     for address in ("0.0.0.0", "::", "10.1.2.3", "gpu-a.example.com"):  # refused before anything listens
         with pytest.raises(ValueError, match="GENSERVER_METRICS_TOKEN"):
-            metrics.serve(_free_port(), address, token="")
+            metrics.serve(free_port(), address, token="")
     # With the token set every scrape must send it (here on loopback: the tests listen nowhere else).
-    port = _free_port()
+    port = free_port()
     threading.Thread(target=metrics.serve, args=(port, "127.0.0.1", "node-scrape-secret"), daemon=True).start()
 
     def status(headers: dict[str, str]) -> int | None:
@@ -120,7 +113,7 @@ def test_a_worker_node_with_nothing_written_yet_answers_an_empty_scrape(monkeypa
     from genserver import metrics
 
     monkeypatch.setattr(metrics, "scrape", lambda cluster=True: b"")  # an empty multiprocess directory
-    port = _free_port()
+    port = free_port()
     threading.Thread(target=metrics.serve, args=(port, "127.0.0.1", ""), daemon=True).start()
 
     def answer(path: str) -> tuple[int, bytes] | None:

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import json
 import sys
-from pathlib import Path
 
 import pytest
 import redis
 
 from tests.conftest import wait_for
+from workers.bundled_redis import free_port
 from workers.supervise import Supervisor
 
 # A child that, on SIGTERM, appends "<name> <time>" to a file and exits (after a short pause, like a warm shutdown).
@@ -65,39 +65,39 @@ def test_a_crash_looping_child_makes_readyz_unavailable(settings):
     assert not state_file.exists()  # a stopped supervisor leaves no state behind
 
 
-def test_two_data_directories_get_two_redis_servers_and_a_taken_port_is_refused(tmp_path, monkeypatch):
+def test_each_data_directory_derives_a_port_of_its_own_and_the_default_keeps_6389(tmp_path, monkeypatch):
+    from genserver import config
+
+    monkeypatch.delenv("GENSERVER_EMBEDDED_REDIS_PORT", raising=False)
+    ports = {}
+    for name in ("first", "second", "first"):
+        monkeypatch.setenv("GENSERVER_DATA_DIR", str(tmp_path / name))
+        ports.setdefault(name, config.embedded_redis_port())
+        assert config.embedded_redis_port() == ports[name] and 6390 <= ports[name] <= 7389
+    assert ports["first"] != ports["second"]
+    monkeypatch.setenv("GENSERVER_DATA_DIR", str(config.BASE_DIR / "var"))
+    assert config.embedded_redis_port() == 6389
+    monkeypatch.setenv("GENSERVER_EMBEDDED_REDIS_PORT", "7777")
+    assert config.embedded_redis_port() == 7777
+
+
+def test_two_stacks_get_two_redis_servers_and_a_taken_port_is_refused(tmp_path):
+    """On ports the OS hands out: the suite runs stacks at once, and two derived ports (1,000 of them)
+    may meet; the derivation itself is the test above."""
     from workers.stack import start_embedded_redis
 
-    ports = {}
-    for name in ("first", "second"):
-        data_dir = tmp_path / name
-        data_dir.mkdir()
-        ports[name] = _derived_port(data_dir, monkeypatch)
-    assert ports["first"] != ports["second"]
     supervisors = [Supervisor(stop_timeout=5), Supervisor(stop_timeout=5)]
     try:
-        urls = [
-            start_embedded_redis(sup, tmp_path / name, ports[name])
-            for sup, name in zip(supervisors, ("first", "second"))
-        ]
+        urls = [start_embedded_redis(sup, tmp_path / name, free_port()) for sup, name in zip(supervisors, "ab")]
         first, second = (redis.Redis.from_url(u) for u in urls)
         first.set("genserver:test:owner", "first")
         assert second.get("genserver:test:owner") is None
         assert first.info("server")["process_id"] != second.info("server")["process_id"]
         # A third stack told to use the first one's port refuses to start, naming the variable to change.
         with pytest.raises(SystemExit, match="GENSERVER_EMBEDDED_REDIS_PORT"):
-            start_embedded_redis(Supervisor(stop_timeout=5), tmp_path / "third", ports["first"])
+            start_embedded_redis(
+                Supervisor(stop_timeout=5), tmp_path / "c", first.connection_pool.connection_kwargs["port"]
+            )
     finally:
         for sup in supervisors:
             sup.stop()
-
-
-def _derived_port(data_dir: Path, monkeypatch) -> int:
-    """The port the settings derive for a data directory (GENSERVER_EMBEDDED_REDIS_PORT unset)."""
-    import runpy
-
-    monkeypatch.setenv("GENSERVER_DATA_DIR", str(data_dir))
-    monkeypatch.delenv("GENSERVER_EMBEDDED_REDIS_PORT", raising=False)
-    import genserver.settings as real
-
-    return runpy.run_path(real.__file__)["EMBEDDED_REDIS_PORT"]
