@@ -20,7 +20,8 @@ CORRECTION_KEY = "genserver:step-correction"
 # for a decode worker: selectors/decode_queue.py).
 STAGE_SECONDS_KEY = "genserver:stage-seconds"
 LEAD_IN, HOP, BOUNDARY, STEP, TAIL, DECODE = "lead-in", "hop", "boundary", "step", "tail", "decode"
-WORKER_KEY = "genserver:worker:{name}"
+WORKER_KEY = "genserver:worker:{name}"  # a worker's liveness (genserver/liveness.py)
+WORKERS_KEY = "genserver:workers"  # the names of the workers that wrote one lately, for the readers
 LONG_CAP_KEY = "genserver:long-cap"  # the overload cap's state, written by beat (services/overload.py)
 # A job published one step ahead as the lightest user's (services/fairness.py) until its first chunk is claimed:
 # while it waits, one card running another user's chunk cuts that chunk at its next step (tasks/denoise.py).

@@ -1,4 +1,5 @@
-"""Worker liveness: each worker's main process writes a short-lived Redis key that GET /queues/ reads.
+"""Worker liveness: each worker's main process writes a short-lived Redis key (genserver/liveness.py) that
+admission, ETAs and GET /queues/ read.
 
 The key and the payload's `name` are the worker's Celery hostname, `gpu0@NODE`
 (GENSERVER_NODE qualifies it, workers/launcher.py), so two nodes' `gpu0` are two
@@ -8,7 +9,6 @@ queues and cards (genserver/jobs/selectors/capacity.py: live_capacity counts the
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import threading
@@ -32,26 +32,24 @@ def timing() -> tuple[float, float]:
 
 
 def _beat(name: str, queues: list[str], app=None) -> None:
-    from genserver.redis_client import WORKER_KEY, client
+    from genserver import liveness
     from workers import long_cap
     from workers.runtime.cache import loaded_models
 
     worker, _, node = name.partition("@")
     interval, ttl = timing()
     while not _stop.is_set():
-        payload = json.dumps(
-            {
-                "name": name,
-                "node": node,
-                "worker": worker,
-                "queues": queues,
-                "pid": os.getpid(),
-                "devices": os.environ.get("CUDA_VISIBLE_DEVICES", ""),
-                "models": loaded_models(),
-            }
-        )
+        payload = {
+            "name": name,
+            "node": node,
+            "worker": worker,
+            "queues": queues,
+            "pid": os.getpid(),
+            "devices": os.environ.get("CUDA_VISIBLE_DEVICES", ""),
+            "models": loaded_models(),
+        }
         try:
-            client().set(WORKER_KEY.format(name=name), payload, px=int(ttl * 1000))
+            liveness.write(name, payload, ttl)
         except Exception:
             log.debug("worker heartbeat failed", exc_info=True)
         if app is not None:
@@ -92,12 +90,12 @@ def start_heartbeat(sender=None, **kwargs) -> None:
 def stop_heartbeat(**kwargs) -> None:
     """Stop beating and take the liveness key away at once: a worker that shuts down cleanly stops counting
     now, not when its key expires (a restarted stack is not mistaken for live by its predecessor's keys)."""
-    from genserver.redis_client import WORKER_KEY, client
+    from genserver import liveness
 
     _stop.set()
     for thread, name in _beating:
         thread.join(timeout=2.0)  # a beat in flight would write the key again after the delete
         try:
-            client().delete(WORKER_KEY.format(name=name))
+            liveness.forget(name)
         except Exception:
             log.debug("could not delete the liveness key of %s", name, exc_info=True)

@@ -126,17 +126,16 @@ class LocalWorkers:
 
     def kill(self, worker: str) -> None:
         """SIGKILL a worker's whole process group (main process and pool child): no cleanup runs."""
-        from genserver.redis_client import WORKER_KEY, client
+        from genserver import liveness
 
         os.killpg(self.child(worker).process.pid, signal.SIGKILL)
         self.child(worker).process.wait()
-        # Not live from now, not once its heartbeat expires.
-        client().delete(WORKER_KEY.format(name=self.hostname(worker)))
+        liveness.forget(self.hostname(worker))  # not live from now, not once its heartbeat expires
 
     def suspend_workers(self) -> None:
         """Stop this node's workers (warm shutdown, no restart; beat keeps running) and drop their
         liveness keys: the cluster drill (tests/test_two_nodes.py) runs its own nodes meanwhile."""
-        from genserver.redis_client import WORKER_KEY, client
+        from genserver import liveness
 
         workers = [c for c in self.supervisor.children if c.name.startswith("worker ")]
         for child in workers:
@@ -146,7 +145,7 @@ class LocalWorkers:
         for child in workers:
             if child.process is not None:
                 child.process.wait()
-        client().delete(*[WORKER_KEY.format(name=name) for name in self.names])
+        liveness.forget(*self.names)
 
     def resume_workers(self, timeout: float = BOOT_SECONDS) -> None:
         """Start the workers `suspend_workers` stopped, and wait until each heartbeats."""

@@ -3,7 +3,6 @@ the oldest waiting message per queue), and the launcher restarting a worker that
 
 from __future__ import annotations
 
-import json
 from datetime import timedelta
 
 import pytest
@@ -29,12 +28,11 @@ def test_healthz_answers_without_database_or_redis(django_assert_num_queries, mo
 @pytest.fixture
 def fake_worker():
     """A liveness key like a worker's (workers/heartbeat.py), consuming every queue."""
-    from genserver.redis_client import WORKER_KEY, client
+    from genserver import liveness
 
-    key = WORKER_KEY.format(name="probe-everything")
-    client().set(key, json.dumps({"name": "probe-everything", "queues": list(ALL_QUEUES), "pid": 0}), ex=30)
+    liveness.write("probe-everything", {"name": "probe-everything", "queues": list(ALL_QUEUES), "pid": 0}, 30)
     yield "probe-everything"
-    client().delete(key)
+    liveness.forget("probe-everything")
 
 
 def test_readyz_reports_workers_broker_depth_and_oldest_waiting_message(make_user, fake_worker):
@@ -106,8 +104,7 @@ def test_readyz_sees_a_dead_worker_and_the_launcher_restarts_it(stack):
 def test_readyz_knows_the_queues_of_workers_dedicated_to_a_model(monkeypatch):
     """A worker dedicated to a model reads that model's class queues ("short.sdxl-sim"): /readyz checks
     those too, and names one left without a live worker."""
-    from genserver import deployment
-    from genserver.redis_client import WORKER_KEY, client
+    from genserver import deployment, liveness
     from genserver.scheduling.pools import PoolLayout, WorkerSpec
 
     layout = PoolLayout(
@@ -119,18 +116,17 @@ def test_readyz_knows_the_queues_of_workers_dedicated_to_a_model(monkeypatch):
         )
     )
     monkeypatch.setattr(deployment, "layout", lambda: layout)
-    keys = []
+    names = [spec.name for spec in layout.workers]
     for spec in layout.workers:
-        keys.append(WORKER_KEY.format(name=spec.name))
-        client().set(keys[-1], json.dumps({"name": spec.name, "queues": list(spec.consumed_queues())}), ex=30)
+        liveness.write(spec.name, {"name": spec.name, "queues": list(spec.consumed_queues())}, 30)
     try:
         body = Client().get("/readyz").json()
         assert body["status"] == "ready", body["problems"]
         assert body["queues"]["short.sdxl-sim"]["live_workers"] == ["sdxl-card"]
         assert "any-card" in body["queues"]["short"]["live_workers"]
-        client().delete(keys[0])
+        liveness.forget(names[0])
         response = Client().get("/readyz")
         assert response.status_code == 503
         assert "no live worker consumes queue 'long.sdxl-sim'" in response.json()["problems"]
     finally:
-        client().delete(*keys)
+        liveness.forget(*names)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import socket
 
 import pytest
@@ -49,25 +48,20 @@ def test_a_heartbeat_is_rebuilt_into_the_pool_entry_it_stands_for():
 
 def _beat(node: str, worker: str, queues: list[str], ttl: float = 30) -> str:
     """A liveness key exactly as workers/heartbeat.py writes it."""
-    from genserver.redis_client import WORKER_KEY, client
+    from genserver import liveness
 
     name = f"{worker}@{node}"
-    client().set(
-        WORKER_KEY.format(name=name),
-        json.dumps(
-            {"name": name, "node": node, "worker": worker, "queues": queues, "pid": 0, "devices": "", "models": []}
-        ),
-        px=int(ttl * 1000),
-    )
+    payload = {"name": name, "node": node, "worker": worker, "queues": queues, "pid": 0, "devices": "", "models": []}
+    liveness.write(name, payload, ttl)
     return name
 
 
 @pytest.fixture
 def clean_heartbeats(redis_conn):
-    from genserver.redis_client import WORKER_KEY
+    from genserver.redis_client import WORKER_KEY, WORKERS_KEY
 
     def clear() -> None:
-        for key in redis_conn.scan_iter(match=WORKER_KEY.format(name="*")):
+        for key in [*redis_conn.scan_iter(match=WORKER_KEY.format(name="*")), WORKERS_KEY]:
             redis_conn.delete(key)
 
     clear()

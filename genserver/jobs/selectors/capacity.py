@@ -9,9 +9,9 @@ from typing import Any
 
 from django.utils import timezone
 
-from genserver import deployment
+from genserver import deployment, liveness
 from genserver.jobs.models import Job, JobStatus
-from genserver.redis_client import LONG_CAP_KEY, WORKER_KEY, client as redis_client
+from genserver.redis_client import LONG_CAP_KEY, client as redis_client
 from genserver.scheduling.classes import LONG
 from genserver.scheduling.overload import capped_layout
 from genserver.scheduling.pools import PoolLayout, worker_from_queues
@@ -20,16 +20,12 @@ from genserver.scheduling.pools import PoolLayout, worker_from_queues
 def live_workers() -> list[dict[str, Any]]:
     """Workers that sent a heartbeat recently (see workers/heartbeat.py), every node's, by name
     (`gpu0@NODE`): each with its node, pool entry, queues, cards and loaded models."""
-    r = redis_client()
     found = []
-    keys = list(r.scan_iter(match=WORKER_KEY.format(name="*"), count=200))
-    for raw in r.mget(keys) if keys else []:  # one round trip for every worker (each submit reads them)
-        if raw:
-            worker = json.loads(raw)
-            name = str(worker.get("name", ""))
-            worker.setdefault("worker", name.partition("@")[0])
-            worker.setdefault("node", name.partition("@")[2])
-            found.append(worker)
+    for worker in liveness.read():  # two round trips for every worker (each submit reads them)
+        name = str(worker.get("name", ""))
+        worker.setdefault("worker", name.partition("@")[0])
+        worker.setdefault("node", name.partition("@")[2])
+        found.append(worker)
     return sorted(found, key=lambda w: (w.get("node", ""), w.get("name", "")))
 
 
