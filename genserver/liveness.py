@@ -17,9 +17,23 @@ import json
 import time
 from typing import Any
 
+from redis.client import Pipeline
+
 from genserver.redis_client import WORKER_KEY, WORKERS_KEY, client
 
 FORGET_AFTER_SECONDS = 3600.0  # a name not written for this long leaves the registry
+
+# The registry's names, then each name's key: the values of the keys that are there. The keys are named from the
+# registry inside the script, which a single Redis allows (a cluster would need the keys in one hash slot).
+_READ_SCRIPT = """
+local found = {}
+for _, name in ipairs(redis.call('ZRANGE', KEYS[1], 0, -1)) do
+  local payload = redis.call('GET', ARGV[1] .. name)
+  if payload then found[#found + 1] = payload end
+end
+return found
+"""
+_KEY_PREFIX = WORKER_KEY.format(name="")
 
 
 def write(name: str, payload: dict[str, Any], ttl_seconds: float) -> None:
@@ -42,9 +56,16 @@ def forget(*names: str) -> None:
 
 
 def read() -> list[dict[str, Any]]:
-    """Every live worker's payload, as its last beat wrote it: two round trips, however many keys Redis holds."""
-    r = client()
-    names = [n.decode() if isinstance(n, bytes) else n for n in r.zrange(WORKERS_KEY, 0, -1)]
-    if not names:
-        return []
-    return [json.loads(raw) for raw in r.mget([WORKER_KEY.format(name=name) for name in names]) if raw]
+    """Every live worker's payload, as its last beat wrote it: one round trip, however many keys Redis holds."""
+    with client().pipeline(transaction=False) as pipe:
+        read_in(pipe)
+        return payloads(pipe.execute()[0])
+
+
+def read_in(pipe: Pipeline) -> None:
+    """Queue the read on `pipe`; its answer, given to `payloads`, is what `read` returns."""
+    pipe.eval(_READ_SCRIPT, 1, WORKERS_KEY, _KEY_PREFIX)
+
+
+def payloads(answer: list[bytes | str]) -> list[dict[str, Any]]:
+    return [json.loads(raw) for raw in answer]

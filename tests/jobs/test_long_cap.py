@@ -13,6 +13,7 @@ from datetime import timedelta
 import pytest
 from django.utils import timezone
 
+from genserver import liveness
 from genserver.jobs import selectors, services
 from genserver.jobs.models import Job, JobStatus
 from genserver.redis_client import LONG_CAP_KEY, client
@@ -32,7 +33,7 @@ LIVE = [
 
 @pytest.fixture
 def two_cards(monkeypatch, settings):
-    monkeypatch.setattr(selectors.capacity, "live_workers", lambda: LIVE)
+    monkeypatch.setattr(liveness, "payloads", lambda answer: LIVE)  # whatever the workers of the session beat
     client().delete(LONG_CAP_KEY)
     yield
     client().delete(LONG_CAP_KEY)
@@ -88,6 +89,6 @@ def test_one_card_is_never_capped_and_the_cap_can_be_turned_off(
     settings.LONG_CAP_ENGAGE_SHARE = 0
     assert not services.update_long_cap().engaged
     settings.LONG_CAP_ENGAGE_SHARE = 0.5
-    monkeypatch.setattr(selectors.capacity, "live_workers", lambda: [LIVE[0], *LIVE[2:]])
+    monkeypatch.setattr(liveness, "payloads", lambda answer: [LIVE[0], *LIVE[2:]])
     state = services.update_long_cap()
     assert not state.engaged and state.long_cards == 1  # capping the only card would stop video altogether

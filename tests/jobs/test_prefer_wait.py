@@ -87,6 +87,7 @@ CARD = {"name": "card0@n1", "queues": ["short", "medium", "long"]}
     ],
 )
 def test_a_wait_ends_at_once_when_no_live_worker_runs_the_jobs_next_stage(api, settings, monkeypatch, live, waits):
+    from genserver import liveness
     from genserver.jobs import selectors
 
     settings.PREFER_WAIT_MAX_SECONDS = 60
@@ -97,7 +98,7 @@ def test_a_wait_ends_at_once_when_no_live_worker_runs_the_jobs_next_stage(api, s
         if len(slept) >= 3:  # enough to show it waits; the job would stay queued for the whole minute
             monkeypatch.setattr(selectors.waits.time, "monotonic", lambda: float("inf"))
 
-    monkeypatch.setattr(selectors.capacity, "live_workers", lambda: live)
+    monkeypatch.setattr(liveness, "payloads", lambda answer: live)  # the live workers, as every read parses them
     monkeypatch.setattr(selectors.waits.time, "sleep", sleep)
     response = submit_waiting(api, "wait=60")
     assert response.status_code == 201 and "Preference-Applied" not in response

@@ -1,5 +1,6 @@
 """The capacity that serves the queues: the cards whose workers heartbeat, on every node, and the overload
-cap's hold on them."""
+cap's hold on them; with the learned stage seconds, what a request's picture of the queue reads from Redis, in one
+round trip (`cluster_reads`)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from django.utils import timezone
 
 from genserver import deployment, liveness
 from genserver.jobs.models import Job, JobStatus
-from genserver.redis_client import LONG_CAP_KEY, client as redis_client
+from genserver.redis_client import LONG_CAP_KEY, STAGE_SECONDS_KEY, client as redis_client
 from genserver.scheduling.classes import LONG
 from genserver.scheduling.overload import capped_layout
 from genserver.scheduling.pools import PoolLayout, worker_from_queues
@@ -20,8 +21,12 @@ from genserver.scheduling.pools import PoolLayout, worker_from_queues
 def live_workers() -> list[dict[str, Any]]:
     """Workers that sent a heartbeat recently (see workers/heartbeat.py), every node's, by name
     (`gpu0@NODE`): each with its node, pool entry, queues, cards and loaded models."""
+    return _named(liveness.read())
+
+
+def _named(payloads: list[dict[str, Any]]) -> list[dict[str, Any]]:
     found = []
-    for worker in liveness.read():  # two round trips for every worker (each submit reads them)
+    for worker in payloads:
         name = str(worker.get("name", ""))
         worker.setdefault("worker", name.partition("@")[0])
         worker.setdefault("node", name.partition("@")[2])
@@ -89,10 +94,57 @@ class LongCapState:
 
 def long_cap_state() -> LongCapState:
     try:
-        raw = redis_client().get(LONG_CAP_KEY)
-        return LongCapState(**json.loads(raw)) if raw else LongCapState()
-    except Exception:  # noqa: BLE001 - Redis down or a foreign value: fail open, every card takes long work
+        return _cap_from(redis_client().get(LONG_CAP_KEY))
+    except Exception:  # noqa: BLE001 - Redis down: fail open, every card takes long work
         return LongCapState()
+
+
+def _cap_from(raw: bytes | str | None) -> LongCapState:
+    try:
+        return LongCapState(**json.loads(raw)) if raw else LongCapState()
+    except Exception:  # noqa: BLE001 - a foreign value: fail open, as when Redis is down
+        return LongCapState()
+
+
+# --- The learned stage seconds (written by services.estimates.learn_stage_seconds) -----------------------------
+def stage_seconds() -> dict[str, float]:
+    """The learned wall seconds around each model's denoising steps, {"{model}:{stage}": seconds} (the stages of
+    redis_client.STAGE_SECONDS_KEY); {} before any job measured them, or when Redis is unreachable (an ETA then
+    counts the queue and the denoising alone)."""
+    try:
+        return _stages_from(redis_client().hgetall(STAGE_SECONDS_KEY))
+    except Exception:  # noqa: BLE001 - an ETA without them is still an ETA
+        return {}
+
+
+def _stages_from(raw: dict[bytes | str, bytes | str]) -> dict[str, float]:
+    return {(k.decode() if isinstance(k, bytes) else k): float(v) for k, v in raw.items()}
+
+
+# --- What a request's picture of the queue reads from Redis ----------------------------------------------------
+@dataclass(frozen=True)
+class ClusterReads:
+    """The live cards (capped while the overload cap holds, as `live_capacity`) and the learned stage seconds."""
+
+    layout: PoolLayout
+    stage_seconds: dict[str, float]
+
+
+def cluster_reads() -> ClusterReads:
+    """`live_capacity()` and `stage_seconds()` in one round trip: every submit and every job's answer reads all
+    three keys, and on a busy API process each round trip is a wait for the GIL again as well as for Redis.
+    Each part falls back as its own read does when Redis is unreachable."""
+    try:
+        with redis_client().pipeline(transaction=False) as pipe:
+            liveness.read_in(pipe)
+            pipe.get(LONG_CAP_KEY)
+            pipe.hgetall(STAGE_SECONDS_KEY)
+            workers, cap, stages = pipe.execute()
+    except Exception:  # noqa: BLE001 - admission must answer when Redis is down: the layout estimates
+        return ClusterReads(deployment.layout(), {})
+    capacity = capacity_of(named) if (named := _named(liveness.payloads(workers))) else deployment.layout()
+    state = _cap_from(cap)
+    return ClusterReads(capped_layout(capacity, state.cap) if state.engaged else capacity, _stages_from(stages))
 
 
 def cards_running_long(exclude_worker: str = "") -> int:

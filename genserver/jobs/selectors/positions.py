@@ -38,18 +38,14 @@ from genserver.redis_client import (
     DECODE,
     HOP,
     LEAD_IN,
-    STAGE_SECONDS_KEY,
     STEP,
     TAIL,
-    client as redis_client,
 )
 from genserver.scheduling.admission import CALM, HIGHER_CLASSES, Headwind, WorkItem, expected_start, headwind
 from genserver.scheduling.fairness import held_jobs_ahead
 from genserver.scheduling.pools import DECODE as DECODE_QUEUE, PoolLayout
 
-from .capacity import (
-    live_capacity,
-)
+from .capacity import cluster_reads, stage_seconds
 from .decode_queue import DecodeQueue, decoding_rows, in_service
 
 
@@ -453,7 +449,10 @@ class QueueSnapshot:
 
     @classmethod
     def load(cls) -> QueueSnapshot:
-        return cls(waiting_groups(), running_jobs(), live_capacity())
+        cluster = cluster_reads()
+        snapshot = cls(waiting_groups(), running_jobs(), cluster.layout)
+        snapshot._stages = cluster.stage_seconds
+        return snapshot
 
     def backlog_items(self) -> list[WorkItem]:
         """The active jobs as admission sees them (`backlog_items`), from this snapshot's reads."""
@@ -475,6 +474,7 @@ class QueueSnapshot:
         if not any(_group_key(g) == mine for g in self.groups):
             groups.append(WaitingGroup(*mine, count=1, seconds=wall))
         snapshot = QueueSnapshot(groups, self.running, self.layout)
+        snapshot._stages = self._stages
         if not job.held:
             # The newest at its priority: what waits there is ahead of it, and what was recorded after it is
             # not in this picture, so `prepare` has nothing to read for it (one indexed read less per submit).
@@ -875,14 +875,3 @@ class QueueSnapshot:
             return None, None
         start = job.started_at or self.taken_at + timedelta(seconds=round(parts[0], 3))
         return start, self.taken_at + timedelta(seconds=eta)
-
-
-def stage_seconds() -> dict[str, float]:
-    """The learned wall seconds around each model's denoising steps, {"{model}:{stage}": seconds} (the stages of
-    redis_client.STAGE_SECONDS_KEY, learned by services.estimates.learn_stage_seconds); {} before any job
-    measured them, or when Redis is unreachable (an ETA then counts the queue and the denoising alone)."""
-    try:
-        raw = redis_client().hgetall(STAGE_SECONDS_KEY)
-    except Exception:  # noqa: BLE001 - an ETA without them is still an ETA
-        return {}
-    return {(k.decode() if isinstance(k, bytes) else k): float(v) for k, v in raw.items()}

@@ -1,0 +1,55 @@
+"""The cluster's picture from Redis: `cluster_reads` is live_capacity() and stage_seconds() in one round trip."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from genserver import liveness
+from genserver.jobs.selectors import capacity
+from genserver.jobs.selectors.capacity import LongCapState, cluster_reads, live_capacity, stage_seconds
+from genserver.redis_client import LONG_CAP_KEY, STAGE_SECONDS_KEY
+from tests.test_liveness import _counting
+
+CARDS = ("probe0@cap-node", "probe1@cap-node", "probe2@cap-node")
+
+
+@pytest.fixture
+def three_cards(redis_conn):
+    for name in CARDS:
+        liveness.write(name, {"name": name, "queues": ["short", "medium", "long"]}, 30)
+    yield
+    liveness.forget(*CARDS)
+    redis_conn.delete(LONG_CAP_KEY, STAGE_SECONDS_KEY)
+
+
+@pytest.mark.parametrize("cap", [LongCapState(), LongCapState(engaged=True, cap=2, long_cards=3)])
+def test_one_round_trip_reads_what_the_three_reads_read(redis_conn, three_cards, monkeypatch, cap):
+    redis_conn.set(LONG_CAP_KEY, json.dumps(cap.__dict__), ex=60)
+    redis_conn.hset(STAGE_SECONDS_KEY, mapping={"sdxl-sim:tail": "0.25", "wan-sim:lead-in": "1.5"})
+    sent = _counting(monkeypatch, capacity, "redis_client")
+    cluster = cluster_reads()
+    assert sent == [["EVAL", "GET", "HGETALL"]]
+    monkeypatch.undo()
+
+    assert cluster.layout == live_capacity() and cluster.stage_seconds == stage_seconds()
+    assert cluster.stage_seconds == {"sdxl-sim:tail": 0.25, "wan-sim:lead-in": 1.5}
+    names = {spec.name for spec in cluster.layout.workers}
+    assert set(CARDS) <= names
+    uncapped = live_capacity(capped=False)
+    assert (cluster.layout != uncapped) is cap.engaged  # the cap holds: the long class counts fewer cards
+
+
+def test_unreachable_redis_reads_the_configured_layout_and_no_stages(monkeypatch):
+    from redis.exceptions import ConnectionError as RedisConnectionError
+
+    from genserver import deployment
+
+    def down():
+        raise RedisConnectionError("no Redis here")
+
+    monkeypatch.setattr(capacity, "redis_client", down)
+    cluster = cluster_reads()
+    assert cluster.layout == deployment.layout() and cluster.stage_seconds == {}
+    assert cluster.layout == live_capacity()  # as the separate reads fall back
