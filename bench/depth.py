@@ -9,10 +9,11 @@ the submits publish are never consumed). The per-user limits and the admission l
 queue is filled with queued jobs and no worker runs, so nothing leaves it. The fill records jobs the way
 the job service does: each size's new jobs are copies of jobs the service admitted through the API (one
 per simulated model, so the classes, queues and priorities mix as in a real burst), each with its own id
-and submit time, owned by another user (the queue is everyone's; the measured user lists their own jobs).
-That keeps a 10,000-job fill at seconds, where submitting them one by one would take as long as the cost
-being measured grows. At each size it prints the P50 of each request, its ratio to the empty queue's and
-the database queries it made; the sweep runs --rounds times (the machine is shared: a burst of other work
+and submit time, owned by another user (the queue is everyone's; the measured user lists their own jobs),
+and each with its event log in Redis, as a submit leaves one (a read that walked Redis's keys grew with them:
+genserver/liveness.py). That keeps a 10,000-job fill at seconds, where submitting them one by one would take as
+long as the cost being measured grows. At each size it prints the P50 of each request, its ratio to the empty
+queue's and the database queries it made; the sweep runs --rounds times (the machine is shared: a burst of other work
 lands on one round) and each figure is the median over the rounds. It deletes what it recorded (the jobs
 of its users, `bench-depth` and `bench-depth-others`) at the start and at the end.
 """
@@ -103,10 +104,16 @@ class Bench:
         self._cancel_all()  # the templates and the history are not the queue
 
     def clear(self) -> None:
-        """Delete the bench's own jobs (its two users'): the queue it filled and the probes."""
+        """Delete the bench's own jobs (its two users'): the queue it filled and the probes, and their event logs."""
+        from genserver.jobs.events import log_key
         from genserver.jobs.models import Job
+        from genserver.redis_client import client
 
-        Job.objects.filter(owner__in=(self.user, self.others)).delete()
+        jobs = Job.objects.filter(owner__in=(self.user, self.others))
+        ids = list(jobs.values_list("pk", flat=True))
+        for start in range(0, len(ids), 1000):
+            client().delete(*[log_key(pk) for pk in ids[start : start + 1000]])
+        jobs.delete()
 
     def _submit(self, model: str, prompt: str = "depth probe") -> Any:
         from genserver.jobs.models import Job
@@ -143,7 +150,24 @@ class Bench:
         Job.objects.bulk_create(rows, batch_size=1000)
         # auto_now_add stamped them all now: give the copies distinct, ordered submit times.
         Job.objects.filter(owner=self.others, status=JobStatus.QUEUED).update(created_at=F("published_at"))
+        self._log_queued(rows)
         self.filled = max(self.filled, queued)
+
+    @staticmethod
+    def _log_queued(rows: list[Any]) -> None:
+        """Each copy's event log, as its submit would have written it (one `queued` entry, the same lifetime)."""
+        from django.conf import settings
+
+        from genserver.jobs.events import log_key
+        from genserver.redis_client import client
+
+        with client().pipeline(transaction=False) as pipe:
+            for i, job in enumerate(rows, 1):
+                pipe.xadd(log_key(job.pk), {"event": "queued", "job": "{}", "terminal": "0"})
+                pipe.expire(log_key(job.pk), int(settings.EVENTS_TTL_SECONDS))
+                if i % 1000 == 0:
+                    pipe.execute()
+            pipe.execute()
 
     def measure(self, samples: int) -> dict[str, float]:
         """P50 ms of each request, and the database queries it made (the same at every depth, or not)."""

@@ -6,9 +6,11 @@ The readers (every submit and every job's ETA count the live cards: selectors/ca
 those keys by pattern: a SCAN walks the whole database, whose keys grow with the jobs of the last hour (each
 job's event stream), and cost 10 ms per read at 10,000 keys, 110 ms at 100,000. So each beat also puts the
 worker's name in a registry (a sorted set, scored by when the name was last written), and a reader takes the
-names from there and the keys in one MGET. A name whose key is gone reads as nothing; names not written for an
-hour leave the registry at the next beat of any worker (an hour, not the key's lifetime, so clocks that
-disagree between nodes never drop a live worker's name).
+names from there and their keys' values in one round trip: a script, since a pipeline cannot feed the names it
+reads to the read of their keys; a request sends it in the pipeline of its other reads (selectors/capacity.py,
+`cluster_reads`). A name whose key is gone reads as nothing; names not written for an hour leave the registry at
+the next beat of any worker (an hour, not the key's lifetime, so clocks that disagree between nodes never drop a
+live worker's name).
 """
 
 from __future__ import annotations

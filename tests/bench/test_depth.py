@@ -43,8 +43,9 @@ def test_each_size_is_a_row_of_three_requests_with_their_queries_and_the_queue_i
     assert not Job.objects.filter(status__in=ACTIVE).exists()
 
 
-def test_the_fill_queues_exactly_the_asked_number_of_jobs_with_distinct_submit_times(lifted):
+def test_the_fill_queues_exactly_the_asked_number_of_jobs_with_distinct_submit_times(lifted, redis_conn, settings):
     from bench.depth import Bench
+    from genserver.jobs.events import log_key
 
     Job.objects.all().delete()
     bench = Bench()
@@ -53,11 +54,15 @@ def test_the_fill_queues_exactly_the_asked_number_of_jobs_with_distinct_submit_t
     bench.fill_to(7)
     queued = list(Job.objects.filter(status__in=ACTIVE).values_list("created_at", flat=True))
     assert len(queued) == 7 and len(set(queued)) == 7
+    logs = [log_key(pk) for pk in Job.objects.filter(status__in=ACTIVE).values_list("pk", flat=True)]
+    assert redis_conn.exists(*logs) == 7  # as their submits would have left them: one event log each
+    assert all(0 < redis_conn.ttl(key) <= settings.EVENTS_TTL_SECONDS for key in logs)
     bench.fill_to(7)  # already filled: nothing added
     assert Job.objects.filter(status__in=ACTIVE).count() == 7
     assert set(Job.objects.filter(status__in=ACTIVE).values_list("owner", flat=True)) == {bench.others.pk}
     bench.clear()
     assert not Job.objects.filter(owner__in=(bench.user, bench.others)).exists()
+    assert redis_conn.exists(*logs) == 0
 
 
 def test_without_redis_url_the_command_gets_a_broker_of_its_own(monkeypatch):

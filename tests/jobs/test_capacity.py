@@ -17,6 +17,7 @@ CARDS = ("probe0@cap-node", "probe1@cap-node", "probe2@cap-node")
 
 @pytest.fixture
 def three_cards(redis_conn):
+    redis_conn.delete(LONG_CAP_KEY, STAGE_SECONDS_KEY)  # what earlier tests learned or decided
     for name in CARDS:
         liveness.write(name, {"name": name, "queues": ["short", "medium", "long"]}, 30)
     yield
