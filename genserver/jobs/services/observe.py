@@ -37,11 +37,14 @@ _FIELDS = (
 )
 
 
+_THIS_HOST = socket.gethostname()  # read once: each call is a system call that lets go of the GIL, per submit
+
+
 def node_of(worker: str) -> str:
     """The node a worker id names (`card0@host:pid` → `host`); this host for the API and the reaper."""
     if "@" in worker:
         return worker.split("@", 1)[1].rsplit(":", 1)[0]
-    return socket.gethostname()
+    return _THIS_HOST
 
 
 def transition(job_id: JobId, from_status: str, to_status: str, *, worker: str = "", step: int | None = None) -> None:
