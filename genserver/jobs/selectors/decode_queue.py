@@ -22,7 +22,7 @@ from django.db.models import F
 
 from genserver.jobs.models import Job, JobStage, JobStatus
 
-DECODE_FIELDS = ("id", "model", "stage", "lease_owner", "chunk_started_at", "published_at")
+_FIELDS = ("id", "model", "stage", "lease_owner", "chunk_started_at", "published_at")
 
 
 def decoding_rows() -> list[dict[str, Any]]:
@@ -30,16 +30,8 @@ def decoding_rows() -> list[dict[str, Any]]:
     return list(
         Job.objects.filter(status=JobStatus.DECODING)
         .order_by(F("published_at").asc(nulls_last=True), "id")
-        .values(*DECODE_FIELDS)
+        .values(*_FIELDS)
     )
-
-
-def decode_rows_of(jobs: Iterable[Job]) -> list[dict[str, Any]]:
-    """`decoding_rows` from jobs read with the rest of a picture (each with DECODE_FIELDS): those decoding, first
-    published first."""
-    decoding = [job for job in jobs if job.status == JobStatus.DECODING]
-    decoding.sort(key=lambda job: (job.published_at is None, job.published_at or datetime.min, str(job.pk)))
-    return [{name: getattr(job, name) for name in DECODE_FIELDS} for job in decoding]
 
 
 def in_service(row: dict[str, Any]) -> bool:

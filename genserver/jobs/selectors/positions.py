@@ -46,7 +46,7 @@ from genserver.scheduling.fairness import held_jobs_ahead
 from genserver.scheduling.pools import DECODE as DECODE_QUEUE, PoolLayout
 
 from .capacity import cluster_reads, stage_seconds
-from .decode_queue import DECODE_FIELDS, DecodeQueue, decode_rows_of, decoding_rows, in_service
+from .decode_queue import DecodeQueue, decoding_rows, in_service
 
 
 def _is_running(job: Job) -> bool:
@@ -313,13 +313,6 @@ def running_jobs() -> list[Job]:
     return list(Job.objects.filter(_RUNNING).only(*_RUNNING_FIELDS))
 
 
-def running_and_decoding() -> tuple[list[Job], list[dict[str, Any]]]:
-    """`running_jobs()` and `decoding_rows()` in one statement: a picture of the queue reads the running jobs, and
-    its ETAs the decode workers' queue once a model learned its decode (most requests, on a serving stack)."""
-    jobs = list(Job.objects.filter(_RUNNING | Q(status=JobStatus.DECODING)).only(*_RUNNING_FIELDS, *DECODE_FIELDS))
-    return [job for job in jobs if job.status == JobStatus.DENOISING], decode_rows_of(jobs)
-
-
 def backlog_items() -> list[WorkItem]:
     """The active jobs as admission sees them, in wall seconds (work × clock_scale): the clock of the
     estimates and ETAs the API shows and of the admission limits. Each running job is an item; the
@@ -457,9 +450,8 @@ class QueueSnapshot:
     @classmethod
     def load(cls) -> QueueSnapshot:
         cluster = cluster_reads()
-        running, decoding = running_and_decoding()
-        snapshot = cls(waiting_groups(), running, cluster.layout)
-        snapshot._stages, snapshot._decoding = cluster.stage_seconds, decoding
+        snapshot = cls(waiting_groups(), running_jobs(), cluster.layout)
+        snapshot._stages = cluster.stage_seconds
         return snapshot
 
     def backlog_items(self) -> list[WorkItem]:
@@ -482,7 +474,7 @@ class QueueSnapshot:
         if not any(_group_key(g) == mine for g in self.groups):
             groups.append(WaitingGroup(*mine, count=1, seconds=wall))
         snapshot = QueueSnapshot(groups, self.running, self.layout)
-        snapshot._stages, snapshot._decoding = self._stages, self._decoding  # the new job is not decoding
+        snapshot._stages = self._stages
         if not job.held:
             # The newest at its priority: what waits there is ahead of it, and what was recorded after it is
             # not in this picture, so `prepare` has nothing to read for it (one indexed read less per submit).
