@@ -7,6 +7,7 @@ import pytest
 
 from genserver import liveness
 from genserver.redis_client import WORKER_KEY, WORKERS_KEY
+from tests.support.redis_calls import round_trips
 
 
 def _names(found: list[dict]) -> set[str]:
@@ -54,38 +55,6 @@ def test_a_name_unwritten_for_an_hour_leaves_the_registry_at_any_workers_next_be
         liveness.forget("probe-old@n1", "probe-recent@n1", "probe-now@n2")
 
 
-def _counting(monkeypatch, module, name: str = "client") -> list[list[str]]:
-    """The commands `module`'s Redis client (`module.<name>()`) sends, one list per round trip (a command, or a
-    pipeline's)."""
-    sent: list[list[str]] = []
-    real_client = getattr(module, name)
-
-    def counting_client():
-        conn = real_client()
-        execute, make_pipeline = conn.execute_command, conn.pipeline
-
-        def counted(*args, **options):
-            sent.append([str(args[0]).upper()])
-            return execute(*args, **options)
-
-        def pipeline(*args, **options):
-            pipe = make_pipeline(*args, **options)
-            execute_pipe = pipe.execute
-
-            def counted_pipe(*a, **o):
-                sent.append([str(command[0]).upper() for command, _ in pipe.command_stack])
-                return execute_pipe(*a, **o)
-
-            pipe.execute = counted_pipe
-            return pipe
-
-        conn.execute_command, conn.pipeline = counted, pipeline
-        return conn
-
-    monkeypatch.setattr(module, name, counting_client)
-    return sent
-
-
 @pytest.fixture
 def other_keys(redis_conn):
     """5,000 keys that are not workers' (each job's event stream lives an hour: a read that walked the keys, as a
@@ -102,7 +71,7 @@ def other_keys(redis_conn):
 
 def test_a_read_is_one_round_trip_however_many_keys_redis_holds(other_keys, monkeypatch):
     _beat("probe-d@n1")
-    sent = _counting(monkeypatch, liveness)
+    sent = round_trips(monkeypatch, liveness)
     try:
         assert "probe-d@n1" in _names(liveness.read())
         assert sent == [["EVAL"]]

@@ -10,7 +10,7 @@ from genserver import liveness
 from genserver.jobs.selectors import capacity
 from genserver.jobs.selectors.capacity import LongCapState, cluster_reads, live_capacity, stage_seconds
 from genserver.redis_client import LONG_CAP_KEY, STAGE_SECONDS_KEY
-from tests.test_liveness import _counting
+from tests.support.redis_calls import round_trips
 
 CARDS = ("probe0@cap-node", "probe1@cap-node", "probe2@cap-node")
 
@@ -29,7 +29,7 @@ def three_cards(redis_conn):
 def test_one_round_trip_reads_what_the_three_reads_read(redis_conn, three_cards, monkeypatch, cap):
     redis_conn.set(LONG_CAP_KEY, json.dumps(cap.__dict__), ex=60)
     redis_conn.hset(STAGE_SECONDS_KEY, mapping={"sdxl-sim:tail": "0.25", "wan-sim:lead-in": "1.5"})
-    sent = _counting(monkeypatch, capacity, "redis_client")
+    sent = round_trips(monkeypatch, capacity, "redis_client")
     cluster = cluster_reads()
     assert sent == [["EVAL", "GET", "HGETALL"]]
     monkeypatch.undo()
