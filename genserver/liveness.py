@@ -59,15 +59,15 @@ def forget(*names: str) -> None:
 
 def read() -> list[dict[str, Any]]:
     """Every live worker's payload, as its last beat wrote it: one round trip, however many keys Redis holds."""
-    with client().pipeline(transaction=False) as pipe:
-        read_in(pipe)
-        return payloads(pipe.execute()[0])
+    return payloads(client().eval(_READ_SCRIPT, 1, WORKERS_KEY, _KEY_PREFIX))
 
 
 def read_in(pipe: Pipeline) -> None:
-    """Queue the read on `pipe`; its answer, given to `payloads`, is what `read` returns."""
+    """Queue `read`'s script on `pipe` (a request's other reads beside it); its answer, given to `payloads`, is
+    what `read` returns."""
     pipe.eval(_READ_SCRIPT, 1, WORKERS_KEY, _KEY_PREFIX)
 
 
 def payloads(answer: list[bytes | str]) -> list[dict[str, Any]]:
+    """The payloads of the script's answer (the keys it found)."""
     return [json.loads(raw) for raw in answer]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import asdict
 
 import pytest
 
@@ -27,7 +28,7 @@ def three_cards(redis_conn):
 
 @pytest.mark.parametrize("cap", [LongCapState(), LongCapState(engaged=True, cap=2, long_cards=3)])
 def test_one_round_trip_reads_what_the_three_reads_read(redis_conn, three_cards, monkeypatch, cap):
-    redis_conn.set(LONG_CAP_KEY, json.dumps(cap.__dict__), ex=60)
+    redis_conn.set(LONG_CAP_KEY, json.dumps(asdict(cap)), ex=60)
     redis_conn.hset(STAGE_SECONDS_KEY, mapping={"sdxl-sim:tail": "0.25", "wan-sim:lead-in": "1.5"})
     sent = round_trips(monkeypatch, capacity, "redis_client")
     cluster = cluster_reads()
@@ -51,6 +52,7 @@ def test_unreachable_redis_reads_the_configured_layout_and_no_stages(monkeypatch
         raise RedisConnectionError("no Redis here")
 
     monkeypatch.setattr(capacity, "redis_client", down)
+    monkeypatch.setattr(liveness, "client", down)  # live_capacity's own read of the workers, below
     cluster = cluster_reads()
     assert cluster.layout == deployment.layout() and cluster.stage_seconds == {}
     assert cluster.layout == live_capacity()  # as the separate reads fall back

@@ -62,12 +62,13 @@ def live_capacity(workers: list[dict[str, Any]] | None = None, capped: bool = Tr
             workers = live_workers()
         except Exception:  # noqa: BLE001 - admission must answer when Redis is down: the layout estimates
             workers = []
+    return _held_to(long_cap_state() if capped else LongCapState(), workers)
+
+
+def _held_to(cap: LongCapState, workers: list[dict[str, Any]]) -> PoolLayout:
+    """The cards of `workers` (the configured layout when none reports), the long class capped while `cap` holds."""
     capacity = capacity_of(workers) if workers else deployment.layout()
-    if capped:
-        state = long_cap_state()
-        if state.engaged:
-            return capped_layout(capacity, state.cap)
-    return capacity
+    return capped_layout(capacity, cap.cap) if cap.engaged else capacity
 
 
 def nodes_overview(workers: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
@@ -141,10 +142,8 @@ def cluster_reads() -> ClusterReads:
             pipe.hgetall(STAGE_SECONDS_KEY)
             workers, cap, stages = pipe.execute()
     except Exception:  # noqa: BLE001 - admission must answer when Redis is down: the layout estimates
-        return ClusterReads(deployment.layout(), {})
-    capacity = capacity_of(named) if (named := _named(liveness.payloads(workers))) else deployment.layout()
-    state = _cap_from(cap)
-    return ClusterReads(capped_layout(capacity, state.cap) if state.engaged else capacity, _stages_from(stages))
+        return ClusterReads(_held_to(LongCapState(), []), {})
+    return ClusterReads(_held_to(_cap_from(cap), _named(liveness.payloads(workers))), _stages_from(stages))
 
 
 def cards_running_long(exclude_worker: str = "") -> int:
