@@ -23,6 +23,9 @@ LEAD_IN, HOP, BOUNDARY, STEP, TAIL, DECODE = "lead-in", "hop", "boundary", "step
 WORKER_KEY = "genserver:worker:{name}"  # a worker's liveness (genserver/liveness.py)
 WORKERS_KEY = "genserver:workers"  # the names of the workers that wrote one lately, for the readers
 LONG_CAP_KEY = "genserver:long-cap"  # the overload cap's state, written by beat (services/overload.py)
+# A random value that changes whenever a token, a user or a quota row changes: the API processes' copies of
+# those rows are used only under the value they were read under (jobs/selectors/access.py).
+ACCESS_GENERATION_KEY = "genserver:access-generation"
 # A job published one step ahead as the lightest user's (services/fairness.py) until its first chunk is claimed:
 # while it waits, one card running another user's chunk cuts that chunk at its next step (tasks/denoise.py).
 AHEAD_KEY = "genserver:ahead:{job_id}"

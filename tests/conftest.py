@@ -245,6 +245,17 @@ def _no_learned_stage_seconds(request) -> None:
     request.getfixturevalue("redis_conn").delete(STAGE_SECONDS_KEY)
 
 
+@pytest.fixture(autouse=True)
+def _no_access_copies_of_other_tests(request) -> None:
+    """Each test starts without this process's copies of token and quota rows (selectors/access.py): a rolled-back
+    test's rows send no signal, and the next test's user may get the same id."""
+    if request.node.get_closest_marker("django_db") is None:
+        return
+    from genserver.jobs.selectors import access
+
+    access.forget_this_process()
+
+
 @pytest.fixture
 def make_user() -> Callable:
     """An API client authenticated as a new user (needs a django_db mark on the test)."""

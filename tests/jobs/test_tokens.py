@@ -55,10 +55,12 @@ def test_a_revoked_token_is_a_401_at_once_and_the_others_still_work():
     assert as_token(kept).get(JOBS).status_code == 200
 
 
-def test_an_expired_token_is_a_401_at_once_naming_what_to_do():
+def test_an_expired_token_is_a_401_at_once_naming_what_to_do(monkeypatch):
     token, key = tokens.issue(user(), "soon", timezone.now() + timedelta(hours=1))
-    assert as_token(key).get(JOBS).status_code == 200
-    ApiToken.objects.filter(pk=token.pk).update(expires_at=timezone.now() - timedelta(seconds=1))
+    assert as_token(key).get(JOBS).status_code == 200  # the process now holds a copy of the row
+    # The clock passes the expiry: the copy's expires_at is checked on every request, as the row's was.
+    later = token.expires_at + timedelta(seconds=1)
+    monkeypatch.setattr(timezone, "now", lambda: later)
     refused = as_token(key).get(JOBS)
     assert refused.status_code == 401
     assert "expired" in refused.json()["detail"] and "POST /api/v1/tokens/" in refused.json()["detail"]
@@ -80,11 +82,13 @@ def test_the_database_holds_no_usable_key():
 def test_an_inactive_users_token_is_refused():
     alice = user()
     _, key = tokens.issue(alice)
-    get_user_model().objects.filter(pk=alice.pk).update(is_active=False)
+    assert as_token(key).get(JOBS).status_code == 200  # the process now holds a copy of alice's row
+    alice.is_active = False
+    alice.save()  # as the admin does: the copy ends with the save
     assert as_token(key).get(JOBS).status_code == 401
 
 
-def test_last_use_is_recorded_at_most_once_a_minute():
+def test_last_use_is_recorded_at_most_once_a_minute(monkeypatch):
     token, key = tokens.issue(user())
     assert token.last_used_at is None
     as_token(key).get(JOBS)
@@ -92,9 +96,13 @@ def test_last_use_is_recorded_at_most_once_a_minute():
     assert first is not None
     as_token(key).get(JOBS)
     assert ApiToken.objects.get(pk=token.pk).last_used_at == first  # within the resolution: no write
-    ApiToken.objects.filter(pk=token.pk).update(last_used_at=first - tokens.LAST_USED_RESOLUTION)
+    for later in (first + tokens.LAST_USED_RESOLUTION / 2, first + tokens.LAST_USED_RESOLUTION):
+        monkeypatch.setattr(timezone, "now", lambda at=later: at)
+        as_token(key).get(JOBS)
+    assert ApiToken.objects.get(pk=token.pk).last_used_at == later  # a resolution on: written again
+    monkeypatch.setattr(timezone, "now", lambda: later + tokens.LAST_USED_RESOLUTION / 2)
     as_token(key).get(JOBS)
-    assert ApiToken.objects.get(pk=token.pk).last_used_at > first - tokens.LAST_USED_RESOLUTION
+    assert ApiToken.objects.get(pk=token.pk).last_used_at == later  # the process's copy knows of that write
 
 
 # --- /api/v1/tokens/ -------------------------------------------------------------------------------------------

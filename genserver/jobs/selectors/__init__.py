@@ -1,17 +1,18 @@
 """Reads: which jobs a user sees, the queue picture (positions, ETAs, backlog) from the database, the
 capacity that serves it (the cards whose workers heartbeat, on every node), bounded waits, quotas and tokens.
 
-The modules: `jobs` (one job), `positions` (the queue picture at any depth), `capacity` (live cards and
-the overload cap), `overview` (GET /queues/ and /models/, admission's headwind), `waits`, `quotas`,
-`tokens`. Callers use the names re-exported here; a test that stands in for a read patches it in its
-module (e.g. `selectors.capacity.live_workers`), where its callers look it up.
+The modules: `access` (per-process copies of the token and quota rows), `jobs` (one job), `positions` (the
+queue picture at any depth), `capacity` (live cards and the overload cap), `overview` (GET /queues/ and
+/models/, admission's headwind), `waits`, `quotas`, `tokens`. Callers use the names re-exported here; a test
+that stands in for a read patches it in its module (e.g. `selectors.capacity.live_workers`), where its
+callers look it up.
 """
 
 from __future__ import annotations
 
 from genserver.jobs.broker import broker_depth
 
-from . import capacity, jobs, overview, positions, quotas, tokens, waits
+from . import access, capacity, jobs, overview, positions, quotas, tokens, waits
 from .capacity import (
     LongCapState,
     capacity_of,
@@ -69,6 +70,7 @@ __all__ = [
     "WAIT_POLL_MAX_SECONDS",
     "WAIT_SERVED_CHECK_SECONDS",
     "WaitingGroup",
+    "access",
     "api_tokens_of",
     "backlog_items",
     "broker_depth",

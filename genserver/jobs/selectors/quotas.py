@@ -15,6 +15,10 @@ from django.utils.dateparse import parse_datetime
 from genserver import deployment
 from genserver.jobs.models import ACTIVE, TERMINAL, Job
 
+from .access import read_through
+
+QUOTA_COPY = "quota"  # access's kind for a user's quota rows, by the user's id
+
 
 # --- Quotas (issue 17): a user's effective quota and their usage of it -----------------------------
 @dataclass(frozen=True)
@@ -36,7 +40,21 @@ class EffectiveQuota:
         return not lane or not self.lanes or lane in self.lanes
 
 
-def _quota_of_row(row: Any) -> EffectiveQuota:
+@dataclass(frozen=True)
+class QuotaRow:
+    """One Quota row's values (a user's or a group's), as the process keeps them (selectors/access.py)."""
+
+    user_id: int | None
+    group_id: int | None
+    group_name: str
+    max_jobs_in_flight: int | None
+    submits_per_minute: int | None
+    card_seconds_per_day: float | None
+    allowed_models: tuple[str, ...]
+    allowed_lanes: tuple[str, ...]
+
+
+def _quota_of_row(row: QuotaRow) -> EffectiveQuota:
     """A Quota row's limits, its blank ones taken from the settings."""
 
     def pick(value: Any, default: Any) -> Any:
@@ -47,8 +65,8 @@ def _quota_of_row(row: Any) -> EffectiveQuota:
         max_jobs_in_flight=pick(row.max_jobs_in_flight, settings.MAX_JOBS_IN_FLIGHT),
         submits_per_minute=pick(row.submits_per_minute, settings.SUBMIT_RATE_LIMIT),
         card_seconds_per_day=float(pick(row.card_seconds_per_day, settings.QUOTA_CARD_SECONDS_PER_DAY)),
-        models=tuple(sorted(set(row.allowed_models or ()))),
-        lanes=tuple(sorted(set(row.allowed_lanes or ()))),
+        models=tuple(sorted(set(row.allowed_models))),
+        lanes=tuple(sorted(set(row.allowed_lanes))),
     )
 
 
@@ -68,11 +86,9 @@ def effective_quota(user: Any) -> EffectiveQuota:
     defaults from settings (GENSERVER_MAX_JOBS_IN_FLIGHT, GENSERVER_SUBMIT_RATE_LIMIT,
     GENSERVER_QUOTA_CARD_SECONDS_PER_DAY, every model and lane)."""
 
-    from genserver.jobs.models import Quota
-
-    # The user's own row and their groups' rows in one read (every submit asks).
-    found = Quota.objects.filter(Q(user_id=user.pk) | Q(group__user__pk=user.pk)).select_related("group")
-    found = found.order_by("group__name").distinct()
+    # The rows as read under the current access generation (the defaults are applied below, at each call, so a
+    # changed setting applies at once).
+    found = read_through(QUOTA_COPY, user.pk, lambda: quota_rows(user.pk))
     own = next((row for row in found if row.user_id == user.pk), None)
     if own is not None:
         return replace(_quota_of_row(own), source="user")
@@ -80,7 +96,7 @@ def effective_quota(user: Any) -> EffectiveQuota:
     if rows:
         each = [_quota_of_row(row) for row in rows]
         return EffectiveQuota(
-            source="groups: " + ", ".join(row.group.name for row in rows),
+            source="groups: " + ", ".join(row.group_name for row in rows),
             max_jobs_in_flight=_most_generous([q.max_jobs_in_flight for q in each]),
             submits_per_minute=_most_generous([q.submits_per_minute for q in each]),
             card_seconds_per_day=_most_generous([q.card_seconds_per_day for q in each]),
@@ -92,6 +108,26 @@ def effective_quota(user: Any) -> EffectiveQuota:
         max_jobs_in_flight=settings.MAX_JOBS_IN_FLIGHT,
         submits_per_minute=settings.SUBMIT_RATE_LIMIT,
         card_seconds_per_day=settings.QUOTA_CARD_SECONDS_PER_DAY,
+    )
+
+
+def quota_rows(user_id: Any) -> tuple[QuotaRow, ...]:
+    """The user's own Quota row and their groups' rows, read in one statement (every submit asks), by group name."""
+    from genserver.jobs.models import Quota
+
+    found = Quota.objects.filter(Q(user_id=user_id) | Q(group__user__pk=user_id)).select_related("group")
+    return tuple(
+        QuotaRow(
+            user_id=row.user_id,
+            group_id=row.group_id,
+            group_name=row.group.name if row.group_id is not None else "",
+            max_jobs_in_flight=row.max_jobs_in_flight,
+            submits_per_minute=row.submits_per_minute,
+            card_seconds_per_day=row.card_seconds_per_day,
+            allowed_models=tuple(row.allowed_models or ()),
+            allowed_lanes=tuple(row.allowed_lanes or ()),
+        )
+        for row in found.order_by("group__name").distinct()
     )
 
 

@@ -17,8 +17,10 @@ their digest (the 116 bits not shown are still far past guessing).
 Checking a key: the rows with its prefix, then a constant-time comparison
 of digests (`hmac.compare_digest`), so the time taken does not tell how
 much of a digest matched. Expired and revoked tokens are refused from that
-moment on (no cache in between). `last_used_at` is written at most once a
-LAST_USED_RESOLUTION, so a busy client does not cost a write per request.
+moment on: each API process keeps a copy of the rows it read, used only while
+nothing has changed a token, a user or a quota since (selectors/access.py).
+`last_used_at` is written at most once a LAST_USED_RESOLUTION, so a busy
+client does not cost a write per request.
 """
 
 from __future__ import annotations
@@ -115,17 +117,17 @@ def key_in_header(header: str) -> str | None:
     return None
 
 
+TOKEN_COPY = "token"  # selectors.access's kind for a token's row and its user's, by the key's digest
+
+
 def authenticate(key: str) -> ApiToken:
     """The live token whose key this is (its `user` loaded), or TokenRefused saying why."""
     if not key or len(key) <= PREFIX_LENGTH:
         raise TokenRefused("Invalid token.")
     wanted = digest_of(key)
-    found = None
-    for candidate in ApiToken.objects.select_related("user").filter(prefix=prefix_of(key)):
-        if hmac.compare_digest(candidate.digest.encode(), wanted.encode()):
-            found = candidate
-    if found is None:
-        raise TokenRefused("Invalid token.")
+    token_values, user_values = selectors.access.read_through(TOKEN_COPY, wanted, lambda: _rows_of(key, wanted))
+    found = ApiToken.from_db(ApiToken.objects.db, _names(ApiToken), token_values)
+    found.user = get_user_model().from_db(ApiToken.objects.db, _names(get_user_model()), user_values)
     now = timezone.now()
     state = found.state(now)
     if state == "revoked":
@@ -143,14 +145,44 @@ def authenticate(key: str) -> ApiToken:
     if found.last_used_at is None or now - found.last_used_at >= LAST_USED_RESOLUTION:
         ApiToken.objects.filter(pk=found.pk).update(last_used_at=now)
         found.last_used_at = now
+        # The copy learns it too, or every request would write until the generation moves.
+        at = _names(ApiToken).index("last_used_at")
+        selectors.access.update_copy(
+            TOKEN_COPY, wanted, lambda rows: ((*rows[0][:at], now, *rows[0][at + 1 :]), rows[1])
+        )
     return found
+
+
+def _rows_of(key: str, wanted: str) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
+    """The values of the token whose digest is `wanted` and of its user, read from the database; TokenRefused
+    for an unknown key (nothing is kept for it). Digests compared in constant time: the time taken does not
+    tell how much of one matched."""
+    found = None
+    for candidate in ApiToken.objects.select_related("user").filter(prefix=prefix_of(key)):
+        if hmac.compare_digest(candidate.digest.encode(), wanted.encode()):
+            found = candidate
+    if found is None:
+        raise TokenRefused("Invalid token.")
+    return _values(found), _values(found.user)
+
+
+def _names(model: Any) -> list[str]:
+    return [field.attname for field in model._meta.concrete_fields]
+
+
+def _values(row: Any) -> tuple[Any, ...]:
+    return tuple(getattr(row, name) for name in _names(type(row)))
 
 
 def revoke(token: ApiToken) -> bool:
     """Revoke the token from now on; False when it was revoked already."""
-    return bool(ApiToken.objects.filter(pk=token.pk, revoked_at__isnull=True).update(revoked_at=timezone.now()))
+    revoked = ApiToken.objects.filter(pk=token.pk, revoked_at__isnull=True).update(revoked_at=timezone.now())
+    selectors.access.forget()  # every API process's copy of it, from the commit on
+    return bool(revoked)
 
 
 def revoke_named(user: Any, name: str) -> int:
     """Revoke every live token of `user` called `name` (`issue_token --replace`); how many."""
-    return ApiToken.objects.filter(user=user, name=name, revoked_at__isnull=True).update(revoked_at=timezone.now())
+    revoked = ApiToken.objects.filter(user=user, name=name, revoked_at__isnull=True).update(revoked_at=timezone.now())
+    selectors.access.forget()
+    return revoked
