@@ -240,3 +240,20 @@ def test_a_lane_routes_to_the_card_group_and_is_ignored_where_none_serves_it(api
     assert submit(api, lane="interactive").json()["queue"] == "short"
     bad = submit(api, lane="Not a lane!")
     assert bad.status_code == 400 and "lane" in bad.json()
+
+
+def test_a_jobs_get_reads_its_owner_in_the_jobs_own_statement(make_user):
+    """Clients poll this route: the owner the answer names comes with the job, not from a statement of its own,
+    for the owner and for staff reading another's job."""
+    from django.contrib.auth import get_user_model
+    from django.db import connection
+    from django.test.utils import CaptureQueriesContext
+
+    alice, staff = make_user("alice"), make_user("root", staff=True)
+    job_id = submit(alice).json()["id"]
+    users = get_user_model()._meta.db_table
+    for client in (alice, staff):
+        with CaptureQueriesContext(connection) as reads:
+            answer = client.get(f"/api/v1/jobs/{job_id}/")
+        assert answer.status_code == 200 and answer.json()["owner"] == "alice"
+        assert not [q["sql"] for q in reads.captured_queries if q["sql"].startswith(f'SELECT "{users}"')]

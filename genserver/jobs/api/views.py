@@ -159,7 +159,8 @@ class JobListCreateView(GenericAPIView):
 class JobDetailView(APIView):
     @extend_schema(responses={200: JobSerializer, **error_responses(404)})
     def get(self, request: Request, job_id) -> Response:
-        job = get_object_or_404(selectors.jobs_visible_to(request.user), pk=job_id)
+        # The owner in the same statement: the answer names it, and clients poll this route.
+        job = get_object_or_404(selectors.jobs_visible_to(request.user).select_related("owner"), pk=job_id)
         return Response(JobSerializer(job, context=_job_context(request)).data)
 
 
