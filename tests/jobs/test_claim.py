@@ -164,3 +164,44 @@ def test_an_encode_cancelled_while_it_ran_ends_cancelled_without_its_chunk(djang
     Job.objects.filter(pk=other.pk).update(lease_owner="card1@test:1")
     assert not services.finish_encoding(other.pk, CARD, "embeddings/z.pt", claimed=claimed)
     assert Job.objects.get(pk=other.pk).status == JobStatus.ENCODING and sent == []
+
+
+def test_the_claim_is_compiled_once_and_binds_each_calls_values(django_user_model, monkeypatch):
+    """The claim's SQL is Django's, compiled once per process: later claims compile nothing and bind their own
+    job, card, step and clock (a job whose expired lease another card held is taken; a wrong step is not)."""
+    from genserver.jobs.services import _common, transitions
+
+    owner = django_user_model.objects.create_user("compiled")
+    assert transitions._CLAIM_CHUNK.compiled()
+    compiles = []
+    monkeypatch.setattr(_common, "_update_returning_sql", lambda *a: compiles.append(a) or pytest.fail("compiled"))
+    lapsed = waiting_to_denoise(
+        owner, lease_owner="card1@test:1", lease_expires_at=timezone.now() - timedelta(seconds=1)
+    )
+    later = waiting_to_denoise(owner, checkpoint_step=3)
+    claimed = services.claim_chunk(lapsed.pk, CARD, 0)
+    assert claimed is not None and (claimed.pk, claimed.lease_owner, claimed.chunks_run) == (lapsed.pk, CARD, 1)
+    assert claimed.lease_expires_at > timezone.now() and claimed.chunk_started_at <= timezone.now()
+    assert services.claim_chunk(later.pk, "card2@test:1", 0) is None  # its step is 3
+    taken = services.claim_chunk(later.pk, "card2@test:1", 3)
+    assert taken is not None and taken.lease_owner == "card2@test:1" and not compiles
+    assert Job.objects.get(pk=lapsed.pk).lease_owner == CARD  # the other job untouched by the later binds
+
+
+def test_a_shape_with_a_value_derived_from_a_named_one_is_compiled_at_every_call(django_user_model):
+    """A value `build` computes from a named one (here `now` less a second) would be frozen into a kept statement:
+    the two stand-in compilations tell, and nothing is kept; the update still runs, compiled each time."""
+    from django.db.models import Q
+
+    from genserver.jobs.services._common import CompiledUpdate
+
+    derived = CompiledUpdate(
+        lambda v: (Q(lease_expires_at__lt=v["now"] - timedelta(seconds=1)), {"lease_owner": v["worker"]}),
+        {"now": "lease_expires_at", "worker": "lease_owner"},
+    )
+    assert not derived.compiled()
+    job = waiting_to_denoise(
+        django_user_model.objects.create_user("derived"), lease_owner="x", lease_expires_at=timezone.now()
+    )
+    assert derived(job.pk, now=timezone.now() + timedelta(seconds=5), worker=CARD).lease_owner == CARD
+    assert derived(job.pk, now=timezone.now() - timedelta(hours=1), worker="y") is None

@@ -11,13 +11,13 @@ import errno
 import logging
 import os
 from collections.abc import Callable
-from datetime import datetime, timedelta
+from datetime import UTC, datetime, timedelta
 from typing import Any, cast
 from uuid import UUID
 
 from django.conf import settings
 from django.db import connections, transaction
-from django.db.models import Q
+from django.db.models import Field, Q
 from django.db.models.sql import UpdateQuery
 from django.utils import timezone
 
@@ -185,11 +185,104 @@ def update_returning(job_id: JobId, conditions: Q, **values: Any) -> Job | None:
     conditions and F() expressions mean what they mean in `.update()`; `raw()` turns the returned columns into
     a Job as a read would (UUIDs, datetimes, JSON).
     """
+    statement, params = _update_returning_sql(job_id, conditions, values)
+    rows = list(Job.objects.raw(statement, params))
+    return rows[0] if rows else None
+
+
+def _update_returning_sql(job_id: JobId, conditions: Q, values: dict[str, Any]) -> tuple[str, list[Any]]:
     queryset = Job.objects.filter(conditions, pk=job_id)
     query = cast(UpdateQuery, queryset.query.chain(UpdateQuery))
     query.add_update_values(values)
     statement, params = query.get_compiler(queryset.db).as_sql()
     quote = connections[queryset.db].ops.quote_name
     columns = ", ".join(quote(field.column) for field in Job._meta.concrete_fields)
-    rows = list(Job.objects.raw(f"{statement} RETURNING {columns}", params))
-    return rows[0] if rows else None
+    return f"{statement} RETURNING {columns}", list(params)
+
+
+class CompiledUpdate:
+    """An `update_returning` of a fixed shape whose SQL Django compiles once per process and database, for a
+    statement on a card's path (a chunk's claim: compiling its conditions took 1.4 ms of the 10-11 ms from
+    submit to first step on the CPU stack). Each call binds its values to the compiled parameters.
+
+    `build(values)` returns (conditions, update values) from the named values, as the call would pass them to
+    `update_returning`; `fields` names the Job field each value is stored or compared as ("job_id": the key).
+    The shape is compiled twice, with two sets of stand-in values: a parameter that differs between the two
+    must be one named value, adapted as that field adapts it, or nothing is kept and every call compiles (a
+    value `build` derives, such as `now + lease`, would be kept frozen otherwise). `compiled()` says which.
+    """
+
+    def __init__(self, build: Callable[[dict[str, Any]], tuple[Q, dict[str, Any]]], fields: dict[str, str]):
+        self._build, self._fields = build, {"job_id": "id", **fields}
+        self._templates: dict[str, tuple[str, list[Any], dict[str, list[int]]] | None] = {}
+
+    def __call__(self, job_id: JobId, **named: Any) -> Job | None:
+        alias = Job.objects.db
+        if alias not in self._templates:
+            self._templates[alias] = self._compile(alias)
+        template = self._templates[alias]
+        if template is None:
+            conditions, values = self._build(named)
+            return update_returning(job_id, conditions, **values)
+        statement, params, positions = template
+        bound, values, connection = list(params), {"job_id": job_id, **named}, connections[alias]
+        for name, where in positions.items():
+            adapted = self._adapt(name, values[name], connection)
+            for index in where:
+                bound[index] = adapted
+        rows = list(Job.objects.raw(statement, bound))
+        return rows[0] if rows else None
+
+    def compiled(self) -> bool:
+        """Whether the statement is kept compiled on the current database (compiling it now if not yet tried)."""
+        alias = Job.objects.db
+        if alias not in self._templates:
+            self._templates[alias] = self._compile(alias)
+        return self._templates[alias] is not None
+
+    def _adapt(self, name: str, value: Any, connection: Any) -> Any:
+        return self._field(name).get_db_prep_value(value, connection, prepared=False)
+
+    def _field(self, name: str) -> Field:
+        return cast(Field, Job._meta.get_field(self._fields[name]))
+
+    def _compile(self, alias: str) -> tuple[str, list[Any], dict[str, list[int]]] | None:
+        first, second = (self._stand_ins(variant) for variant in (1, 2))
+        compiled = []
+        for stand_in in (first, second):
+            job_id = stand_in.pop("job_id")
+            compiled.append(_update_returning_sql(job_id, *self._build(stand_in)))
+            stand_in["job_id"] = job_id
+        (statement, params), (other_statement, other_params) = compiled
+        if statement != other_statement or len(params) != len(other_params):
+            return None
+        connection = connections[alias]
+        adapted = {
+            name: (self._adapt(name, first[name], connection), self._adapt(name, second[name], connection))
+            for name in self._fields
+        }
+        positions: dict[str, list[int]] = {}
+        for index, pair in enumerate(zip(params, other_params)):
+            if pair[0] == pair[1]:
+                continue  # a constant of the shape
+            names = [name for name, both in adapted.items() if both == pair]
+            if len(names) != 1:
+                return None  # a value derived from a named one, or one the adaptation does not reproduce
+            positions.setdefault(names[0], []).append(index)
+        return statement, params, positions
+
+    def _stand_ins(self, variant: int) -> dict[str, Any]:
+        """Values no call passes, of each field's type, different in the two variants and between names."""
+        values: dict[str, Any] = {}
+        for offset, name in enumerate(self._fields):
+            kind = self._field(name).get_internal_type()
+            unique = 1_000_003 * variant + offset
+            if kind == "DateTimeField":
+                values[name] = datetime(1901, 1, 1, tzinfo=UTC) + timedelta(seconds=unique)
+            elif kind == "UUIDField":
+                values[name] = UUID(int=unique)
+            elif "Integer" in kind:
+                values[name] = 900_000_000 + unique
+            else:
+                values[name] = f"\x00stand-in {unique}"
+        return values

@@ -22,6 +22,7 @@ from genserver.scheduling.classes import priority_for
 
 from . import fairness, observe
 from ._common import (
+    CompiledUpdate,
     JobId,
     after_end,
     announce_on_commit,
@@ -125,21 +126,39 @@ def _publish_first_chunk(job: Job) -> None:
     broker.arrived(job.id, job.queue)
 
 
+def _claim_chunk_shape(values: dict[str, Any]) -> tuple[Q, dict[str, Any]]:
+    now = values["now"]
+    conditions = (
+        lease_free(now)
+        & not_overdue(now)
+        & Q(status=JobStatus.DENOISING, checkpoint_step=values["from_step"], cancel_requested=False, held=False)
+    )
+    return conditions, {
+        "stage": JobStage.DENOISING,
+        "lease_owner": values["worker"],
+        "lease_expires_at": values["lease_until"],
+        "chunks_run": F("chunks_run") + 1,
+        "chunk_started_at": now,
+    }
+
+
+# On the way from submit to a job's first step: compiled once per process.
+_CLAIM_CHUNK = CompiledUpdate(
+    _claim_chunk_shape,
+    {
+        "now": "chunk_started_at",
+        "worker": "lease_owner",
+        "from_step": "checkpoint_step",
+        "lease_until": "lease_expires_at",
+    },
+)
+
+
 def claim_chunk(job_id: JobId, worker: str, from_step: int) -> Job | None:
     """Take the chunk that starts at `from_step`. None when it already ran, runs elsewhere, or must not run
     (an overdue job that never started ends `expired` here instead)."""
     now = timezone.now()
-    job = update_returning(
-        job_id,
-        lease_free(now)
-        & not_overdue(now)
-        & Q(status=JobStatus.DENOISING, checkpoint_step=from_step, cancel_requested=False, held=False),
-        stage=JobStage.DENOISING,
-        lease_owner=worker,
-        lease_expires_at=lease_until(),
-        chunks_run=F("chunks_run") + 1,
-        chunk_started_at=now,
-    )
+    job = _CLAIM_CHUNK(job_id, now=now, worker=worker, from_step=from_step, lease_until=lease_until())
     if job is None:
         # Only a chunk not taken asks why: one read fewer on the common path (the claim's guard refuses an
         # overdue job with the same `now`).
