@@ -10,6 +10,7 @@ import enum
 import errno
 import logging
 import os
+import weakref
 from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
 from typing import Any, cast
@@ -18,7 +19,7 @@ from uuid import UUID
 from django.conf import settings
 from django.db import connections, transaction
 from django.db.models import Field, Q
-from django.db.models.sql import UpdateQuery
+from django.db.models.sql import Query, UpdateQuery
 from django.utils import timezone
 
 from genserver import webhooks
@@ -182,12 +183,48 @@ def update_returning(job_id: JobId, conditions: Q, **values: Any) -> Job | None:
 
     An UPDATE … RETURNING (PostgreSQL; SQLite since 3.35), where the ORM needs the UPDATE and a re-read: a
     chunk's claim is on the path from submit to first step. Django's own compiler writes the UPDATE, so the
-    conditions and F() expressions mean what they mean in `.update()`; `raw()` turns the returned columns into
-    a Job as a read would (UUIDs, datetimes, JSON).
+    conditions and F() expressions mean what they mean in `.update()`; Django's column converters turn the
+    returned columns into a Job as a read would (UUIDs, datetimes, JSON).
     """
     statement, params = _update_returning_sql(job_id, conditions, values)
-    rows = list(Job.objects.raw(statement, params))
-    return rows[0] if rows else None
+    return _returned_job(statement, params)
+
+
+def _returned_job(statement: str, params: list[Any]) -> Job | None:
+    """Run an `UPDATE … RETURNING` of every Job column and build the Job a read would give (None: no row): the
+    converters Django applies to each column (UUIDs, datetimes, JSON, booleans), looked up once per database,
+    where `raw()` resolved the columns and their converters again at every call."""
+    alias = Job.objects.db
+    connection = connections[alias]
+    with connection.cursor() as cursor:
+        cursor.execute(statement, params)
+        rows = cursor.fetchall()
+    if not rows:
+        return None
+    names, converters = _job_columns(alias)
+    values = list(rows[0])
+    for position, (functions, column) in converters:
+        for convert in functions:
+            values[position] = convert(values[position], column, connection)
+    return Job.from_db(alias, names, values)
+
+
+_COLUMNS: weakref.WeakKeyDictionary[Any, tuple[list[str], list[tuple[int, tuple[list[Any], Any]]]]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def _job_columns(alias: str) -> tuple[list[str], list[tuple[int, tuple[list[Any], Any]]]]:
+    """Job's concrete fields (the RETURNING list's order) and Django's converters of their columns, per connection
+    (a thread's own: its converters may read their connection)."""
+    connection = connections[alias]
+    if (found := _COLUMNS.get(connection)) is not None:
+        return found
+    fields = Job._meta.concrete_fields
+    compiler = connection.ops.compiler("SQLCompiler")(Query(Job), connection, alias)
+    converters = compiler.get_converters([field.get_col(Job._meta.db_table) for field in fields])
+    _COLUMNS[connection] = found = ([field.attname for field in fields], list(converters.items()))
+    return found
 
 
 def _update_returning_sql(job_id: JobId, conditions: Q, values: dict[str, Any]) -> tuple[str, list[Any]]:
@@ -230,8 +267,7 @@ class CompiledUpdate:
             adapted = self._adapt(name, values[name], connection)
             for index in where:
                 bound[index] = adapted
-        rows = list(Job.objects.raw(statement, bound))
-        return rows[0] if rows else None
+        return _returned_job(statement, bound)
 
     def compiled(self) -> bool:
         """Whether the statement is kept compiled on the current database (compiling it now if not yet tried)."""
