@@ -32,7 +32,7 @@ from django.db import transaction
 
 from genserver.redis_client import ACCESS_GENERATION_KEY, client as redis_client
 
-MAX_COPIES = 10_000  # per kind; the least recently used copy goes first (a copy is a few hundred bytes)
+MAX_COPIES = 20_000  # in all kinds; the least recently used copy goes first (a copy is a few hundred bytes)
 
 Value = TypeVar("Value")
 
@@ -56,7 +56,7 @@ class _Copies:
         with self._lock:
             self._entries[name] = (generation, read_at, value)
             self._entries.move_to_end(name)
-            while len(self._entries) > MAX_COPIES * 2:  # two kinds
+            while len(self._entries) > MAX_COPIES:
                 self._entries.popitem(last=False)
 
     def update(self, name: tuple[str, Hashable], change: Callable[[Any], Any]) -> None:

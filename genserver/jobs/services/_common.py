@@ -255,9 +255,7 @@ class CompiledUpdate:
 
     def __call__(self, job_id: JobId, **named: Any) -> Job | None:
         alias = Job.objects.db
-        if alias not in self._templates:
-            self._templates[alias] = self._compile(alias)
-        template = self._templates[alias]
+        template = self._template(alias)
         if template is None:
             conditions, values = self._build(named)
             return update_returning(job_id, conditions, **values)
@@ -271,10 +269,12 @@ class CompiledUpdate:
 
     def compiled(self) -> bool:
         """Whether the statement is kept compiled on the current database (compiling it now if not yet tried)."""
-        alias = Job.objects.db
+        return self._template(Job.objects.db) is not None
+
+    def _template(self, alias: str) -> tuple[str, list[Any], dict[str, list[int]]] | None:
         if alias not in self._templates:
             self._templates[alias] = self._compile(alias)
-        return self._templates[alias] is not None
+        return self._templates[alias]
 
     def _adapt(self, name: str, value: Any, connection: Any) -> Any:
         return self._field(name).get_db_prep_value(value, connection, prepared=False)
@@ -284,12 +284,9 @@ class CompiledUpdate:
 
     def _compile(self, alias: str) -> tuple[str, list[Any], dict[str, list[int]]] | None:
         first, second = (self._stand_ins(variant) for variant in (1, 2))
-        compiled = []
-        for stand_in in (first, second):
-            job_id = stand_in.pop("job_id")
-            compiled.append(_update_returning_sql(job_id, *self._build(stand_in)))
-            stand_in["job_id"] = job_id
-        (statement, params), (other_statement, other_params) = compiled
+        (statement, params), (other_statement, other_params) = (
+            _update_returning_sql(stand_in["job_id"], *self._build(stand_in)) for stand_in in (first, second)
+        )
         if statement != other_statement or len(params) != len(other_params):
             return None
         connection = connections[alias]

@@ -25,6 +25,7 @@ client does not cost a write per request.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import hmac
 import secrets
@@ -166,23 +167,27 @@ def _rows_of(key: str, wanted: str) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
     return _values(found), _values(found.user)
 
 
+@functools.cache
 def _names(model: Any) -> list[str]:
+    """The model's columns in `from_db`'s order (read on every request: built once)."""
     return [field.attname for field in model._meta.concrete_fields]
 
 
 def _values(row: Any) -> tuple[Any, ...]:
-    return tuple(getattr(row, name) for name in _names(type(row)))
+    return tuple(getattr(row, name) for name in _names(row._meta.model))
 
 
 def revoke(token: ApiToken) -> bool:
     """Revoke the token from now on; False when it was revoked already."""
     revoked = ApiToken.objects.filter(pk=token.pk, revoked_at__isnull=True).update(revoked_at=timezone.now())
-    selectors.access.forget()  # every API process's copy of it, from the commit on
+    if revoked:
+        selectors.access.forget()  # every API process's copy of it, from the commit on
     return bool(revoked)
 
 
 def revoke_named(user: Any, name: str) -> int:
     """Revoke every live token of `user` called `name` (`issue_token --replace`); how many."""
     revoked = ApiToken.objects.filter(user=user, name=name, revoked_at__isnull=True).update(revoked_at=timezone.now())
-    selectors.access.forget()
+    if revoked:
+        selectors.access.forget()
     return revoked
