@@ -1,6 +1,7 @@
 """A worker's background threads (job events, the work off a chunk boundary) wait while its card is on its way to
 a step (events.card_busy), so that they do not take the interpreter from a dispatch; never longer than
-CARD_BUSY_MAX_SECONDS after they were queued."""
+CARD_BUSY_MAX_SECONDS after they were queued. In a worker, work handed over meanwhile is held in the process, so that
+its thread is not even woken (events.hold_hand_overs_while_busy)."""
 
 from __future__ import annotations
 
@@ -11,12 +12,34 @@ import pytest
 from genserver.jobs import events
 
 
+class CountingExecutor(ThreadPoolExecutor):
+    """A one-thread executor that counts the items queued on it."""
+
+    def __init__(self) -> None:
+        super().__init__(max_workers=1)
+        self.queued = 0
+
+    def submit(self, fn, /, *args, **kwargs):
+        self.queued += 1
+        return super().submit(fn, *args, **kwargs)
+
+
 @pytest.fixture
 def executor():
-    pool = ThreadPoolExecutor(max_workers=1)
+    pool = CountingExecutor()
     yield pool
     events.card_stepping()
     pool.shutdown(wait=True)
+
+
+@pytest.fixture
+def holding(monkeypatch):
+    """This process holds what is handed over while its card is busy, as a worker does (its own watcher, ended
+    after the test)."""
+    monkeypatch.setattr(events, "_watcher", None)
+    events.hold_hand_overs_while_busy()
+    yield
+    events.card_stepping()
 
 
 def test_background_work_waits_while_the_card_is_busy_and_runs_once_it_steps(executor, monkeypatch):
@@ -46,3 +69,31 @@ def test_a_failure_in_background_work_is_logged(executor, caplog):
 
     events.after_the_card(executor, broken).result(timeout=30)
     assert "background work broken" in caplog.text and "redis went away" in caplog.text
+
+
+def test_work_handed_over_while_the_card_is_busy_is_held_until_it_steps_and_keeps_its_order(
+    executor, holding, monkeypatch
+):
+    monkeypatch.setattr(events, "CARD_BUSY_MAX_SECONDS", 60.0)
+    seen = []
+    events.after_the_card(executor, seen.append, "before")  # the card is free: queued at once
+    events.card_busy()
+    first = events.after_the_card(executor, lambda: seen.append(events._card_free.is_set()))
+    events.after_the_card(executor, seen.append, "second")
+    assert executor.queued == 1  # its thread was not woken for either
+    events.card_stepping()
+    after = events.after_the_card(executor, seen.append, "after")
+    first.result(timeout=30)
+    after.result(timeout=30)
+    assert executor.queued == 4
+    assert seen == ["before", True, "second", "after"]
+
+
+def test_held_work_runs_at_the_latest_after_the_bound_while_the_card_stays_busy(executor, holding, monkeypatch):
+    monkeypatch.setattr(events, "CARD_BUSY_MAX_SECONDS", 0.05)
+    monkeypatch.setattr(events, "HELD_CHECK_SECONDS", 0.01)
+    seen = []
+    events.card_busy()
+    events.after_the_card(executor, seen.append, "first").result(timeout=30)
+    events.after_the_card(executor, seen.append, "second").result(timeout=30)
+    assert seen == ["first", "second"] and not events._card_free.is_set()  # the watcher queued them
