@@ -206,13 +206,15 @@ def live_names() -> set[str]:
 
 
 def held_jobs() -> dict[str, list[tuple[str, int]]]:
-    """Worker name → [(job id, attempts)] of the jobs it holds now."""
+    """Worker name → [(job id, attempts)] of the jobs it holds now (a lease not yet expired: the lease of a
+    worker killed earlier names its restarted successor until the reaper takes the job back)."""
+    from django.utils import timezone
+
     from genserver.jobs.models import ACTIVE, Job
 
     held: dict[str, list[tuple[str, int]]] = {}
-    for pk, owner, attempts in (
-        Job.objects.filter(status__in=ACTIVE).exclude(lease_owner="").values_list("pk", "lease_owner", "attempts")
-    ):
+    leased = Job.objects.filter(status__in=ACTIVE, lease_expires_at__gt=timezone.now()).exclude(lease_owner="")
+    for pk, owner, attempts in leased.values_list("pk", "lease_owner", "attempts"):
         held.setdefault(owner.split("@")[0], []).append((str(pk), attempts))
     return held
 
@@ -220,13 +222,14 @@ def held_jobs() -> dict[str, list[tuple[str, int]]]:
 def choose_victim(
     target: Target, rng: random.Random, max_attempts: int, prefer_busy: float = 0.7
 ) -> tuple[str, bool] | None:
-    live = live_names()
+    live, held = live_names(), held_jobs()
+    # Up: its heartbeat is current, or it holds a lease it renews (on a loaded machine a card's heartbeat can
+    # lapse while it runs a job: such a card is still the victim that tests recovery).
     names = [
         w.name
         for w in target.layout.workers
-        if w.name in live and _child(target.supervisor, w.name).process.poll() is None
+        if (w.name in live or w.name in held) and _child(target.supervisor, w.name).process.poll() is None
     ]
-    held = held_jobs()
     eligible = [n for n in names if all(a < max_attempts - 1 for _, a in held.get(n, []))]
     if not eligible:
         return None
