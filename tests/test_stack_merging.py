@@ -85,9 +85,10 @@ def test_cancelling_one_merged_job_leaves_the_others_running(stack, api):
         wait_for(lambda: waiting(ids), 60, what="three jobs encoded and waiting")
         # The cancel goes in as the batch would meet it right after its claim: the worker's flag (not yet the
         # database's, which would keep the job out of the batch), set before the card takes the three. The claim
-        # stands for the flag's read before the first step, so the batch sees it before its second. (Cancelling through the API once the
-        # batch was counted lost the race twice on a busy machine: the request landed after all 50 steps. That
-        # the API's cancel of a held job sets this flag, and a lone running job stops at it, test_stack.py shows.)
+        # stands for the flag's read before the first step, so the batch sees it before its second. (Cancelling
+        # through the API once the batch was counted lost the race twice on a busy machine: the request landed
+        # after all 50 steps. That the API's cancel of a held job sets this flag, and a lone running job stops at
+        # it, test_stack.py shows.)
         redis_client().set(CANCEL_KEY.format(job_id=ids[1]), "1", ex=600)
     cancelled = finished(ids[1], timeout=JOB_SECONDS)
     assert cancelled.status == "cancelled" and not cancelled.outputs
