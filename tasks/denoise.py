@@ -87,9 +87,9 @@ class _Member:
     unsaved_seconds: float = 0.0  # denoising run here since the last checkpoint (kept boundaries that wrote none)
     outcome: str = ""  # set once the job has left this task
     cursor: SegmentCursor | None = None  # global steps over a long video's segments (one segment otherwise)
-    # Claimed by this task's compare-and-set, which found no cancel and read the current total: that check stands
-    # for the flags' read before its first step (a cancel after it stops the job before the next step).
-    flags_read_at_claim: bool = False
+    # Every member was claimed by this task's compare-and-set, which found no cancel and read the current total:
+    # that check stands for the flags' read before its first step (a cancel after it stops the job at the next).
+    flags_read_at_claim: bool = True
 
     def __post_init__(self) -> None:
         self.cursor = SegmentCursor(self.job)
@@ -127,10 +127,7 @@ def _run_chunk(task, job_id: str, from_step: int, free_since: float, model: str)
     partners = services.claim_merge_partners(job, worker, deployment.registry().get(job.model).max_merge)
     if partners:
         count_merged_batch(1 + len(partners))
-    members = [
-        _Member(j, CANCEL_KEY.format(job_id=j.pk), time.monotonic(), j.checkpoint_key, flags_read_at_claim=True)
-        for j in [job, *partners]
-    ]
+    members = [_Member(j, CANCEL_KEY.format(job_id=j.pk), time.monotonic(), j.checkpoint_key) for j in [job, *partners]]
     found_idle = from_step == 0 and job.published_at is not None and job.published_at.timestamp() >= free_since
     return _denoise(members, worker, hop_from=job.published_at.timestamp() if found_idle else None)
 

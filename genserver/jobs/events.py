@@ -107,10 +107,11 @@ CARD_BUSY_MAX_SECONDS = 0.5
 
 # Work handed over while the card is busy waits here, not in its executor's queue: an item queued there wakes the
 # executor's thread, which takes the interpreter from the card's thread only to find the card busy and sleep again
-# (measured in process: 0.43 ms of the 0.98 ms from a first chunk's task to its first step went to the four items a
-# claim hands over). `card_stepping` queues them, in order; at the latest, the watcher queues them once the first
-# one's CARD_BUSY_MAX_SECONDS are up. It looks every HELD_CHECK_SECONDS rather than being woken, since a wake-up
-# on the card's path is what this avoids: more often keeps the bound closer, less often wakes the process less.
+# (a first chunk's claim and load hand over five; held, its task's start to its first step went 0.99-1.10 →
+# 0.86-0.96 ms in process, docs/BENCHMARKS.md "stop 42"). `card_stepping` queues them, in order; at the latest,
+# the watcher queues them once the first one's CARD_BUSY_MAX_SECONDS are up. It looks every HELD_CHECK_SECONDS
+# rather than being woken, since a wake-up on the card's path is what this avoids: more often keeps the bound
+# closer, less often wakes the process less.
 HELD_CHECK_SECONDS = 0.1
 _held: list[tuple[ThreadPoolExecutor, Callable[[], None], float]] = []  # (executor, run, its latest start)
 _hand_over = threading.Lock()  # the held list and the decision to hold, so that items keep their order
@@ -178,7 +179,10 @@ def after_the_card(executor: ThreadPoolExecutor, work: Callable[..., Any], *args
             _card_free.wait(max(0.0, latest - time.monotonic()))
             close_old_connections()
             _logged(work, *args)
-        finally:
+        except Exception as error:  # close_old_connections: the caller's future carries it, as an executor's did
+            done.set_exception(error)
+            raise
+        else:
             done.set_result(None)
 
     with _hand_over:
