@@ -3,8 +3,13 @@ path. Each test opens its own SQLite file through the backend, whatever database
 
 from __future__ import annotations
 
+import fcntl
+import os
 import sqlite3
+import subprocess
+import sys
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -149,3 +154,113 @@ def test_no_turn_within_the_timeout_fails_with_a_message_that_says_so(wrapper, d
     wrapper.rollback()
     assert [str(e) for e in errors] == ["database is locked: no turn to write within 0.05 s"]
     assert not base._WRITER.locked()
+
+
+# --- the database's turn across processes: an flock on `<database>-writer` --------------------------------
+
+
+class _OtherProcess:
+    """A real second process holding the database's turn until told to let go."""
+
+    def __init__(self, database: Path) -> None:
+        code = (
+            "import fcntl, os, sys\n"
+            f"fd = os.open({str(database) + '-writer'!r}, os.O_RDWR | os.O_CREAT)\n"
+            "fcntl.flock(fd, fcntl.LOCK_EX)\n"
+            "print('held', flush=True)\n"
+            "sys.stdin.readline()\n"
+        )
+        self.process = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+        assert self.process.stdout is not None and self.process.stdout.readline() == b"held\n"
+
+    def let_go(self) -> None:
+        assert self.process.stdin is not None
+        self.process.stdin.write(b"\n")
+        self.process.stdin.flush()
+        self.process.wait(10)
+
+
+def _turn_is_free(database: Path) -> bool:
+    fd = os.open(f"{database}-writer", os.O_RDWR | os.O_CREAT)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False
+    finally:
+        os.close(fd)
+    return True
+
+
+@pytest.mark.parametrize("end", ["commit", "rollback", "close"])
+def test_a_transaction_holds_the_databases_turn_until_it_ends(wrapper, database, end):
+    assert _turn_is_free(database)
+    _begin(wrapper)
+    _write(wrapper)
+    assert not _turn_is_free(database)  # another process's writer would wait
+    getattr(wrapper, end)()
+    assert _turn_is_free(database)
+
+
+def test_a_writer_waits_for_another_processs_turn_and_writes_once_it_lets_go(database):
+    other = _OtherProcess(database)
+    wrote = threading.Event()
+    errors: list[BaseException] = []
+
+    def write() -> None:
+        conn = _wrapper(database)
+        try:
+            _begin(conn)  # waits on the other process's turn, before it asks SQLite
+            _write(conn)
+            conn.commit()
+            wrote.set()
+        except BaseException as error:  # noqa: BLE001 - reported by the assertion below
+            errors.append(error)
+        finally:
+            conn.close()
+
+    def waiting_in_the_kernel() -> bool:
+        return any(t.name == "sqlite-writer-turn" for t in threading.enumerate())
+
+    thread = threading.Thread(target=write)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 10
+        while not waiting_in_the_kernel():
+            assert time.monotonic() < deadline and not errors, errors
+            time.sleep(0.005)
+        assert base._WRITER.locked() and not wrote.is_set()  # this process's turn taken by the waiting writer
+    finally:
+        other.let_go()
+    thread.join(10)
+    assert errors == [] and wrote.is_set()
+    assert _turn_is_free(database) and not base._WRITER.locked()
+
+
+def test_no_turn_from_another_process_within_the_timeout_fails_and_the_given_up_wait_lets_go(database):
+    other = _OtherProcess(database)
+    conn = _wrapper(database, timeout=0.05)
+    try:
+        with pytest.raises(OperationalError, match="another process held the turn to write for 0.05 s"):
+            _begin(conn)
+        assert not base._WRITER.locked()
+    finally:
+        other.let_go()
+        conn.close()
+    # The wait given up on takes the lock when the other process lets go, and lets it go at once.
+    deadline = time.monotonic() + 10
+    while not _turn_is_free(database):
+        assert time.monotonic() < deadline, "the given-up wait kept the database's turn"
+        time.sleep(0.01)
+    with _wrapper(database).cursor():
+        pass
+
+
+def test_an_in_memory_database_takes_no_file_turn():
+    conn = _wrapper(Path(":memory:"))
+    try:
+        _begin(conn)
+        assert conn._holding is None and base._WRITER.locked()
+        conn.rollback()
+        assert not base._WRITER.locked()
+    finally:
+        conn.close()

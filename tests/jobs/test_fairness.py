@@ -208,3 +208,24 @@ def test_a_job_released_after_its_embeddings_are_stored_skips_encode(api, monkey
     job = Job.objects.get(pk=ids[1])
     assert not job.held and job.status == JobStatus.DENOISING and job.embeddings_key
     assert ids[1] in broker.broker_job_ids({job.queue}) and ids[1] not in broker.broker_job_ids({"encode"})
+
+
+def test_the_fair_picture_counts_each_users_published_unstarted_jobs_up_to_its_read_bound(
+    api, make_user, settings, monkeypatch
+):
+    from genserver.jobs.selectors import positions
+
+    settings.FAIR_WINDOW = 0  # nothing held: every job published
+    bob = make_user("bob")
+    burst(api, 4)
+    burst(bob, 2)
+    started = burst(bob, 1)[0]
+    start(started)  # a started job is no longer counted
+    picture = positions.fair_picture("short")
+    assert picture.published == {api.user.pk: 4, bob.user.pk: 2} and picture.complete
+    assert positions.fair_picture("long").published == {}
+    monkeypatch.setattr(positions, "PUBLISHED_READ", 5)  # the read stops at 5 of the 6 rows: partial counts
+    partial = positions.fair_picture("short")
+    assert sum(partial.published.values()) == 5 and not partial.complete
+    monkeypatch.setattr(positions, "PUBLISHED_READ", 7)
+    assert positions.fair_picture("short").complete

@@ -236,12 +236,18 @@ class FairPicture:
 def fair_picture(queue: str, held: list[HeldRow] | None = None) -> FairPicture:
     """The queue's FairPicture: the published, unstarted jobs' owners over the partial index job_fair_window
     (at most PUBLISHED_READ rows), and the held tally's rows (`held` when the caller read them already)."""
-    published: dict[Any, int] = {}
-    rows = Job.objects.filter(queue=queue, status__in=ACTIVE, held=False, chunks_run=0).order_by()
-    owners = list(rows.values_list("owner_id", flat=True)[:PUBLISHED_READ])
-    for owner_id in owners:
-        published[owner_id] = published.get(owner_id, 0) + 1
-    return FairPicture(queue, held_rows() if held is None else held, published, len(owners) < PUBLISHED_READ)
+    # Counted in the database, over at most PUBLISHED_READ rows: one row per user comes back, not one per job
+    # (a heavy user's thousands of queued jobs cost a submit of theirs milliseconds in Python).
+    read = Job.objects.filter(queue=queue, status__in=ACTIVE, held=False, chunks_run=0).order_by()
+    counts = (
+        Job.objects.filter(pk__in=read.values("pk")[:PUBLISHED_READ])
+        .order_by()
+        .values_list("owner_id")
+        .annotate(n=Count("pk"))
+    )
+    published = dict(counts)
+    complete = sum(published.values()) < PUBLISHED_READ
+    return FairPicture(queue, held_rows() if held is None else held, published, complete)
 
 
 def unstarted_by_owner(queue: str, held: list[HeldRow] | None = None) -> dict[Any, int]:
