@@ -289,10 +289,12 @@ def api_workers() -> int:
 
 
 def api_threads() -> int:
-    """Threads per API process serving the quick requests (genserver/serving.py): more serve more at once when the
-    database or Redis is slow to answer, each holding a database connection; on a CPU-bound machine more than a
-    few only queue inside the process instead of on its socket."""
-    return env_int("GENSERVER_API_THREADS", 8, minimum=1)
+    """Threads per API process serving the quick requests (genserver/serving.py). More serve more at once while
+    the database or Redis is slow to answer (across a network), each holding a database connection; on a
+    CPU-bound machine they contend for the interpreter, and a thread holding a write lock (SQLite's turn, the
+    owner's row on PostgreSQL) waits behind the others: 8 instead of 2 took a 2-core machine's submits from
+    112-120 to 86-93 per second on PostgreSQL (docs/BENCHMARKS.md, "Submit throughput, stop 43")."""
+    return env_int("GENSERVER_API_THREADS", 2, minimum=1)
 
 
 def worker_pool() -> str:

@@ -46,6 +46,7 @@ from genserver.scheduling.fairness import held_jobs_ahead
 from genserver.scheduling.pools import DECODE as DECODE_QUEUE, PoolLayout
 
 from .capacity import cluster_reads, stage_seconds
+from .compiled import CompiledRead
 from .decode_queue import DecodeQueue, decoding_rows, in_service
 
 
@@ -161,19 +162,20 @@ def _group_key(g: WaitingGroup) -> tuple[str, str, int]:
     return g.queue, g.duration_class, g.priority
 
 
-def _groups(rows: Iterable[dict[str, Any]]) -> list[WaitingGroup]:
-    return [
-        WaitingGroup(
-            r["queue"] or r["duration_class"], r["duration_class"], r["priority"], r["n"], float(r["seconds"] or 0.0)
-        )
-        for r in rows
-    ]
+_TALLY_ROWS = CompiledRead(
+    QueueTally,
+    lambda: QueueTally.objects.filter(count__gt=0).values_list(
+        "queue", "duration_class", "priority", "count", "seconds"
+    ),
+)
 
 
 def waiting_groups() -> list[WaitingGroup]:
     """Every waiting job, counted and summed per (queue, class, priority): the tally's few rows."""
-    rows = QueueTally.objects.filter(count__gt=0).values("queue", "duration_class", "priority", "count", "seconds")
-    return _groups({**r, "n": r["count"]} for r in rows)
+    return [
+        WaitingGroup(queue or duration_class, duration_class, priority, count, float(seconds or 0.0))
+        for queue, duration_class, priority, count, seconds in _TALLY_ROWS.tuples()
+    ]
 
 
 @dataclass(frozen=True)
@@ -190,8 +192,15 @@ class HeldRow:
 
 def held_rows() -> list[HeldRow]:
     """Every held job, counted and summed per (queue, class, priority, owner): the held tally's few rows."""
-    fields = ("queue", "duration_class", "priority", "owner_id", "count", "seconds")
-    return [HeldRow(*r) for r in HeldTally.objects.filter(count__gt=0).values_list(*fields)]
+    return [HeldRow(*r) for r in _HELD_ROWS.tuples()]
+
+
+_HELD_ROWS = CompiledRead(
+    HeldTally,
+    lambda: HeldTally.objects.filter(count__gt=0).values_list(
+        "queue", "duration_class", "priority", "owner_id", "count", "seconds"
+    ),
+)
 
 
 def _held_sums(rows: Iterable[HeldRow]) -> dict[tuple[str, str, int], WaitingGroup]:
@@ -233,19 +242,33 @@ class FairPicture:
         return counts
 
 
+class _PublishedByOwner(dict[int, CompiledRead]):
+    """Per read bound (PUBLISHED_READ; a test lowers it), the count of each user's published, unstarted jobs in
+    a queue, over at most that many of them."""
+
+    def __missing__(self, bound: int) -> CompiledRead:
+        def build(queue: str) -> Any:
+            read = Job.objects.filter(queue=queue, status__in=ACTIVE, held=False, chunks_run=0).order_by()
+            return (
+                Job.objects.filter(pk__in=read.values("pk")[:bound])
+                .order_by()
+                .values_list("owner_id")
+                .annotate(n=Count("pk"))
+            )
+
+        self[bound] = CompiledRead(Job, build, names=("queue",))
+        return self[bound]
+
+
+_PUBLISHED_BY_OWNER = _PublishedByOwner()
+
+
 def fair_picture(queue: str, held: list[HeldRow] | None = None) -> FairPicture:
     """The queue's FairPicture: the published, unstarted jobs' owners over the partial index job_fair_window
     (at most PUBLISHED_READ rows), and the held tally's rows (`held` when the caller read them already)."""
     # Counted in the database, over at most PUBLISHED_READ rows: one row per user comes back, not one per job
     # (a heavy user's thousands of queued jobs cost a submit of theirs milliseconds in Python).
-    read = Job.objects.filter(queue=queue, status__in=ACTIVE, held=False, chunks_run=0).order_by()
-    counts = (
-        Job.objects.filter(pk__in=read.values("pk")[:PUBLISHED_READ])
-        .order_by()
-        .values_list("owner_id")
-        .annotate(n=Count("pk"))
-    )
-    published = dict(counts)
+    published: dict[Any, int] = dict(_PUBLISHED_BY_OWNER[PUBLISHED_READ].tuples(queue=queue))
     complete = sum(published.values()) < PUBLISHED_READ
     return FairPicture(queue, held_rows() if held is None else held, published, complete)
 
@@ -316,7 +339,10 @@ def _middle_sums(priority: int, jobs: list[Job]) -> _MiddleSums:
 
 def running_jobs() -> list[Job]:
     """The jobs a card holds now (at most the cards, and the jobs merged into their batches)."""
-    return list(Job.objects.filter(_RUNNING).only(*_RUNNING_FIELDS))
+    return _RUNNING_JOBS.instances()
+
+
+_RUNNING_JOBS = CompiledRead(Job, lambda: Job.objects.filter(_RUNNING).only(*_RUNNING_FIELDS))
 
 
 def backlog_items() -> list[WorkItem]:

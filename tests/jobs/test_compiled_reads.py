@@ -1,0 +1,115 @@
+"""Reads compiled once per connection (selectors/compiled.py): the same rows and values as Django's own
+evaluation of the queryset, with the SQL compiled at the first use only."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+from django.db import connection
+from django.db.models import Count
+from django.db.models.sql.compiler import SQLCompiler
+from django.test.utils import CaptureQueriesContext
+
+from genserver.jobs import selectors, services
+from genserver.jobs.models import Job, QueueTally
+from genserver.jobs.selectors import positions
+from genserver.jobs.selectors.compiled import CompiledRead
+from tests.conftest import submit
+
+pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.usefixtures("empty_broker")]
+
+
+@pytest.fixture
+def compilations(monkeypatch) -> list[str]:
+    """The SQL of every select Django compiles from here on."""
+    seen: list[str] = []
+    original = SQLCompiler.as_sql
+
+    def as_sql(self, *args, **kwargs):
+        sql, params = original(self, *args, **kwargs)
+        seen.append(sql)
+        return sql, params
+
+    monkeypatch.setattr(SQLCompiler, "as_sql", as_sql)
+    return seen
+
+
+def _running_and_waiting(api, settings) -> None:
+    settings.FAIR_WINDOW, settings.MAX_JOBS_IN_FLIGHT, settings.SUBMIT_RATE_LIMIT = 0, 0, 0
+    ids = [submit(api, prompt=f"compiled {i}", steps=4 + i).json()["id"] for i in range(4)]
+    submit(api, prompt="a long one", steps=4, width=1024, height=1024, num_frames=33)
+    for job_id in ids[:2]:  # two of them run on a card
+        assert services.start_encoding(job_id, "encode@test") is not None
+        assert services.finish_encoding(job_id, "encode@test", f"embeddings/{job_id}")
+        assert services.claim_chunk(job_id, f"gpu-{job_id}@test", 0) is not None
+
+
+def test_the_queue_reads_answer_as_django_evaluates_them(api, settings):
+    _running_and_waiting(api, settings)
+    fields = positions._RUNNING_FIELDS
+    expected = list(Job.objects.filter(positions._RUNNING).only(*fields).order_by("pk"))
+    running = sorted(positions.running_jobs(), key=lambda job: job.pk)
+    assert len(running) == 2
+    for job, want in zip(running, expected, strict=True):
+        assert {f: getattr(job, f) for f in fields} == {f: getattr(want, f) for f in fields}
+        assert job.get_deferred_fields() == want.get_deferred_fields()  # the others load on access, as Django's
+        assert job.prompt == want.prompt
+    columns = ("queue", "duration_class", "priority", "count", "seconds")
+    tally = QueueTally.objects.filter(count__gt=0).values_list(*columns)
+    assert sorted(positions._TALLY_ROWS.tuples()) == sorted(tally)
+    assert {(g.queue, g.priority, g.count) for g in selectors.waiting_groups()} == {
+        (queue or duration_class, priority, count) for queue, duration_class, priority, count, _ in tally
+    }
+
+
+def test_a_compiled_read_compiles_once_per_connection_and_still_reads_each_time(api, settings, compilations):
+    _running_and_waiting(api, settings)
+    read = CompiledRead(QueueTally, lambda: QueueTally.objects.filter(count__gt=0).values_list("queue", "count"))
+    first = read.tuples()
+    compilations.clear()
+    with CaptureQueriesContext(connection) as queries:
+        assert read.tuples() == first
+    assert compilations == [] and len(queries) == 1  # executed, not compiled
+    submit(api, prompt="one more")
+    assert sum(n for _, n in read.tuples()) == sum(n for _, n in first) + 1  # it reads the rows of now
+
+    compiled_elsewhere: list[int] = []
+
+    def in_another_thread() -> None:  # another thread's connection compiles its own
+        compilations.clear()
+        read.tuples()
+        compiled_elsewhere.append(len(compilations))
+        connection.close()
+
+    thread = threading.Thread(target=in_another_thread)
+    thread.start()
+    thread.join(30)
+    assert compiled_elsewhere == [1]
+
+
+def test_instances_need_a_queryset_of_the_models_own_columns(api, settings):
+    _running_and_waiting(api, settings)
+    read = CompiledRead(Job, lambda: Job.objects.values_list("owner_id").annotate(n=Count("pk")))
+    with pytest.raises(TypeError, match="own columns"):
+        read.instances()
+
+
+def test_a_named_value_is_bound_at_each_call_into_the_statement_compiled_once(api, settings, compilations):
+    _running_and_waiting(api, settings)
+    read = CompiledRead(
+        Job,
+        lambda status: Job.objects.filter(status=status).order_by().values_list("status").annotate(n=Count("pk")),
+        names=("status",),
+    )
+    expected = dict(Job.objects.order_by().values_list("status").annotate(n=Count("pk")))
+    assert len(expected) >= 2  # running and waiting
+    compilations.clear()
+    for status, n in expected.items():
+        assert read.tuples(status=status) == [(status, n)]
+    assert read.tuples(status="no such status") == []
+    assert len(compilations) == 1
+    with pytest.raises(TypeError, match="takes"):
+        read.tuples()
+    with pytest.raises(TypeError, match="takes"):
+        read.tuples(status="queued", model="x")
