@@ -137,6 +137,17 @@ if DATABASE_POOL and DATABASES["default"]["ENGINE"].endswith("postgresql"):
         "max_size": DATABASE_POOL,
         "timeout": 10,  # seconds a request waits for a free connection, then 503 (the database is busy)
     }
+# On PostgreSQL, parameters are bound on the server, and a statement a connection has run more than this many
+# times is prepared there: parsed and planned once per connection instead of at every run. The submit path's
+# dozen statements took PostgreSQL 1.7-2.0 ms of CPU per submit unprepared and 1.0 prepared (docs/BENCHMARKS.md,
+# "Submit throughput, stop 43"). Each prepared statement holds a little of the server session's memory (psycopg
+# keeps at most 100 per connection). -1 turns both off (Django's default, client-side binding): for a
+# transaction-mode pooler (PgBouncer) that does not keep prepared statements across transactions.
+DATABASE_PREPARE_AFTER = env_int("GENSERVER_DATABASE_PREPARE_AFTER", 5, minimum=-1)
+if DATABASE_PREPARE_AFTER >= 0 and DATABASES["default"]["ENGINE"].endswith("postgresql"):
+    DATABASES["default"].setdefault("OPTIONS", {}).update(
+        server_side_binding=True, prepare_threshold=DATABASE_PREPARE_AFTER
+    )
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 
 USE_TZ = True

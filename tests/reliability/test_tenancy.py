@@ -321,3 +321,52 @@ def test_token_header_variants_do_not_authenticate():
         response = APIClient(HTTP_AUTHORIZATION=header).get("/api/v1/jobs/")
         assert response.status_code == 401, header
         assert json.loads(response.content)["detail"]
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.usefixtures("empty_broker")
+def test_concurrent_submits_of_one_user_count_their_limit_one_at_a_time(make_user, settings):
+    """Four threads submit for the same user at once, with one job in flight allowed: exactly one is recorded.
+    PostgreSQL holds them on the user's row; SQLite on its write lock, which every transaction takes first."""
+    import threading
+
+    from django.db import connection
+
+    from genserver.jobs import services
+
+    settings.MAX_JOBS_IN_FLIGHT = 1
+    settings.SUBMIT_RATE_LIMIT = 0
+    owner = make_user("racer").user
+    data = {
+        "model": "sdxl-sim",
+        "prompt": "p",
+        "width": 512,
+        "height": 512,
+        "num_frames": 1,
+        "steps": 20,
+        "guidance_scale": 5.0,
+        "seed": 1,
+        "num_outputs": 1,
+    }
+    start = threading.Barrier(4)
+    outcomes: list[str] = []
+
+    def submit_one() -> None:
+        try:
+            start.wait(30)
+            services.submit_job(owner, data)
+            outcomes.append("recorded")
+        except services.InFlightLimitReached:
+            outcomes.append("refused")
+        except Exception as error:  # noqa: BLE001 - reported by the assertion below
+            outcomes.append(repr(error))
+        finally:
+            connection.close()
+
+    threads = [threading.Thread(target=submit_one) for _ in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert sorted(outcomes) == ["recorded", "refused", "refused", "refused"]
+    assert Job.objects.filter(owner=owner).count() == 1
