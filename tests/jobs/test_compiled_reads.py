@@ -113,3 +113,32 @@ def test_a_named_value_is_bound_at_each_call_into_the_statement_compiled_once(ap
         read.tuples()
     with pytest.raises(TypeError, match="takes"):
         read.tuples(status="queued", model="x")
+
+
+def test_the_decode_queue_read_answers_as_django_evaluates_it(api, settings):
+    from datetime import timedelta
+
+    from django.db.models import F
+    from django.utils import timezone
+
+    from genserver.jobs.models import JobStage, JobStatus
+    from genserver.jobs.selectors import decode_queue
+
+    _running_and_waiting(api, settings)
+    now = timezone.now()
+    ids = list(Job.objects.order_by("created_at").values_list("pk", flat=True))[:3]
+    for i, (job_id, stage, owner) in enumerate(
+        zip(ids, (JobStage.DECODING, JobStage.QUEUED, JobStage.QUEUED), ("decode@test", "", ""), strict=True)
+    ):
+        published = None if i == 2 else now - timedelta(seconds=10 - i)  # one never published: last
+        Job.objects.filter(pk=job_id).update(
+            status=JobStatus.DECODING, stage=stage, lease_owner=owner, published_at=published, chunk_started_at=now
+        )
+    expected = list(
+        Job.objects.filter(status=JobStatus.DECODING)
+        .order_by(F("published_at").asc(nulls_last=True), "id")
+        .values(*decode_queue._FIELDS)
+    )
+    rows = decode_queue.decoding_rows()
+    assert rows == expected and [r["id"] for r in rows] == ids
+    assert [decode_queue.in_service(r) for r in rows] == [True, False, False]
