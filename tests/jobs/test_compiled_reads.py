@@ -142,3 +142,4 @@ def test_the_decode_queue_read_answers_as_django_evaluates_it(api, settings):
     rows = decode_queue.decoding_rows()
     assert rows == expected and [r["id"] for r in rows] == ids
     assert [decode_queue.in_service(r) for r in rows] == [True, False, False]
+    assert decode_queue.line_rows() == [decode_queue.as_line_row(r) for r in expected]

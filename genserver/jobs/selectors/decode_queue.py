@@ -48,6 +48,31 @@ def in_service(row: dict[str, Any]) -> bool:
     return row["stage"] == JobStage.DECODING and bool(row["lease_owner"])
 
 
+# What the queue's line needs of each decode, in the same order: no id (a submit's ETA reads every decode
+# published, and a burst of images leaves a hundred or more), no dict per row.
+LineRow = tuple[str, bool, datetime | None, datetime | None]  # model, in service, taken at, published at
+_LINE = CompiledRead(
+    Job,
+    lambda: (
+        Job.objects.filter(status=JobStatus.DECODING)
+        .order_by(F("published_at").asc(nulls_last=True), "id")
+        .values_list("model", "stage", "lease_owner", "chunk_started_at", "published_at")
+    ),
+)
+
+
+def line_rows() -> list[LineRow]:
+    """decoding_rows as the line reads them: (model, in service, chunk_started_at, published_at)."""
+    return [
+        (model, stage == JobStage.DECODING and bool(owner), started, published)
+        for model, stage, owner, started, published in _LINE.tuples()
+    ]
+
+
+def as_line_row(row: dict[str, Any]) -> LineRow:
+    return row["model"], in_service(row), row["chunk_started_at"], row["published_at"]
+
+
 @dataclass(frozen=True)
 class DecodeQueue:
     """When each decode worker is free of the decodes published now, in seconds from the snapshot's clock."""
@@ -57,25 +82,28 @@ class DecodeQueue:
     @classmethod
     def of(
         cls,
-        rows: Iterable[dict[str, Any]],
+        rows: Iterable[LineRow],
         servers: int,
         decode_seconds: Callable[[str], float],
         now: datetime,
         hop: Callable[[str], float],
     ) -> DecodeQueue:
-        """`rows` as decoding_rows gives them; `decode_seconds(model)` its learned decode (0: unknown), and
+        """`rows` as line_rows gives them; `decode_seconds(model)` its learned decode (0: unknown), and
         `hop(model)` its decode hop: a queued decode reaches a worker once what is left of its hop has passed."""
         free = [0.0] * max(1, servers)
         queued: list[tuple[float, float]] = []
-        for row in rows:
-            seconds = decode_seconds(row["model"]) or 0.0
-            if in_service(row) and row["chunk_started_at"] is not None:
-                elapsed = (now - row["chunk_started_at"]).total_seconds()
+        per_model: dict[str, tuple[float, float]] = {}  # (decode, hop): a few models among many rows
+        for model, serving, started, published in rows:
+            if model not in per_model:
+                per_model[model] = (decode_seconds(model) or 0.0, hop(model))
+            seconds, model_hop = per_model[model]
+            if serving and started is not None:
+                elapsed = (now - started).total_seconds()
                 free.sort()
                 free[0] += max(0.0, seconds - elapsed)
             else:
-                since = (now - row["published_at"]).total_seconds() if row["published_at"] is not None else 0.0
-                queued.append((max(0.0, hop(row["model"]) - since), seconds))
+                since = (now - published).total_seconds() if published is not None else 0.0
+                queued.append((max(0.0, model_hop - since), seconds))
         heapq.heapify(free)
         for reaches, seconds in queued:
             heapq.heappush(free, max(heapq.heappop(free), reaches) + seconds)

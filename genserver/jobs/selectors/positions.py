@@ -47,7 +47,7 @@ from genserver.scheduling.pools import DECODE as DECODE_QUEUE, PoolLayout
 
 from .capacity import cluster_reads, stage_seconds
 from .compiled import CompiledRead
-from .decode_queue import DecodeQueue, decoding_rows, in_service
+from .decode_queue import DecodeQueue, as_line_row, decoding_rows, in_service, line_rows
 
 
 def _is_running(job: Job) -> bool:
@@ -845,7 +845,9 @@ class QueueSnapshot:
         if mine is not None and in_service(mine):
             return max(0.0, decode - self._since(mine["chunk_started_at"]))
         ahead = rows if mine is None else rows[: rows.index(mine)]  # first published first
-        line = DecodeQueue.of(ahead, self._decoders(), self._decode_seconds, self.taken_at, self._decode_hop)
+        line = DecodeQueue.of(
+            map(as_line_row, ahead), self._decoders(), self._decode_seconds, self.taken_at, self._decode_hop
+        )
         return max(0.0, self._decode_hop(job.model) - self._since(job.published_at)) + line.wait(0.0) + decode
 
     def _decode_hop(self, model: str) -> float:
@@ -867,7 +869,8 @@ class QueueSnapshot:
     def _line(self) -> DecodeQueue:
         """The decode workers' queue of what is published now, read once per snapshot."""
         if self._decode_line is None:
-            rows = self._decoding_rows()
+            # The whole rows when a decoding job of the page read them already, else only what the line needs.
+            rows = line_rows() if self._decoding is None else list(map(as_line_row, self._decoding))
             self._decode_line = DecodeQueue.of(
                 rows, self._decoders(), self._decode_seconds, self.taken_at, self._decode_hop
             )
