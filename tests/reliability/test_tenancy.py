@@ -31,7 +31,7 @@ from rest_framework.test import APIClient
 from genserver.jobs.models import Job
 from genserver.storage import default_storage
 from tests.conftest import submit
-from tests.support.jobs import make_job
+from tests.support.jobs import IMAGE_REQUEST, make_job
 
 pytestmark = pytest.mark.django_db
 
@@ -239,17 +239,7 @@ def test_in_flight_limit_holds_under_concurrent_submits(make_user, settings):
 
     settings.MAX_JOBS_IN_FLIGHT = 1
     owner = make_user("racer").user
-    data = {
-        "model": "sdxl-sim",
-        "prompt": "p",
-        "width": 512,
-        "height": 512,
-        "num_frames": 1,
-        "steps": 20,
-        "guidance_scale": 5.0,
-        "seed": 1,
-        "num_outputs": 1,
-    }
+    data = dict(IMAGE_REQUEST)
     with connection.execute_wrapper(_record_sql) as _:
         _SQL.clear()
         services.submit_job(owner, data)
@@ -337,17 +327,7 @@ def test_concurrent_submits_of_one_user_count_their_limit_one_at_a_time(make_use
     settings.MAX_JOBS_IN_FLIGHT = 1
     settings.SUBMIT_RATE_LIMIT = 0
     owner = make_user("racer").user
-    data = {
-        "model": "sdxl-sim",
-        "prompt": "p",
-        "width": 512,
-        "height": 512,
-        "num_frames": 1,
-        "steps": 20,
-        "guidance_scale": 5.0,
-        "seed": 1,
-        "num_outputs": 1,
-    }
+    data = dict(IMAGE_REQUEST)
     start = threading.Barrier(4)
     outcomes: list[str] = []
 
