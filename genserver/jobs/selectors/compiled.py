@@ -2,8 +2,9 @@
 
 Django compiles a queryset's SQL at each evaluation: for the tally's rows, the held tally's and the running
 jobs that is 0.1-0.3 ms each, about as long as the database takes to answer them. A statement with no
-per-call values (no clock, no id) is the same SQL every time, so it is compiled at its first use on a
-connection and executed as is afterwards, its rows converted with the converters Django would apply.
+per-call values (no clock, no id), or only strings compared as they are (a queue's name, bound at each call),
+is the same SQL every time, so it is compiled at its first use on a connection and executed as is afterwards,
+its rows converted with the converters Django would apply.
 """
 
 from __future__ import annotations
