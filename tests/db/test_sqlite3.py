@@ -9,7 +9,6 @@ import sqlite3
 import subprocess
 import sys
 import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -18,6 +17,7 @@ from django.db import OperationalError
 from django.db.utils import ConnectionHandler
 
 from genserver.db.sqlite3 import base
+from tests.support.waits import wait_for
 
 
 @pytest.fixture(autouse=True)
@@ -224,10 +224,8 @@ def test_a_writer_waits_for_another_processs_turn_and_writes_once_it_lets_go(dat
     thread = threading.Thread(target=write)
     thread.start()
     try:
-        deadline = time.monotonic() + 10
-        while not waiting_in_the_kernel():
-            assert time.monotonic() < deadline and not errors, errors
-            time.sleep(0.005)
+        wait_for(lambda: waiting_in_the_kernel() or errors, timeout=10, what="the writer waiting in the kernel")
+        assert errors == []
         assert base._WRITER.locked() and not wrote.is_set()  # this process's turn taken by the waiting writer
     finally:
         other.let_go()
@@ -247,10 +245,7 @@ def test_no_turn_from_another_process_within_the_timeout_fails_and_the_given_up_
         other.let_go()
         conn.close()
     # The wait given up on takes the lock when the other process lets go, and lets it go at once.
-    deadline = time.monotonic() + 10
-    while not _turn_is_free(database):
-        assert time.monotonic() < deadline, "the given-up wait kept the database's turn"
-        time.sleep(0.01)
+    wait_for(lambda: _turn_is_free(database), timeout=10, what="the given-up wait to let the database's turn go")
     with _wrapper(database).cursor():
         pass
 

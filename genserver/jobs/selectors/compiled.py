@@ -35,7 +35,7 @@ class _Statement:
         # A model's rows (no annotation, no related model): the attribute each column fills, in order.
         self.attnames = [getattr(column, "target", None) and column.target.attname for column in columns]
 
-    def rows(self, alias: str, values: dict[str, str]) -> list[Any]:
+    def rows(self, alias: str, values: dict[str, str]) -> list[tuple[Any, ...]]:
         params = self.params
         if values:
             params = list(params)
@@ -45,8 +45,8 @@ class _Statement:
         with connections[alias].cursor() as cursor:
             cursor.execute(self.sql, params)
             rows = cursor.fetchall()
-        if self.converters:
-            rows = list(self.compiler.apply_converters(rows, self.converters))
+        if self.converters:  # they answer lists
+            rows = [tuple(row) for row in self.compiler.apply_converters(rows, self.converters)]
         return rows
 
 
@@ -78,11 +78,11 @@ class CompiledRead:
         if values.keys() != self._stand_ins.keys():
             raise TypeError(f"this read takes {sorted(self._stand_ins)}, not {sorted(values)}")
         alias, statement = self._statement()
-        return [tuple(row) for row in statement.rows(alias, values)]
+        return statement.rows(alias, values)
 
     def instances(self) -> list[Any]:
         alias, statement = self._statement()
         if not all(statement.attnames):
             raise TypeError("instances() reads a queryset of the model's own columns only")
         names = statement.attnames
-        return [self._model.from_db(alias, names, list(row)) for row in statement.rows(alias, {})]
+        return [self._model.from_db(alias, names, row) for row in statement.rows(alias, {})]

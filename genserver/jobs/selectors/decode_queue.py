@@ -27,15 +27,24 @@ from .compiled import CompiledRead
 _FIELDS = ("id", "model", "stage", "lease_owner", "chunk_started_at", "published_at")
 
 
-# The same statement at every read (a submit's answer reads it for its ETA): compiled once per connection.
-_DECODING = CompiledRead(
-    Job,
-    lambda: (
-        Job.objects.filter(status=JobStatus.DECODING)
-        .order_by(F("published_at").asc(nulls_last=True), "id")
-        .values_list(*_FIELDS)
-    ),
-)
+def _published_decodes(*fields: str) -> CompiledRead:
+    """`fields` of the jobs published to a decode worker, first published first: the same statement at every
+    read (a submit's answer reads it for its ETA), compiled once per connection."""
+    return CompiledRead(
+        Job,
+        lambda: (
+            Job.objects.filter(status=JobStatus.DECODING)
+            .order_by(F("published_at").asc(nulls_last=True), "id")
+            .values_list(*fields)
+        ),
+    )
+
+
+_DECODING = _published_decodes(*_FIELDS)
+# What the queue's line needs of each decode, in the same order: no id (a submit's ETA reads every decode
+# published, and a burst of images leaves a hundred or more), no dict per row.
+_LINE = _published_decodes(*_FIELDS[1:])
+LineRow = tuple[str, bool, datetime | None, datetime | None]  # model, in service, taken at, published at
 
 
 def decoding_rows() -> list[dict[str, Any]]:
@@ -43,29 +52,19 @@ def decoding_rows() -> list[dict[str, Any]]:
     return [dict(zip(_FIELDS, row, strict=True)) for row in _DECODING.tuples()]
 
 
+def _taken(stage: str, lease_owner: str) -> bool:
+    return stage == JobStage.DECODING and bool(lease_owner)
+
+
 def in_service(row: dict[str, Any]) -> bool:
     """A decode worker took it (start_decoding), rather than its decode message waiting in the queue."""
-    return row["stage"] == JobStage.DECODING and bool(row["lease_owner"])
-
-
-# What the queue's line needs of each decode, in the same order: no id (a submit's ETA reads every decode
-# published, and a burst of images leaves a hundred or more), no dict per row.
-LineRow = tuple[str, bool, datetime | None, datetime | None]  # model, in service, taken at, published at
-_LINE = CompiledRead(
-    Job,
-    lambda: (
-        Job.objects.filter(status=JobStatus.DECODING)
-        .order_by(F("published_at").asc(nulls_last=True), "id")
-        .values_list("model", "stage", "lease_owner", "chunk_started_at", "published_at")
-    ),
-)
+    return _taken(row["stage"], row["lease_owner"])
 
 
 def line_rows() -> list[LineRow]:
     """decoding_rows as the line reads them: (model, in service, chunk_started_at, published_at)."""
     return [
-        (model, stage == JobStage.DECODING and bool(owner), started, published)
-        for model, stage, owner, started, published in _LINE.tuples()
+        (model, _taken(stage, owner), started, published) for model, stage, owner, started, published in _LINE.tuples()
     ]
 
 

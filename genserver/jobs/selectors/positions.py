@@ -8,6 +8,7 @@ share), with the headwind its ETAs share with admission.
 
 from __future__ import annotations
 
+import functools
 import math
 from bisect import bisect_right
 from collections.abc import Iterable
@@ -242,25 +243,21 @@ class FairPicture:
         return counts
 
 
-class _PublishedByOwner(dict[int, CompiledRead]):
-    """Per read bound (PUBLISHED_READ; a test lowers it), the count of each user's published, unstarted jobs in
-    a queue, over at most that many of them."""
+@functools.cache
+def _published_by_owner(bound: int) -> CompiledRead:
+    """The count of each user's published, unstarted jobs in a queue, over at most `bound` of them (the read
+    bound is compiled into the statement, so each bound has its own: PUBLISHED_READ, and a test's)."""
 
-    def __missing__(self, bound: int) -> CompiledRead:
-        def build(queue: str) -> Any:
-            read = Job.objects.filter(queue=queue, status__in=ACTIVE, held=False, chunks_run=0).order_by()
-            return (
-                Job.objects.filter(pk__in=read.values("pk")[:bound])
-                .order_by()
-                .values_list("owner_id")
-                .annotate(n=Count("pk"))
-            )
+    def build(queue: str) -> Any:
+        read = Job.objects.filter(queue=queue, status__in=ACTIVE, held=False, chunks_run=0).order_by()
+        return (
+            Job.objects.filter(pk__in=read.values("pk")[:bound])
+            .order_by()
+            .values_list("owner_id")
+            .annotate(n=Count("pk"))
+        )
 
-        self[bound] = CompiledRead(Job, build, names=("queue",))
-        return self[bound]
-
-
-_PUBLISHED_BY_OWNER = _PublishedByOwner()
+    return CompiledRead(Job, build, names=("queue",))
 
 
 def fair_picture(queue: str, held: list[HeldRow] | None = None) -> FairPicture:
@@ -268,7 +265,7 @@ def fair_picture(queue: str, held: list[HeldRow] | None = None) -> FairPicture:
     (at most PUBLISHED_READ rows), and the held tally's rows (`held` when the caller read them already)."""
     # Counted in the database, over at most PUBLISHED_READ rows: one row per user comes back, not one per job
     # (a heavy user's thousands of queued jobs cost a submit of theirs milliseconds in Python).
-    published: dict[Any, int] = dict(_PUBLISHED_BY_OWNER[PUBLISHED_READ].tuples(queue=queue))
+    published: dict[Any, int] = dict(_published_by_owner(PUBLISHED_READ).tuples(queue=queue))
     complete = sum(published.values()) < PUBLISHED_READ
     return FairPicture(queue, held_rows() if held is None else held, published, complete)
 
