@@ -202,6 +202,12 @@ class Job(models.Model):
                 name="job_held_order",
                 condition=models.Q(held=True, status__in=ACTIVE),
             ),
+            # A user's jobs in flight, which a submit counts up to their limit (selectors.limit_counts).
+            models.Index(
+                fields=["owner"],
+                name="job_owner_in_flight",
+                condition=models.Q(status__in=ACTIVE, cancel_requested=False),
+            ),
             # A user's fair window in a queue: published, not started (a few rows per user at any depth).
             models.Index(
                 fields=["owner", "queue"],

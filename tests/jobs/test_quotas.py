@@ -131,6 +131,43 @@ def test_a_quota_of_zero_is_no_limit(make_user, settings):
         assert submit(alice, prompt=f"job {i}").status_code == 201
 
 
+def test_a_lowered_limit_reports_every_job_in_flight_not_only_those_counted_up_to_it(make_user, settings):
+    settings.MAX_JOBS_IN_FLIGHT = 0
+    alice = make_user("alice")
+    for i in range(3):
+        assert submit(alice, prompt=f"job {i}").status_code == 201
+    Quota.objects.create(user=alice.user, max_jobs_in_flight=2)
+    body = submit(alice, prompt="one more").json()
+    assert body["reason"] == "too_many_in_flight" and body["limit"] == 2 and body["in_flight"] == 3
+
+
+def test_the_limit_counts_agree_with_the_usage_read_no_further_than_each_limit_and_not_at_all_unlimited(
+    make_user, django_assert_num_queries
+):
+    alice = make_user("alice")
+    ids = [submit(alice, prompt=f"job {i}").json()["id"] for i in range(5)]
+    Job.objects.filter(pk=ids[0]).update(status="succeeded", card_seconds=0.5)
+    Job.objects.filter(pk=ids[1]).update(cancel_requested=True)
+    Job.objects.filter(pk=ids[2]).update(created_at=timezone.now() - timedelta(hours=1))  # out of the window
+    now = timezone.now()
+    usage = selectors.usage_of(alice.user, now)
+    assert (usage.in_flight, usage.submits_in_window) == (3, 4)
+
+    def counts(in_flight: int, per_minute: int, per_day: float) -> selectors.LimitCounts:
+        quota = selectors.EffectiveQuota("test", in_flight, per_minute, per_day)
+        return selectors.limit_counts(alice.user, quota, now)
+
+    generous = counts(100, 100, 1e9)
+    assert (generous.in_flight, generous.submits_in_window) == (usage.in_flight, usage.submits_in_window)
+    assert generous.card_seconds_today == pytest.approx(usage.card_seconds_today)
+    capped = counts(2, 3, 1e9)
+    assert (capped.in_flight, capped.submits_in_window) == (2, 3)  # enough to refuse, and no more read
+    with django_assert_num_queries(0):
+        assert counts(0, 0, 0) == selectors.LimitCounts(None, None, None)
+    only_rate = counts(0, 10, 0)
+    assert (only_rate.in_flight, only_rate.submits_in_window, only_rate.card_seconds_today) == (None, 4, None)
+
+
 # --- Submits per minute --------------------------------------------------------------------------------
 def test_submits_per_minute_refused_until_the_window_frees_a_place(make_user, settings):
     settings.SUBMIT_RATE_WINDOW = 60.0

@@ -41,9 +41,11 @@ from .positions import (
 )
 from .quotas import (
     EffectiveQuota,
+    LimitCounts,
     Usage,
     effective_quota,
     in_flight_jobs,
+    limit_counts,
     next_utc_midnight,
     usage_of,
     usage_report,
@@ -61,6 +63,7 @@ __all__ = [
     "EffectiveQuota",
     "FairPicture",
     "HeldRow",
+    "LimitCounts",
     "LongCapState",
     "NEAR_END",
     "QUEUE_SUMMARY_FIELDS",
@@ -84,6 +87,7 @@ __all__ = [
     "in_flight_jobs",
     "jobs",
     "jobs_visible_to",
+    "limit_counts",
     "live_api_tokens",
     "live_capacity",
     "live_workers",

@@ -10,7 +10,7 @@ its rows converted with the converters Django would apply.
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from django.db import connections, router
@@ -86,3 +86,13 @@ class CompiledRead:
             raise TypeError("instances() reads a queryset of the model's own columns only")
         names = statement.attnames
         return [self._model.from_db(alias, names, row) for row in statement.rows(alias, {})]
+
+
+def sql_words(values: Iterable[str]) -> str:
+    """Constants of the code (statuses) as a list of SQL string literals, for a statement's text: bound as
+    parameters instead, a prepared statement's generic plan cannot match a partial index's condition on them,
+    and PostgreSQL plans such a statement again at every execution."""
+    words = list(values)
+    if not all(word.isidentifier() for word in words):
+        raise ValueError(f"not plain words: {words!r}")
+    return ", ".join(f"'{word}'" for word in words)

@@ -17,6 +17,7 @@ from datetime import datetime, timedelta
 from typing import Any
 
 from django.conf import settings
+from django.db import connections, router
 from django.db.models import (
     Case,
     Count,
@@ -47,7 +48,7 @@ from genserver.scheduling.fairness import held_jobs_ahead
 from genserver.scheduling.pools import DECODE as DECODE_QUEUE, PoolLayout
 
 from .capacity import cluster_reads, stage_seconds
-from .compiled import CompiledRead
+from .compiled import CompiledRead, sql_words
 from .decode_queue import DecodeQueue, as_line_row, decoding_rows, in_service, line_rows
 
 
@@ -244,20 +245,32 @@ class FairPicture:
 
 
 @functools.cache
-def _published_by_owner(bound: int) -> CompiledRead:
-    """The count of each user's published, unstarted jobs in a queue, over at most `bound` of them (the read
-    bound is compiled into the statement, so each bound has its own: PUBLISHED_READ, and a test's)."""
+def _published_by_owner_sql(alias: str) -> str:
+    """Each user's count of their published, unstarted jobs in a queue (bound: the queue's name, then the read
+    bound), over the first rows of the partial index job_fair_window.
 
-    def build(queue: str) -> Any:
-        read = Job.objects.filter(queue=queue, status__in=ACTIVE, held=False, chunks_run=0).order_by()
-        return (
-            Job.objects.filter(pk__in=read.values("pk")[:bound])
-            .order_by()
-            .values_list("owner_id")
-            .annotate(n=Count("pk"))
-        )
+    SQL rather than the ORM's `pk__in` subquery, which PostgreSQL joined back to the table by key and planned
+    again at every submit (0.47 ms, against 0.06 ms for this). Its constants are written into the text, not
+    bound, so that a prepared statement's generic plan still matches the index's condition."""
+    quote, column = connections[alias].ops.quote_name, _column_names()
+    active = sql_words(ACTIVE)
+    return (
+        f"SELECT {quote(column['owner'])}, COUNT(*) FROM (SELECT {quote(column['owner'])} "
+        f"FROM {quote(Job._meta.db_table)} WHERE {quote(column['queue'])} = %s "
+        f"AND {quote(column['status'])} IN ({active}) AND NOT {quote(column['held'])} "
+        f"AND {quote(column['chunks_run'])} = 0 LIMIT %s) AS window_rows GROUP BY {quote(column['owner'])}"
+    )
 
-    return CompiledRead(Job, build, names=("queue",))
+
+def _column_names() -> dict[str, str]:
+    return {name: Job._meta.get_field(name).column for name in ("owner", "queue", "status", "held", "chunks_run")}
+
+
+def _published_by_owner(queue: str, bound: int) -> list[tuple[Any, int]]:
+    alias = router.db_for_read(Job)
+    with connections[alias].cursor() as cursor:
+        cursor.execute(_published_by_owner_sql(alias), [queue, bound])
+        return cursor.fetchall()
 
 
 def fair_picture(queue: str, held: list[HeldRow] | None = None) -> FairPicture:
@@ -265,7 +278,7 @@ def fair_picture(queue: str, held: list[HeldRow] | None = None) -> FairPicture:
     (at most PUBLISHED_READ rows), and the held tally's rows (`held` when the caller read them already)."""
     # Counted in the database, over at most PUBLISHED_READ rows: one row per user comes back, not one per job
     # (a heavy user's thousands of queued jobs cost a submit of theirs milliseconds in Python).
-    published: dict[Any, int] = dict(_published_by_owner(PUBLISHED_READ).tuples(queue=queue))
+    published: dict[Any, int] = dict(_published_by_owner(queue, PUBLISHED_READ))
     complete = sum(published.values()) < PUBLISHED_READ
     return FairPicture(queue, held_rows() if held is None else held, published, complete)
 

@@ -16,6 +16,7 @@ from genserver import deployment
 from genserver.jobs.models import ACTIVE, TERMINAL, Job
 
 from .access import read_through
+from .compiled import sql_words
 
 QUOTA_COPY = "quota"  # access's kind for a user's quota rows, by the user's id
 
@@ -213,6 +214,58 @@ def _usage_row(owner_id: Any, window_start: datetime, day_start: datetime) -> tu
         cursor.execute(sql, params)
         in_flight_count, submits, oldest, charged = cursor.fetchone()
     return int(in_flight_count), int(submits), _datetime_read(oldest), float(charged or 0.0)
+
+
+@dataclass(frozen=True)
+class LimitCounts:
+    """What a submit checks of a user's usage (`limit_counts`): each count only where the quota sets its limit
+    (None: no limit, nothing read), a count against a limit read no further than the limit."""
+
+    in_flight: int | None  # unfinished jobs whose cancel was not asked, up to max_jobs_in_flight
+    submits_in_window: int | None  # submits in the last SUBMIT_RATE_WINDOW seconds, up to submits_per_minute
+    card_seconds_today: float | None  # the day's charges (UTC)
+
+
+def limit_counts(user: Any, quota: EffectiveQuota, now: datetime) -> LimitCounts:
+    """The counts `quota`'s limits are checked against, in one statement over the indexes job_owner_in_flight and
+    (owner, created_at): a heavy user's thousands of queued jobs cost their next submit no more than the limit
+    (usage_of counted every one of them, 3 ms at 1,500 on PostgreSQL, inside the owner's row lock). The day's
+    charge still sums the day's jobs, where a daily quota is set."""
+    connection = connections[Job.objects.db]
+    table, column = connection.ops.quote_name(Job._meta.db_table), _columns(connection)
+    owner, at = column["owner"], connection.ops.adapt_datetimefield_value
+    parts: list[str] = []
+    params: list[Any] = []
+    if quota.max_jobs_in_flight:
+        parts.append(  # the statuses written in, to match job_owner_in_flight's condition (compiled.sql_words)
+            f"(SELECT COUNT(*) FROM (SELECT 1 FROM {table} WHERE {owner} = %s AND {column['status']} IN "
+            f"({sql_words(ACTIVE)}) AND NOT {column['cancel_requested']} LIMIT %s) AS in_flight)"
+        )
+        params += [user.pk, quota.max_jobs_in_flight]
+    if quota.submits_per_minute:
+        parts.append(
+            f"(SELECT COUNT(*) FROM (SELECT 1 FROM {table} WHERE {owner} = %s AND {column['created_at']} >= %s "
+            f"LIMIT %s) AS in_window)"
+        )
+        window_start = now - timedelta(seconds=settings.SUBMIT_RATE_WINDOW)
+        params += [user.pk, at(window_start), quota.submits_per_minute]
+    if quota.card_seconds_per_day:
+        measured, estimated = column["card_seconds"], column["charged_card_seconds"]
+        parts.append(
+            f"(SELECT COALESCE(SUM(CASE WHEN {column['status']} IN ({sql_words(TERMINAL)}) THEN {measured} "
+            f"ELSE {estimated} END), 0) FROM {table} WHERE {owner} = %s AND {column['created_at']} >= %s)"
+        )
+        params += [user.pk, at(next_utc_midnight(now) - timedelta(days=1))]
+    found: list[Any] = []
+    if parts:
+        with connection.cursor() as cursor:
+            cursor.execute(f"SELECT {', '.join(parts)}", params)
+            found = list(cursor.fetchone())
+    return LimitCounts(
+        in_flight=int(found.pop(0)) if quota.max_jobs_in_flight else None,
+        submits_in_window=int(found.pop(0)) if quota.submits_per_minute else None,
+        card_seconds_today=float(found.pop(0)) if quota.card_seconds_per_day else None,
+    )
 
 
 def _columns(connection: Any) -> dict[str, str]:

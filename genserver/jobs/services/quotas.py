@@ -24,6 +24,7 @@ import math
 from datetime import datetime, timedelta
 from typing import Any
 
+from django.conf import settings
 from django.db import connections, router
 from django.db.models import F
 from django.utils import timezone
@@ -143,47 +144,50 @@ def check_limits(owner: Any, quota: EffectiveQuota, charge: float, now: datetime
     """
     _lock_owner_row(owner)
     now = now or timezone.now()
-    usage = selectors.usage_of(owner, now)
+    counts = selectors.limit_counts(owner, quota, now)  # read no further than each limit
     limit = quota.max_jobs_in_flight
-    if limit != UNLIMITED and usage.in_flight >= limit:
+    if counts.in_flight is not None and counts.in_flight >= limit:
+        in_flight = selectors.usage_of(owner, now).in_flight  # all of them, for the answer (a lowered limit)
         snapshot = selectors.QueueSnapshot.load()
         counted = selectors.in_flight_jobs(owner)
         etas = [eta for job in counted if (eta := snapshot.eta_seconds(job)) is not None]
         soonest = min(etas) if etas else 60.0  # no ETA: no worker serves their queues
-        raise InFlightLimitReached(limit, usage.in_flight, max(1, math.ceil(soonest)))
+        raise InFlightLimitReached(limit, in_flight, max(1, math.ceil(soonest)))
     limit = quota.submits_per_minute
-    if limit != UNLIMITED and usage.submits_in_window >= limit:
+    if counts.submits_in_window is not None and counts.submits_in_window >= limit:
         # The next submit fits once the oldest of the window's submits leaves it.
-        resets_at = _oldest_of_last(owner, limit, now, usage)
+        window = float(settings.SUBMIT_RATE_WINDOW)
+        resets_at = _oldest_of_last(owner, limit, now, window)
         wait = max(1, math.ceil((resets_at - now).total_seconds()))
         raise QuotaExceeded(
             "rate_limited",
-            f"Too many submissions: at most {limit} jobs per {usage.window_seconds:g} s; retry in {wait} s.",
+            f"Too many submissions: at most {limit} jobs per {window:g} s; retry in {wait} s.",
             limit,
-            usage.submits_in_window,
+            counts.submits_in_window,
             wait,
             resets_at,
         )
     daily = quota.card_seconds_per_day
-    if daily != UNLIMITED and usage.card_seconds_today + charge > daily:
-        resets_at = usage.day_resets_at
+    used = counts.card_seconds_today
+    if used is not None and used + charge > daily:
+        resets_at = selectors.next_utc_midnight(now)
         wait = max(1, math.ceil((resets_at - now).total_seconds()))
-        left = max(0.0, daily - usage.card_seconds_today)
+        left = max(0.0, daily - used)
         raise QuotaExceeded(
             "card_seconds_per_day",
             f"This job is estimated at {charge:.1f} card-seconds and {left:.1f} of your {daily:g} per day "
-            f"are left (used {usage.card_seconds_today:.1f}); the quota resets at 00:00 UTC "
+            f"are left (used {used:.1f}); the quota resets at 00:00 UTC "
             f"(in {wait} s). Ask for less work (fewer steps, frames or outputs) or wait.",
             daily,
-            round(usage.card_seconds_today, 3),
+            round(used, 3),
             wait,
             resets_at,
         )
 
 
-def _oldest_of_last(owner: Any, limit: int, now: datetime, usage: selectors.Usage) -> datetime:
+def _oldest_of_last(owner: Any, limit: int, now: datetime, window_seconds: float) -> datetime:
     """When the window has room again: the limit-th most recent submit's time + the window."""
-    window = timedelta(seconds=usage.window_seconds)
+    window = timedelta(seconds=window_seconds)
     recent = list(
         Job.objects.filter(owner_id=owner.pk, created_at__gte=now - window)
         .order_by("-created_at")
