@@ -69,6 +69,7 @@ INSTALLED_APPS = [
 
 MIDDLEWARE = [
     "genserver.metrics.RequestMetricsMiddleware",  # first: counts and times every request (GET /metrics)
+    "genserver.jobs.api.middleware.AccessScopeMiddleware",  # the caller's copies checked once per request
     "django.middleware.security.SecurityMiddleware",
     "whitenoise.middleware.WhiteNoiseMiddleware",
     "django.contrib.sessions.middleware.SessionMiddleware",

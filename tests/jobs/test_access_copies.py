@@ -173,3 +173,34 @@ def test_each_request_gets_instances_of_its_own():
     assert first.pk == second.pk and first is not second and first.user is not second.user
     first.user.is_staff = True  # a request's change to its user is no other request's
     assert tokens.authenticate(key).user.is_staff is False
+
+
+def test_a_request_checks_its_copies_against_one_read_of_the_generation(redis_conn, monkeypatch):
+    alice = get_user_model().objects.create_user("erin")
+    _, key = tokens.issue(alice)
+    as_token(key).post(JOBS, {"model": "sdxl-sim", "prompt": "warm the copies"}, format="json")
+    reads: list[bytes | None] = []
+    real = access._read_generation
+
+    def counted() -> bytes | None:
+        reads.append(real())
+        return reads[-1]
+
+    monkeypatch.setattr(access, "_read_generation", counted)
+    response = as_token(key).post(JOBS, {"model": "sdxl-sim", "prompt": "a submit"}, format="json")
+    assert response.status_code == 201, response.content
+    assert len(reads) == 1  # the token's copy and the quota's, one GET
+    access.read_through("test", "k", Loads())  # outside any request: its own read
+    assert len(reads) == 2
+
+
+def test_a_change_inside_a_request_makes_its_later_copies_read_the_moved_generation(redis_conn):
+    loads = Loads("the old row")
+    with access.per_request():
+        assert access.read_through("test", "k", loads) == "the old row"
+        before = redis_conn.get(ACCESS_GENERATION_KEY)
+        access.forget()  # a revoke within the same request
+        loads.value = "the new row"
+        assert access.read_through("test", "k", loads) == "the new row" and loads.calls == 2
+        assert access._request_generation.get() == redis_conn.get(ACCESS_GENERATION_KEY) != before
+    assert access._request_generation.get() is None  # the scope ends with the request

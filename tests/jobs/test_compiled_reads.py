@@ -142,4 +142,27 @@ def test_the_decode_queue_read_answers_as_django_evaluates_it(api, settings):
     rows = decode_queue.decoding_rows()
     assert rows == expected and [r["id"] for r in rows] == ids
     assert [decode_queue.in_service(r) for r in rows] == [True, False, False]
-    assert decode_queue.line_rows() == [decode_queue.as_line_row(r) for r in expected]
+    # The line's reads: the one in service and those published from `since` on one row each, the rest per model.
+    every = [decode_queue.as_line_row(r) for r in expected]
+    assert decode_queue.line(now - timedelta(seconds=11)) == decode_queue.Line(every, [])
+    model = expected[1]["model"]
+    assert decode_queue.line(now - timedelta(seconds=5)) == decode_queue.Line([every[0], every[2]], [(model, 1)])
+
+
+def test_a_compiled_read_binds_a_moment_as_its_column_adapts_it(api, settings, compilations):
+    from datetime import timedelta
+
+    from django.utils import timezone
+
+    _running_and_waiting(api, settings)
+    read = CompiledRead(
+        Job,
+        lambda since: Job.objects.filter(created_at__gte=since).order_by("created_at").values_list("pk"),
+        moments=("since",),
+    )
+    created = list(Job.objects.order_by("created_at").values_list("pk", "created_at"))
+    compilations.clear()
+    for i, (_, at) in enumerate(created):
+        assert read.tuples(since=at) == [(pk,) for pk, _ in created[i:]]
+    assert read.tuples(since=timezone.now() + timedelta(days=1)) == []
+    assert len(compilations) == 1

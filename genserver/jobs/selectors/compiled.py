@@ -2,15 +2,17 @@
 
 Django compiles a queryset's SQL at each evaluation: for the tally's rows, the held tally's and the running
 jobs that is 0.1-0.3 ms each, about as long as the database takes to answer them. A statement with no
-per-call values (no clock, no id), or only strings compared as they are (a queue's name, bound at each call),
-is the same SQL every time, so it is compiled at its first use on a connection and executed as is afterwards,
-its rows converted with the converters Django would apply.
+per-call values (no clock, no id), or only strings compared as they are (a queue's name) and moments compared
+with a datetime column (a cutoff), bound at each call, is the same SQL every time, so it is compiled at its
+first use on a connection and executed as is afterwards, its rows converted with the converters Django would
+apply.
 """
 
 from __future__ import annotations
 
 import weakref
 from collections.abc import Callable, Iterable
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from django.db import connections, router
@@ -21,12 +23,14 @@ class _Statement:
     """One connection's compiled statement: its SQL and parameters (with the positions of the named values
     among them), and how its rows become values."""
 
-    def __init__(self, queryset: QuerySet, alias: str, stand_ins: dict[str, str]) -> None:
+    def __init__(self, queryset: QuerySet, alias: str, stand_ins: dict[str, Any]) -> None:
         self.compiler = queryset.query.get_compiler(using=alias)
         self.sql, params = self.compiler.as_sql()
         self.params = list(params)
+        self.adapt_moment = connections[alias].ops.adapt_datetimefield_value
         self.positions = {
-            name: [i for i, p in enumerate(self.params) if p == value] for name, value in stand_ins.items()
+            name: [i for i, p in enumerate(self.params) if p == self._adapted(value)]
+            for name, value in stand_ins.items()
         }
         if not all(self.positions.values()):
             raise TypeError(f"a named value is not a parameter of the statement: {self.positions}")
@@ -35,13 +39,18 @@ class _Statement:
         # A model's rows (no annotation, no related model): the attribute each column fills, in order.
         self.attnames = [getattr(column, "target", None) and column.target.attname for column in columns]
 
-    def rows(self, alias: str, values: dict[str, str]) -> list[tuple[Any, ...]]:
+    def _adapted(self, value: Any) -> Any:
+        """A value as the compiled parameters hold it: a moment as its column adapts it (SQLite: text)."""
+        return self.adapt_moment(value) if isinstance(value, datetime) else value
+
+    def rows(self, alias: str, values: dict[str, Any]) -> list[tuple[Any, ...]]:
         params = self.params
         if values:
             params = list(params)
             for name, value in values.items():
+                adapted = self._adapted(value)
                 for index in self.positions[name]:
-                    params[index] = value
+                    params[index] = adapted
         with connections[alias].cursor() as cursor:
             cursor.execute(self.sql, params)
             rows = cursor.fetchall()
@@ -55,14 +64,23 @@ class CompiledRead:
     `values_list` would; `instances()` as model instances, for a queryset of the model's own columns (`only`).
 
     `names` are the values a call passes: strings that the statement compares as they are (a queue's name),
-    bound at each call into the SQL compiled with stand-ins. Anything else the queryset reads is frozen at
-    its compilation: give only statements that take no other value (no clock). The SQL is kept per
-    connection (its converters may read it).
+    and `moments`, aware datetimes it compares with a datetime column (a cutoff), bound at each call into the
+    SQL compiled with stand-ins. Anything else the queryset reads is frozen at its compilation: give only
+    statements that take no other value (no clock but a moment). The SQL is kept per connection (its
+    converters may read it).
     """
 
-    def __init__(self, model: type[Model], build: Callable[..., QuerySet], names: tuple[str, ...] = ()) -> None:
+    def __init__(
+        self,
+        model: type[Model],
+        build: Callable[..., QuerySet],
+        names: tuple[str, ...] = (),
+        moments: tuple[str, ...] = (),
+    ) -> None:
         self._model, self._build = model, build
-        self._stand_ins = {name: f"\x00stand-in for {name}" for name in names}
+        self._stand_ins: dict[str, Any] = {name: f"\x00stand-in for {name}" for name in names}
+        epoch = datetime(1901, 1, 1, tzinfo=UTC)  # no call's moment: microseconds apart, one per name
+        self._stand_ins |= {name: epoch + timedelta(microseconds=7 + i) for i, name in enumerate(moments)}
         self._statements: weakref.WeakKeyDictionary[Any, _Statement] = weakref.WeakKeyDictionary()
 
     def _statement(self) -> tuple[str, _Statement]:
@@ -74,7 +92,7 @@ class CompiledRead:
             self._statements[connection] = statement
         return alias, statement
 
-    def tuples(self, **values: str) -> list[tuple[Any, ...]]:
+    def tuples(self, **values: Any) -> list[tuple[Any, ...]]:
         if values.keys() != self._stand_ins.keys():
             raise TypeError(f"this read takes {sorted(self._stand_ins)}, not {sorted(values)}")
         alias, statement = self._statement()

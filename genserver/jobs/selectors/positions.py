@@ -49,7 +49,7 @@ from genserver.scheduling.pools import DECODE as DECODE_QUEUE, PoolLayout
 
 from .capacity import cluster_reads, stage_seconds
 from .compiled import CompiledRead, sql_words
-from .decode_queue import DecodeQueue, as_line_row, decoding_rows, in_service, line_rows
+from .decode_queue import DecodeQueue, as_line_row, decoding_rows, in_service, line
 
 
 def _is_running(job: Job) -> bool:
@@ -864,6 +864,11 @@ class QueueSnapshot:
         """Its decode's publish → a decode worker taking it, without a queue: the learned tail less the decode."""
         return max(0.0, self._stage(model, TAIL) - self._stage(model, DECODE))
 
+    def _longest_decode_hop(self) -> float:
+        """The longest decode hop of any model that learned one: a decode published longer ago reached the queue."""
+        models = {key.rpartition(":")[0] for key in self._stage_table()}
+        return max((self._decode_hop(model) for model in models), default=0.0)
+
     def _decode_seconds(self, model: str) -> float:
         return self._stage(model, DECODE)
 
@@ -879,18 +884,25 @@ class QueueSnapshot:
     def _line(self) -> DecodeQueue:
         """The decode workers' queue of what is published now, read once per snapshot."""
         if self._decode_line is None:
-            # The whole rows when a decoding job of the page read them already, else only what the line needs.
-            rows = line_rows() if self._decoding is None else list(map(as_line_row, self._decoding))
+            # The whole rows when a decoding job of the page read them already, else the line's bounded reads.
+            if self._decoding is None:
+                read = line(self.taken_at - timedelta(seconds=self._longest_decode_hop()))
+                rows, settled = read.rows, read.settled
+            else:
+                rows, settled = list(map(as_line_row, self._decoding)), []
             self._decode_line = DecodeQueue.of(
-                rows, self._decoders(), self._decode_seconds, self.taken_at, self._decode_hop
+                rows, self._decoders(), self._decode_seconds, self.taken_at, self._decode_hop, settled
             )
         return self._decode_line
 
     def _stage(self, model: str, stage: str) -> float:
         """The model's learned seconds of `stage` (0 until one of its jobs measured it), read once per snapshot."""
+        return self._stage_table().get(f"{model}:{stage}", 0.0)
+
+    def _stage_table(self) -> dict[str, float]:
         if self._stages is None:
             self._stages = stage_seconds()
-        return self._stages.get(f"{model}:{stage}", 0.0)
+        return self._stages
 
     def _since(self, moment: datetime | None) -> float:
         """Seconds from `moment` to this snapshot's clock (0 when unset: a held job was never published)."""
