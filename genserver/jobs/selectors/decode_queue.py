@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from django.db.models import Count, F, Min, Q
+from django.db.models import BooleanField, Case, Count, F, Min, Q, Value, When
 
 from genserver.jobs.models import Job, JobStage, JobStatus
 
@@ -42,31 +42,30 @@ def _published_decodes(*fields: str) -> CompiledRead:
 
 _DECODING = _published_decodes(*_FIELDS)
 _SERVING = Q(stage=JobStage.DECODING) & ~Q(lease_owner="")  # a decode worker took it (start_decoding)
-# What the line needs of each decode, in _FIELDS's order without the id: the decodes in service and those that
-# may still be in their hop, one row each, first published first (no dict per row)...
-_NEAR = CompiledRead(
-    Job,
-    lambda since: (
-        Job.objects.filter(
-            Q(status=JobStatus.DECODING) & (_SERVING | Q(published_at=None) | Q(published_at__gte=since))
+
+
+def _line_read(since: datetime) -> Any:
+    """The decodes in service, or published from `since` on (still in their hop, perhaps), one row each, and the
+    queued ones published before, one row per model: (model, in service, taken at, published at (the first's, for
+    a model's row), how many, the job's id (None for a model's row)), first published first. One statement
+    grouped by the row's own id where it stands alone, by its model where it does not."""
+    alone = _SERVING | Q(published_at=None) | Q(published_at__gte=since)
+    return (
+        Job.objects.filter(status=JobStatus.DECODING)
+        .annotate(
+            alone=Case(When(alone, then=F("id")), default=None),
+            serving=Case(When(_SERVING, then=Value(True)), default=Value(False), output_field=BooleanField()),
+            taken_at=Case(When(alone, then=F("chunk_started_at")), default=None),
         )
-        .order_by(F("published_at").asc(nulls_last=True), "id")
-        .values_list(*_FIELDS[1:])
-    ),
-    moments=("since",),
-)
-# ... and the queued decodes published before them, past every model's hop: one row per model (how many, and the
-# first's publish), however deep a burst leaves the decode queue.
-_SETTLED = CompiledRead(
-    Job,
-    lambda since: (
-        Job.objects.filter(Q(status=JobStatus.DECODING, published_at__lt=since) & ~_SERVING)
-        .values_list("model")
-        .annotate(count=Count("pk"), first=Min("published_at"))
-        .order_by("first", "model")
-    ),
-    moments=("since",),
-)
+        .values("model", "serving", "taken_at", "alone")
+        .annotate(first=Min("published_at"), count=Count("pk"))
+        .order_by(F("first").asc(nulls_last=True), "alone")
+        .values_list("model", "serving", "taken_at", "first", "count", "alone")
+    )
+
+
+_LINE = CompiledRead(Job, _line_read, moments=("since",))
+
 LineRow = tuple[str, bool, datetime | None, datetime | None]  # model, in service, taken at, published at
 
 
@@ -96,14 +95,17 @@ class Line:
 
 
 def line(since: datetime) -> Line:
-    """The decode queue in two bounded reads: the decodes in service or published from `since` on, and a count
-    per model of the queued ones published before (a burst's hundred queued decodes cost every submit's ETA
-    1.4 ms as one row each on PostgreSQL)."""
-    rows = [
-        (model, _taken(stage, owner), started, published)
-        for model, stage, owner, started, published in _NEAR.tuples(since=since)
-    ]
-    return Line(rows, [(model, count) for model, count, _ in _SETTLED.tuples(since=since)])
+    """The decode queue in one bounded read: the decodes in service or published from `since` on, and a count per
+    model of the queued ones published before (a burst's hundred queued decodes cost every submit's ETA 1.4 ms
+    as one row each on PostgreSQL)."""
+    rows: list[LineRow] = []
+    settled: list[tuple[str, int]] = []
+    for model, serving, taken_at, published, count, alone in _LINE.tuples(since=since):
+        if alone is None:
+            settled.append((model, count))
+        else:
+            rows.append((model, serving, taken_at, published))
+    return Line(rows, settled)
 
 
 def as_line_row(row: dict[str, Any]) -> LineRow:
