@@ -10,7 +10,7 @@ from rest_framework import serializers
 from rest_framework.test import APIRequestFactory
 
 from genserver.jobs import selectors
-from genserver.jobs.api.serializers import JobSerializer
+from genserver.jobs.api.serializers import JobCreateSerializer, JobSerializer
 from genserver.jobs.models import JobSegment, JobStage, JobStatus, SegmentStatus
 from tests.support.jobs import make_job
 
@@ -81,3 +81,47 @@ def test_the_answer_is_drfs_own_rendering_of_each_field_for_jobs_in_every_state(
     running = next(item for item in listed if item["status"] == JobStatus.DENOISING and item["preview_url"])
     assert running["started_at"].endswith("Z") and running["preview_url"].endswith("/preview/")
     assert any(len(item["segments"]) == 1 for item in listed)
+
+
+REQUESTS = [
+    {"model": "sdxl-sim", "prompt": "a fox"},
+    {"model": "sdxl-sim", "prompt": "  padded  ", "width": 768, "height": 512, "seed": 7, "num_outputs": 2},
+    {"model": "wan-sim", "prompt": "a river", "num_frames": 33, "steps": 12, "lane": "interactive"},
+    {
+        "model": "sdxl-sim",
+        "prompt": "hooks",
+        "webhook_url": "https://hooks.example.com/x",
+        "webhook_events": ["failed", "started", "failed"],
+    },
+    {"model": "sdxl-sim", "prompt": "", "width": 0, "steps": "ten", "webhook_events": ["nope"], "extra": 1},
+    {"model": "no-such-model", "prompt": "x", "seed": -1, "guidance_scale": 1e9, "lane": "Not A Lane"},
+    {"model": "sdxl-sim", "prompt": "x", "num_frames": 2, "width": 1000, "start_within": 10**9},
+    ["not", "an", "object"],
+]
+
+
+class _DeepCopied(JobCreateSerializer):
+    """The same serializer with DRF's own get_fields: every declared field deep-copied for each instance."""
+
+    def get_fields(self):
+        return serializers.Serializer.get_fields(self)
+
+
+def _outcome(serializer_class, data):
+    serializer = serializer_class(data=data)
+    valid = serializer.is_valid()
+    values = {k: v for k, v in serializer.validated_data.items() if k != "seed"} if valid else None
+    return valid, values, serializer.errors
+
+
+@pytest.mark.parametrize("data", REQUESTS, ids=range(len(REQUESTS)))
+def test_the_request_is_validated_as_with_drfs_deep_copied_fields(data):
+    assert _outcome(JobCreateSerializer, data) == _outcome(_DeepCopied, data)
+
+
+def test_each_request_binds_fields_of_its_own():
+    first, second = JobCreateSerializer(data=REQUESTS[0]), JobCreateSerializer(data=REQUESTS[2])
+    assert first.fields["prompt"] is not second.fields["prompt"]
+    assert first.fields["prompt"].parent is first and second.fields["prompt"].parent is second
+    assert first.is_valid() and second.is_valid(), (first.errors, second.errors)
+    assert (first.validated_data["model"], second.validated_data["num_frames"]) == ("sdxl-sim", 33)

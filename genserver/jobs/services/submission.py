@@ -19,7 +19,7 @@ from genserver.redis_client import CANCEL_KEY, client as redis_client
 from genserver.scheduling.admission import Decision, decide
 
 from . import fairness, observe
-from ._common import after_end, announce_on_commit, publish_or_leave_to_reaper
+from ._common import after_end, announce_on_commit, insert_job, publish_or_leave_to_reaper
 from .deadlines import StartDeadlineRefused, deadline_from
 from .embeddings import first_stage
 from .estimates import Estimate, chunked_for_queue, estimate
@@ -190,7 +190,7 @@ def _record_job(
     """The job's row: `queued` for encode, or `denoising`/`waiting` for its first chunk when its
     embeddings are stored (`embeddings_key`); `held` by its owner's fair window: `queued`, unpublished."""
     hit = bool(embeddings_key)
-    return Job.objects.create(
+    job = Job(
         held=held,
         status=JobStatus.DENOISING if hit else JobStatus.QUEUED,
         stage=JobStage.WAITING if hit else JobStage.QUEUED,
@@ -226,6 +226,8 @@ def _record_job(
         start_deadline=deadline_from(data.get("start_within")),
         charged_card_seconds=charge,  # the day's quota counts the estimate until the job ends (quotas.settle)
     )
+    insert_job(job)
+    return job
 
 
 def cancel_job(job: Job) -> Job:
