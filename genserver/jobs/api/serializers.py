@@ -213,8 +213,11 @@ class PriorityChangeSerializer(serializers.Serializer):
         return super().to_internal_value(data)
 
 
+_DATETIME = serializers.DateTimeField()  # renders only: one per process
+
+
 def _iso(moment: datetime | None) -> str | None:
-    return None if moment is None else serializers.DateTimeField().to_representation(moment)
+    return None if moment is None else _DATETIME.to_representation(moment)
 
 
 class ProgressSerializer(serializers.Serializer):
@@ -353,19 +356,26 @@ class JobSerializer(serializers.ModelSerializer):
     def get_queue_position(self, job: Job) -> int | None:
         return self.context["snapshot"].queue_position(job)
 
+    def _times(self, job: Job) -> tuple[float | None, datetime | None, datetime | None]:
+        """The snapshot's (eta, expected start, expected finish) of the job, reckoned once for its three fields."""
+        kept = self.__dict__.setdefault("_times_of", {})
+        if kept.get("job") is not job:
+            kept["job"], kept["times"] = job, self.context["snapshot"].times(job)
+        return kept["times"]
+
     @extend_schema_field(serializers.FloatField(allow_null=True))
     def get_eta_seconds(self, job: Job) -> float | None:
-        return self.context["snapshot"].eta_seconds(job)
+        return self._times(job)[0]
 
     @extend_schema_field(serializers.DateTimeField(allow_null=True))
     def get_expected_start_at(self, job: Job) -> str | None:
         """When its first denoising step is expected (when it was, once it started); from the ETA's numbers."""
-        return _iso(self.context["snapshot"].quote(job)[0])
+        return _iso(self._times(job)[1])
 
     @extend_schema_field(serializers.DateTimeField(allow_null=True))
     def get_expected_finish_at(self, job: Job) -> str | None:
         """When its denoising is expected to end: now + eta_seconds (null when eta_seconds is)."""
-        return _iso(self.context["snapshot"].quote(job)[1])
+        return _iso(self._times(job)[2])
 
     @extend_schema_field(OpenApiTypes.FLOAT)
     def get_estimated_seconds(self, job: Job) -> float:

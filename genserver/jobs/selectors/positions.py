@@ -917,18 +917,22 @@ class QueueSnapshot:
 
     def eta_seconds(self, job: Job) -> float | None:
         """Expected wall seconds until the job is done (its outputs stored). None once terminal."""
-        parts = self._wait_and_own(job)
-        if parts is None or math.isinf(parts[0]):
-            return None
-        return round(parts[0] + parts[1], 3)
+        return self.times(job)[0]
 
     def quote(self, job: Job) -> tuple[datetime | None, datetime | None]:
         """(expected_start_at, expected_finish_at): when its first denoising step is expected (the moment it
         took it, once it did) and when it is done, from the numbers of `eta_seconds` on this
         snapshot's clock. (None, None) once terminal, or while no live card serves its queue."""
+        return self.times(job)[1:]
+
+    def times(self, job: Job) -> tuple[float | None, datetime | None, datetime | None]:
+        """(eta_seconds, expected_start_at, expected_finish_at) from one reckoning of the job's wait and work:
+        a job's answer shows all three."""
         parts = self._wait_and_own(job)
-        eta = self.eta_seconds(job)
-        if parts is None or eta is None:
-            return None, None
+        if parts is None or math.isinf(parts[0]):
+            return None, None, None
+        eta = round(parts[0] + parts[1], 3)
+        if math.isinf(eta):
+            return eta, None, None
         start = job.started_at or self.taken_at + timedelta(seconds=round(parts[0], 3))
-        return start, self.taken_at + timedelta(seconds=eta)
+        return eta, start, self.taken_at + timedelta(seconds=eta)
