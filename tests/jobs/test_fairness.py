@@ -229,3 +229,21 @@ def test_the_fair_picture_counts_each_users_published_unstarted_jobs_up_to_its_r
     assert sum(partial.published.values()) == 5 and not partial.complete
     monkeypatch.setattr(positions, "PUBLISHED_READ", 7)
     assert positions.fair_picture("short").complete
+
+
+def test_the_fair_picture_reads_the_held_tally_and_the_published_counts_in_one_statement(api, make_user):
+    from django.db import connection
+    from django.test.utils import CaptureQueriesContext
+
+    from genserver.jobs.selectors import positions
+
+    bob = make_user("bob")
+    burst(api, 4)  # one published, three held
+    burst(bob, 2)
+    with CaptureQueriesContext(connection) as captured:
+        picture = positions.fair_picture("short")
+    assert len(captured.captured_queries) == 1
+    assert sorted(picture.held, key=repr) == sorted(positions.held_rows(), key=repr) and picture.held
+    assert sum(r.count for r in picture.held if r.owner_id == api.user.pk) == 3
+    assert picture.published == {api.user.pk: 1, bob.user.pk: 2} and picture.complete  # bob, the lighter: none held
+    assert positions.fair_picture("short", held=[]).published == picture.published  # the counts alone
