@@ -356,12 +356,13 @@ class JobSerializer(serializers.ModelSerializer):
     def get_queue_position(self, job: Job) -> int | None:
         return self.context["snapshot"].queue_position(job)
 
+    _times_of: tuple[Job, tuple[float | None, datetime | None, datetime | None]] | None = None
+
     def _times(self, job: Job) -> tuple[float | None, datetime | None, datetime | None]:
         """The snapshot's (eta, expected start, expected finish) of the job, reckoned once for its three fields."""
-        kept = self.__dict__.setdefault("_times_of", {})
-        if kept.get("job") is not job:
-            kept["job"], kept["times"] = job, self.context["snapshot"].times(job)
-        return kept["times"]
+        if self._times_of is None or self._times_of[0] is not job:
+            self._times_of = (job, self.context["snapshot"].times(job))
+        return self._times_of[1]
 
     @extend_schema_field(serializers.FloatField(allow_null=True))
     def get_eta_seconds(self, job: Job) -> float | None:

@@ -27,20 +27,15 @@ from .compiled import CompiledRead
 _FIELDS = ("id", "model", "stage", "lease_owner", "chunk_started_at", "published_at")
 
 
-def _published_decodes(*fields: str) -> CompiledRead:
-    """`fields` of the jobs published to a decode worker, first published first: the same statement at every
-    read (a submit's answer reads it for its ETA), compiled once per connection."""
-    return CompiledRead(
-        Job,
-        lambda: (
-            Job.objects.filter(status=JobStatus.DECODING)
-            .order_by(F("published_at").asc(nulls_last=True), "id")
-            .values_list(*fields)
-        ),
-    )
-
-
-_DECODING = _published_decodes(*_FIELDS)
+# The jobs published to a decode worker, first published first (a decoding job's GET reads those before it).
+_DECODING = CompiledRead(
+    Job,
+    lambda: (
+        Job.objects.filter(status=JobStatus.DECODING)
+        .order_by(F("published_at").asc(nulls_last=True), "id")
+        .values_list(*_FIELDS)
+    ),
+)
 _SERVING = Q(stage=JobStage.DECODING) & ~Q(lease_owner="")  # a decode worker took it (start_decoding)
 
 
@@ -74,13 +69,9 @@ def decoding_rows() -> list[dict[str, Any]]:
     return [dict(zip(_FIELDS, row, strict=True)) for row in _DECODING.tuples()]
 
 
-def _taken(stage: str, lease_owner: str) -> bool:
-    return stage == JobStage.DECODING and bool(lease_owner)
-
-
 def in_service(row: dict[str, Any]) -> bool:
     """A decode worker took it (start_decoding), rather than its decode message waiting in the queue."""
-    return _taken(row["stage"], row["lease_owner"])
+    return row["stage"] == JobStage.DECODING and bool(row["lease_owner"])
 
 
 @dataclass(frozen=True)

@@ -268,9 +268,10 @@ def _fair_picture_sql(alias: str) -> str:
     counts of `_published_by_owner_sql`, in one statement: a submit reads them with its owner's row locked, where
     each round trip holds up that user's next submit."""
     quote = connections[alias].ops.quote_name
-    held = ", ".join(quote(HeldTally._meta.get_field(name).column) for name in HeldRow.__dataclass_fields__)
+    column = {name: quote(HeldTally._meta.get_field(name).column) for name in HeldRow.__dataclass_fields__}
     return (
-        f"SELECT 'held', {held} FROM {quote(HeldTally._meta.db_table)} WHERE {quote('count')} > 0 "
+        f"SELECT 'held', {', '.join(column.values())} FROM {quote(HeldTally._meta.db_table)} "
+        f"WHERE {column['count']} > 0 "
         f"UNION ALL {_published_by_owner_sql(alias)}"
     )
 

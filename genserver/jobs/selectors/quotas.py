@@ -195,13 +195,9 @@ def _usage_row(owner_id: Any, window_start: datetime, day_start: datetime) -> tu
     """
     connection = connections[Job.objects.db]
     table, column = connection.ops.quote_name(Job._meta.db_table), _columns(connection)
-    active = ", ".join(["%s"] * len(ACTIVE))
-    terminal = ", ".join(["%s"] * len(TERMINAL))
-    in_flight = f"{column['status']} IN ({active}) AND NOT {column['cancel_requested']}"
+    in_flight, charge = _in_flight_sql(column), _charge_sql(column)
     in_window = f"{column['created_at']} >= %s"
     today = f"{column['created_at']} >= %s"
-    measured, estimated = column["card_seconds"], column["charged_card_seconds"]
-    charge = f"CASE WHEN {column['status']} IN ({terminal}) THEN {measured} ELSE {estimated} END"
     sql = (
         f"SELECT COUNT(*) FILTER (WHERE {in_flight}), COUNT(*) FILTER (WHERE {in_window}), "
         f"MIN({column['created_at']}) FILTER (WHERE {in_window}), SUM({charge}) FILTER (WHERE {today}) "
@@ -209,7 +205,7 @@ def _usage_row(owner_id: Any, window_start: datetime, day_start: datetime) -> tu
     )
     at = connection.ops.adapt_datetimefield_value
     window, day = at(window_start), at(day_start)
-    params = [*ACTIVE, window, window, *TERMINAL, day, owner_id, *ACTIVE, window, day]
+    params = [window, window, day, owner_id, window, day]
     with connection.cursor() as cursor:
         cursor.execute(sql, params)
         in_flight_count, submits, oldest, charged = cursor.fetchone()
@@ -237,9 +233,9 @@ def limit_counts(user: Any, quota: EffectiveQuota, now: datetime) -> LimitCounts
     parts: list[str] = []
     params: list[Any] = []
     if quota.max_jobs_in_flight:
-        parts.append(  # the statuses written in, to match job_owner_in_flight's condition (compiled.sql_words)
-            f"(SELECT COUNT(*) FROM (SELECT 1 FROM {table} WHERE {owner} = %s AND {column['status']} IN "
-            f"({sql_words(ACTIVE)}) AND NOT {column['cancel_requested']} LIMIT %s) AS in_flight)"
+        parts.append(
+            f"(SELECT COUNT(*) FROM (SELECT 1 FROM {table} WHERE {owner} = %s AND {_in_flight_sql(column)} "
+            f"LIMIT %s) AS in_flight)"
         )
         params += [user.pk, quota.max_jobs_in_flight]
     if quota.submits_per_minute:
@@ -250,10 +246,9 @@ def limit_counts(user: Any, quota: EffectiveQuota, now: datetime) -> LimitCounts
         window_start = now - timedelta(seconds=settings.SUBMIT_RATE_WINDOW)
         params += [user.pk, at(window_start), quota.submits_per_minute]
     if quota.card_seconds_per_day:
-        measured, estimated = column["card_seconds"], column["charged_card_seconds"]
         parts.append(
-            f"(SELECT COALESCE(SUM(CASE WHEN {column['status']} IN ({sql_words(TERMINAL)}) THEN {measured} "
-            f"ELSE {estimated} END), 0) FROM {table} WHERE {owner} = %s AND {column['created_at']} >= %s)"
+            f"(SELECT COALESCE(SUM({_charge_sql(column)}), 0) FROM {table} "
+            f"WHERE {owner} = %s AND {column['created_at']} >= %s)"
         )
         params += [user.pk, at(next_utc_midnight(now) - timedelta(days=1))]
     found: list[Any] = []
@@ -266,6 +261,18 @@ def limit_counts(user: Any, quota: EffectiveQuota, now: datetime) -> LimitCounts
         submits_in_window=int(found.pop(0)) if quota.submits_per_minute else None,
         card_seconds_today=float(found.pop(0)) if quota.card_seconds_per_day else None,
     )
+
+
+def _in_flight_sql(column: dict[str, str]) -> str:
+    """A job in flight (`in_flight_jobs`): active, no cancel asked. Its statuses are written into the text
+    (compiled.sql_words), so that a prepared statement's plan matches job_owner_in_flight's condition."""
+    return f"{column['status']} IN ({sql_words(ACTIVE)}) AND NOT {column['cancel_requested']}"
+
+
+def _charge_sql(column: dict[str, str]) -> str:
+    """A job's charge (`charged_card_seconds`): an ended job its measured card time, else its estimate."""
+    measured, estimated = column["card_seconds"], column["charged_card_seconds"]
+    return f"CASE WHEN {column['status']} IN ({sql_words(TERMINAL)}) THEN {measured} ELSE {estimated} END"
 
 
 def _columns(connection: Any) -> dict[str, str]:
