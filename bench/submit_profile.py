@@ -62,6 +62,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--top", type=int, default=30)
     parser.add_argument("--paused", action="store_true", help="workers paused: the API alone (bench.overhead)")
     parser.add_argument("--rate", type=int, default=250, help="py-spy samples per second per worker")
+    parser.add_argument(
+        "--gil", action="store_true", help="only the thread holding the GIL: the API's Python CPU, no waits"
+    )
     args = parser.parse_args(argv)
     out_dir = Path(tempfile.mkdtemp(prefix="genserver-profile-"))
     with live_stack(stack_env()) as stack, contextlib.ExitStack() as logs:
@@ -78,6 +81,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     "--nonblocking",
                     "--rate",
                     str(args.rate),
+                    *(["--gil"] if args.gil else []),
                     "-o",
                     str(out_dir / f"{pid}.txt"),
                     "-p",

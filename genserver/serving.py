@@ -2,24 +2,33 @@
 
 Requests that hold the connection open (an event stream, a `Prefer: wait` submit, the OpenAI endpoint's bounded
 wait) go to Django's ASGI handler: a stream waits on the event loop, a wait in a thread of its own, so no number
-of them can starve the rest. Every other request, nearly all of the traffic, goes to Django's WSGI handler on a
-fixed pool of threads (a2wsgi): Django's ASGI handler starts and joins a thread per request and adapts each
-middleware across the sync/async line, which cost a submit about a fifth of the API's CPU (docs/BENCHMARKS.md,
-"Submit throughput, stop 39"), and the kept threads keep their database connections.
+of them can starve the rest. Every other request, nearly all of the traffic, runs Django's middleware and view
+synchronously on a fixed pool of threads (`KeptThreads`): Django's ASGI handler starts and joins a thread per
+request and adapts each middleware across the sync/async line, which cost a submit about a fifth of the API's CPU
+(docs/BENCHMARKS.md, "Submit throughput, stop 39"), and the kept threads keep their database connections. The
+request goes to its thread once, with its body read, and its answer comes back once: a WSGI bridge (a2wsgi) handed
+the start of the answer and each part of it back to the event loop one at a time, and a WSGI environ was built to
+be turned into the request Django builds from the ASGI scope anyway (stop 45).
 """
 
 from __future__ import annotations
 
+import asyncio
 import re
 import threading
-from collections.abc import Awaitable, Callable, Iterable, MutableMapping
+from collections.abc import Awaitable, Callable, MutableMapping
+from concurrent.futures import ThreadPoolExecutor
+from tempfile import SpooledTemporaryFile
 from typing import Any
 
-from a2wsgi import WSGIMiddleware
+from django.core import signals
 from django.core.asgi import get_asgi_application
-from django.core.signals import request_finished
-from django.core.wsgi import get_wsgi_application
+from django.core.exceptions import RequestAborted
+from django.core.handlers.asgi import ASGIHandler, get_script_prefix
+from django.core.handlers.base import BaseHandler
 from django.db import connections
+from django.http import FileResponse, HttpResponseBase
+from django.urls import set_script_prefix
 
 from genserver import config
 from genserver.jobs.api.waits import asks_to_wait
@@ -55,21 +64,79 @@ def _close_unless_kept(**_: Any) -> None:
         connections.close_all()
 
 
+def _mark_kept() -> None:
+    _kept.thread = True
+
+
+class KeptThreads(ASGIHandler):
+    """Django's handler for the requests answered at once: ASGI on the event loop's side (the body read there,
+    the answer sent from there), the middleware and the view run synchronously on `threads` kept threads, each
+    request handed to its thread once and its answer back once. A streamed answer (an output's file) is sent
+    part by part from its thread, as the thread reads it."""
+
+    def __init__(self, threads: int) -> None:
+        BaseHandler.__init__(self)
+        self.load_middleware(is_async=False)
+        self.pool = ThreadPoolExecutor(threads, thread_name_prefix="genserver-kept", initializer=_mark_kept)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:  # type: ignore[override]
+        try:
+            body = await self.read_body(receive)
+        except RequestAborted:
+            return
+        loop = asyncio.get_running_loop()
+        response = await loop.run_in_executor(self.pool, self.respond, scope, body)
+        if response.streaming:
+            await self.send_start(response, send)
+            await loop.run_in_executor(self.pool, self.stream, response, send, loop)
+        else:
+            await self.send_response(response, send)
+
+    def respond(self, scope: Scope, body: SpooledTemporaryFile) -> HttpResponseBase:
+        """On a kept thread: the request's answer, closed already unless it is streamed (closing it sends
+        request_finished, which hands this thread's database connection back, so it must happen here)."""
+        try:
+            set_script_prefix(get_script_prefix(scope))
+            signals.request_started.send(sender=self.__class__, scope=scope)
+            request, response = self.create_request(scope, body)
+            if request is not None:
+                response = self.get_response(request)
+                response._handler_class = self.__class__
+                if isinstance(response, FileResponse):
+                    response.block_size = self.chunk_size
+        finally:
+            body.close()
+        if not response.streaming:
+            response.close()
+        return response
+
+    def stream(self, response: HttpResponseBase, send: Send, loop: asyncio.AbstractEventLoop) -> None:
+        """On a kept thread: a streamed answer's parts, each sent by the event loop before the next is read."""
+        try:
+            for part in response:
+                for chunk, _ in self.chunk_bytes(part):
+                    message = {"type": "http.response.body", "body": chunk, "more_body": True}
+                    asyncio.run_coroutine_threadsafe(send(message), loop).result()
+            asyncio.run_coroutine_threadsafe(send({"type": "http.response.body"}), loop).result()
+        finally:
+            response.close()
+
+    async def send_start(self, response: HttpResponseBase, send: Send) -> None:
+        """The start of a streamed answer: its status and headers, cookies included."""
+        headers = [(str(name).encode("ascii"), str(value).encode("latin1")) for name, value in response.items()]
+        headers += [(b"Set-Cookie", c.output(header="").encode("ascii").strip()) for c in response.cookies.values()]
+        await send({"type": "http.response.start", "status": response.status_code, "headers": headers})
+
+
 def application() -> Callable[[Scope, Receive, Send], Awaitable[None]]:
     """The API's ASGI application (genserver.asgi). It closes the ASGI handler's connections at each request's
     end, in this process: build it only where it serves."""
     asynchronous = get_asgi_application()
-    django_wsgi = get_wsgi_application()
-
-    def on_kept_thread(environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
-        _kept.thread = True
-        return django_wsgi(environ, start_response)
-
-    synchronous = WSGIMiddleware(on_kept_thread, workers=config.api_threads())  # type: ignore[arg-type]
-    request_finished.connect(_close_unless_kept, dispatch_uid="genserver.asgi.close_unless_kept")
+    synchronous = KeptThreads(config.api_threads())
+    signals.request_finished.connect(_close_unless_kept, dispatch_uid="genserver.asgi.close_unless_kept")
 
     async def route(scope: Scope, receive: Receive, send: Send) -> None:
         handler = asynchronous if holds_the_request(scope) else synchronous
-        await handler(scope, receive, send)  # type: ignore[arg-type]
+        await handler(scope, receive, send)
 
     return route

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import json
 import uuid
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from urllib.request import Request, urlopen
 
 import pytest
+from django.contrib.staticfiles import finders
 from django.db import connection
 from django.urls import reverse
 
@@ -85,3 +88,26 @@ def test_long_requests_leave_no_connection_behind_and_the_kept_threads_keep_thei
         assert _open_connections(name) >= 1  # the kept threads keep theirs
     finally:
         server.stop()
+
+
+def test_the_kept_threads_answer_with_the_body_headers_and_cookies_django_wrote(asgi_server, api_token):
+    """A quick request's answer through the real server: a file streamed part by part from its thread (larger
+    than one part), a view's cookies, and a JSON body read on the event loop and parsed by the view."""
+    static = "admin/js/vendor/jquery/jquery.js"
+    with urlopen(f"{asgi_server.url}/static/{static}", timeout=30) as resp:
+        on_disk = Path(finders.find(static)).read_bytes()
+        assert len(on_disk) > 3 * 64 * 1024  # several of the handler's parts
+        assert resp.read() == on_disk
+        assert int(resp.headers["Content-Length"]) == len(on_disk)
+    with urlopen(f"{asgi_server.url}/admin/login/", timeout=30) as resp:
+        assert resp.status == 200 and "csrftoken=" in resp.headers["Set-Cookie"]
+    token = api_token("kept-threads")
+    body = json.dumps({"model": "sdxl-sim", "prompt": "p" * 2000, "steps": 2}).encode()
+    request = Request(
+        f"{asgi_server.url}/api/v1/jobs/",
+        data=body,
+        headers={"Authorization": f"Token {token}", "Content-Type": "application/json"},
+        method="POST",
+    )
+    with urlopen(request, timeout=30) as resp:
+        assert resp.status == 201 and json.loads(resp.read())["prompt"] == "p" * 2000

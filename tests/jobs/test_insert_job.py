@@ -5,6 +5,7 @@ from __future__ import annotations
 from datetime import timedelta
 
 import pytest
+from django.db import connection
 from django.db.models import Value
 from django.forms.models import model_to_dict
 from django.utils import timezone
@@ -67,3 +68,31 @@ def test_a_job_holding_an_expression_is_saved_by_django(make_user):
     job = Job(owner=owner, **(VALUES | {"prompt": Value("from an expression")}))
     _common.insert_job(job)
     assert Job.objects.get(pk=job.pk).prompt == "from an expression"
+
+
+def test_empty_columns_are_written_null_and_the_rest_bound(make_user):
+    """Each set of empty columns gets its own text; the rows are Django's, and the INSERT binds fewer values than
+    psycopg's parsed-statement cache takes (50), so it is not parsed again at every submit."""
+    owner = make_user("carol").user
+    deadline = timezone.now() + timedelta(seconds=90)
+    _common.insert_job(Job(owner=owner, **VALUES))  # the statement kept
+    executed: list[tuple[str, int]] = []
+
+    def record(execute, sql, params, many, context):
+        if sql.startswith("INSERT"):
+            executed.append((sql, len(params)))
+        return execute(sql, params, many, context)
+
+    for extra in ({}, {"start_deadline": deadline, "steps_requested": 30}, {}):
+        saved = Job(owner=owner, **(VALUES | extra))
+        saved.save(force_insert=True)
+        job = Job(owner=owner, **(VALUES | extra))
+        with connection.execute_wrapper(record):
+            _common.insert_job(job)
+        ours, theirs = _row(job.pk), _row(saved.pk)
+        ours.pop("times"), theirs.pop("times")
+        assert ours == theirs
+    (first, bound), (second, bound_more), (third, _) = executed
+    assert first == third and first != second
+    assert bound_more == bound + 2 and bound <= 50
+    assert first.count("NULL") == len(Job._meta.local_concrete_fields) - bound
