@@ -31,6 +31,9 @@ os.environ.setdefault("GENSERVER_REAPER_INTERVAL", "1")
 # (tests/jobs/test_fairness.py, tests/test_stack_fairness.py); the shipped default is 1 (docs/CONFIGURATION.md).
 os.environ.setdefault("GENSERVER_FAIR_WINDOW", "0")
 os.environ.setdefault("GENSERVER_LOG_LEVEL", "WARNING")
+# The suite's tests change the live cards, the overload cap and the learned stage times and read them back at
+# once: each request reads them (tests/jobs/test_capacity.py covers the reuse the shipped default of 0.5 s makes).
+os.environ.setdefault("GENSERVER_CLUSTER_READ_SECONDS", "0")
 # Webhook receivers in the tests listen on 127.0.0.1; retries back off from 0.2 s.
 os.environ.setdefault("GENSERVER_WEBHOOK_ALLOW_PRIVATE", "1")
 os.environ.setdefault("GENSERVER_WEBHOOK_BACKOFF", "0.2")

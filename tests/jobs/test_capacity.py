@@ -56,3 +56,48 @@ def test_unreachable_redis_reads_the_configured_layout_and_no_stages(monkeypatch
     cluster = cluster_reads()
     assert cluster.layout == deployment.layout() and cluster.stage_seconds == {}
     assert cluster.layout == live_capacity()  # as the separate reads fall back
+
+
+def test_a_read_is_reused_for_cluster_read_seconds_and_then_read_again(redis_conn, three_cards, monkeypatch):
+    """What GENSERVER_CLUSTER_READ_SECONDS trades: within it a process's requests reuse one read (no round
+    trip, and a change not yet seen); past it, or once forgotten, the next request reads the change."""
+    monkeypatch.setenv("GENSERVER_CLUSTER_READ_SECONDS", "0.5")
+    capacity.forget_cluster_read()
+    now = [1000.0]
+    sent = round_trips(monkeypatch, capacity, "redis_client")
+
+    def reads() -> int:
+        return sum(trip == ["EVAL", "GET", "HGETALL"] for trip in sent)
+
+    first = cluster_reads(clock=lambda: now[0])
+    redis_conn.hset(STAGE_SECONDS_KEY, "sdxl-sim:tail", "0.75")  # a worker learns a stage time
+    now[0] += 0.4
+    assert cluster_reads(clock=lambda: now[0]) is first and reads() == 1  # reused: not seen yet
+    now[0] += 0.2
+    later = cluster_reads(clock=lambda: now[0])
+    assert reads() == 2 and later.stage_seconds == {"sdxl-sim:tail": 0.75}
+    assert cluster_reads(clock=lambda: now[0]) is later
+    capacity.forget_cluster_read()
+    cluster_reads(clock=lambda: now[0])
+    assert reads() == 3
+    monkeypatch.setenv("GENSERVER_CLUSTER_READ_SECONDS", "0")  # the suite's setting: every call reads
+    cluster_reads(clock=lambda: now[0])
+    assert reads() == 4
+
+
+def test_a_fallback_without_redis_is_not_reused(monkeypatch, redis_conn, three_cards):
+    from redis.exceptions import ConnectionError as RedisConnectionError
+
+    monkeypatch.setenv("GENSERVER_CLUSTER_READ_SECONDS", "5")
+    capacity.forget_cluster_read()
+    real = capacity.redis_client
+
+    def down():
+        raise RedisConnectionError("no Redis here")
+
+    monkeypatch.setattr(capacity, "redis_client", down)
+    assert cluster_reads().stage_seconds == {}
+    redis_conn.hset(STAGE_SECONDS_KEY, "sdxl-sim:tail", "0.5")
+    monkeypatch.setattr(capacity, "redis_client", real)  # back: the next request reads it
+    assert cluster_reads().stage_seconds == {"sdxl-sim:tail": 0.5}
+    capacity.forget_cluster_read()

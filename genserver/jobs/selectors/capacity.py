@@ -5,12 +5,14 @@ round trip (`cluster_reads`)."""
 from __future__ import annotations
 
 import json
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from django.utils import timezone
 
-from genserver import deployment, liveness
+from genserver import config, deployment, liveness
 from genserver.jobs.models import Job, JobStatus
 from genserver.redis_client import LONG_CAP_KEY, STAGE_SECONDS_KEY, client as redis_client
 from genserver.scheduling.classes import LONG
@@ -131,10 +133,38 @@ class ClusterReads:
     stage_seconds: dict[str, float]
 
 
-def cluster_reads() -> ClusterReads:
+def cluster_reads(clock: Callable[[], float] = time.monotonic) -> ClusterReads:
     """`live_capacity()` and `stage_seconds()` in one round trip: every submit and every job's answer reads all
     three keys, and on a busy API process each round trip is a wait for the GIL again as well as for Redis.
-    Each part falls back as its own read does when Redis is unreachable."""
+    A read is reused by the process's requests for `config.cluster_read_seconds()` (the cards' heartbeats
+    themselves come every few seconds). Each part falls back as its own read does when Redis is unreachable;
+    such a fallback is not reused."""
+    reuse = config.cluster_read_seconds()
+    kept = _kept_read
+    now = clock()
+    if kept is not None and 0 <= now - kept[0] < reuse:
+        return kept[1]
+    read = _read_cluster()
+    if read is not None:
+        _keep((now, read))
+        return read
+    return ClusterReads(_held_to(LongCapState(), []), {})
+
+
+_kept_read: tuple[float, ClusterReads] | None = None  # (when, what): the process's last read from Redis
+
+
+def _keep(read: tuple[float, ClusterReads] | None) -> None:
+    global _kept_read
+    _kept_read = read
+
+
+def forget_cluster_read() -> None:
+    """The next `cluster_reads` reads Redis (after this process changed what it reads)."""
+    _keep(None)
+
+
+def _read_cluster() -> ClusterReads | None:
     try:
         with redis_client().pipeline(transaction=False) as pipe:
             liveness.read_in(pipe)
@@ -142,7 +172,7 @@ def cluster_reads() -> ClusterReads:
             pipe.hgetall(STAGE_SECONDS_KEY)
             workers, cap, stages = pipe.execute()
     except Exception:  # noqa: BLE001 - admission must answer when Redis is down: the layout estimates
-        return ClusterReads(_held_to(LongCapState(), []), {})
+        return None
     return ClusterReads(_held_to(_cap_from(cap), _named(liveness.payloads(workers))), _stages_from(stages))
 
 

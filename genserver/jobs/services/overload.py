@@ -57,4 +57,5 @@ def update_long_cap() -> selectors.LongCapState:
         )
     ttl = max(10.0, STATE_TICKS * float(settings.REAPER_INTERVAL_SECONDS))
     redis_client().set(LONG_CAP_KEY, json.dumps(asdict(state)), px=int(ttl * 1000))
+    selectors.forget_cluster_read()  # this process's next picture has it
     return state
