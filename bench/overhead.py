@@ -17,7 +17,9 @@ Starts the real stack (simulated backend, 4 CPU "cards") and measures, in one ru
    scraped from /metrics: the share at or under each bucket, so the P50's bracket);
 4. the API's submit throughput and latency under concurrent clients: with the workers running the jobs
    beside it on the same cores, and again with every worker paused (the API alone), with the CPU time its
-   gunicorn workers spent per submit in that second run (what bounds the throughput on these cores).
+   gunicorn workers spent per submit in that second run (what bounds the throughput on these cores); then,
+   still paused, with each client's submits over one kept connection (as an SDK's HTTP client sends them)
+   instead of a new connection per submit.
 
     python -m bench.overhead --tiny-boundaries     # instead: the workers' chunk boundaries on the tiny models
 
@@ -29,9 +31,13 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import http.client
+import json
 import os
 import statistics
+import threading
 import time
+import urllib.parse
 import uuid
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -123,12 +129,26 @@ def boundary_shares(stack: LiveStack, model: str) -> dict[float, float]:
     return {bound: n / total for bound, n in sorted(buckets.items()) if total and bound != float("inf")}
 
 
-def submit_load(stack: LiveStack, clients: int, requests: int) -> tuple[list[float], dict[int, int], float]:
+def submit_load(
+    stack: LiveStack, clients: int, requests: int, keep_connections: bool = False
+) -> tuple[list[float], dict[int, int], float]:
+    """`requests` submits from `clients` threads: each on a new connection (urllib), or with `keep_connections`
+    each client's over one kept HTTP/1.1 connection, as an SDK's client (httpx, requests' sessions) sends them."""
+    kept = threading.local()
+
     def one(i: int) -> tuple[float, int]:
+        body = {"model": "seed-image", "prompt": f"load {i}", "steps": 2}
         t = time.perf_counter()
-        status, _, _ = stack.request(
-            "POST", "/api/v1/jobs/", {"model": "seed-image", "prompt": f"load {i}", "steps": 2}
-        )
+        if keep_connections:
+            if getattr(kept, "connection", None) is None:
+                kept.connection = http.client.HTTPConnection(urllib.parse.urlsplit(stack.url).netloc, timeout=30)
+            headers = {"Authorization": f"Token {stack.token}", "Content-Type": "application/json"}
+            kept.connection.request("POST", "/api/v1/jobs/", json.dumps(body), headers)
+            response = kept.connection.getresponse()
+            response.read()
+            status = response.status
+        else:
+            status, _, _ = stack.request("POST", "/api/v1/jobs/", body)
         return time.perf_counter() - t, status
 
     started = time.perf_counter()
@@ -226,6 +246,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             cpu = stack.api_cpu_seconds()
             alone, alone_codes, alone_throughput = submit_load(stack, args.clients, args.requests)
             api_cpu = (stack.api_cpu_seconds() - cpu) / args.requests
+            kept, kept_codes, kept_throughput = submit_load(stack, args.clients, args.requests, keep_connections=True)
     print(f"bare Celery round trip     P50 {ms(bare, 0.5)}  P99 {ms(bare, 0.99)}  (n={len(bare)})")
     for name, dispatch in (("miss", miss), ("hit", hit)):
         print(
@@ -241,6 +262,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(
         f"  the same, workers paused P50 {ms(alone, 0.5)}  P99 {ms(alone, 0.99)}  "
         f"{alone_throughput:.0f} req/s  codes {alone_codes}  (the API alone: no job runs beside the submits)"
+    )
+    print(
+        f"  the same, kept connections P50 {ms(kept, 0.5)}  P99 {ms(kept, 0.99)}  "
+        f"{kept_throughput:.0f} req/s  codes {kept_codes}  (each client's submits over one HTTP/1.1 connection)"
     )
     cores = os.cpu_count() or 1
     print(
