@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 
 import pytest
@@ -101,10 +103,9 @@ REQUESTS = [
 
 
 class _DeepCopied(JobCreateSerializer):
-    """The same serializer with DRF's own get_fields: every declared field deep-copied for each instance."""
+    """The same serializer with DRF's own fields: every declared field deep-copied and bound for each instance."""
 
-    def get_fields(self):
-        return serializers.Serializer.get_fields(self)
+    fields = serializers.Serializer.fields
 
 
 def _outcome(serializer_class, data):
@@ -119,9 +120,20 @@ def test_the_request_is_validated_as_with_drfs_deep_copied_fields(data):
     assert _outcome(JobCreateSerializer, data) == _outcome(_DeepCopied, data)
 
 
-def test_each_request_binds_fields_of_its_own():
+def test_threads_validating_at_once_with_the_shared_fields_answer_as_each_alone():
+    """Every instance shares one set of fields; eight threads validating different requests at once get each
+    request's own answer (DRF's copies, one request at a time)."""
+    expected = [_outcome(_DeepCopied, data) for data in REQUESTS]
     first, second = JobCreateSerializer(data=REQUESTS[0]), JobCreateSerializer(data=REQUESTS[2])
-    assert first.fields["prompt"] is not second.fields["prompt"]
-    assert first.fields["prompt"].parent is first and second.fields["prompt"].parent is second
-    assert first.is_valid() and second.is_valid(), (first.errors, second.errors)
-    assert (first.validated_data["model"], second.validated_data["num_frames"]) == ("sdxl-sim", 33)
+    assert first.fields is second.fields  # shared, not copied per request
+    start = threading.Barrier(8)
+
+    def validate_all(offset: int) -> list:
+        start.wait()
+        order = [(offset + i) % len(REQUESTS) for i in range(len(REQUESTS) * 25)]
+        return [(i, _outcome(JobCreateSerializer, REQUESTS[i])) for i in order]
+
+    with ThreadPoolExecutor(8) as pool:
+        for answers in pool.map(validate_all, range(8)):
+            for i, outcome in answers:
+                assert outcome == expected[i], REQUESTS[i]

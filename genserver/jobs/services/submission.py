@@ -5,7 +5,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-from dataclasses import replace
 from typing import Any
 
 from django.db import IntegrityError, transaction
@@ -119,7 +118,9 @@ def submit(owner: Any, data: dict[str, Any], idempotency_key: str = "") -> tuple
         raise StartDeadlineRefused(start_within, decision.expected_wait_seconds, own)
     recorded = {k: v for k, v in data.items() if k != "seed_drawn"}
     first = first_stage(spec, data["prompt"], data.get("negative_prompt", ""))
-    embeddings = first.embeddings_key
+    # The row is built before the owner's row is locked (what the lock holds up is the user's next submit);
+    # its placement fills in the rest.
+    job = _new_job(owner, spec, data, est, queue, idempotency_key, fingerprint(recorded), charge)
     with transaction.atomic():
         try:
             check_limits(owner, quota, charge)
@@ -128,14 +129,11 @@ def submit(owner: Any, data: dict[str, Any], idempotency_key: str = "") -> tuple
             raise
         # The owner's row is locked (check_limits): the user's submits count their window one at a time.
         placement = fairness.place_new_job(owner.pk, queue, est.priority, est.duration_class)
-        held, priority = placement.held, placement.priority
-        ahead = priority < est.priority
-        est = replace(est, priority=priority)
-        if held:
-            embeddings = ""  # looked up again when it is released (they may be stored by then)
-        job = _record_job(
-            owner, spec, data, est, queue, idempotency_key, fingerprint(recorded), charge, embeddings, held
-        )
+        held = placement.held
+        ahead = placement.priority < est.priority
+        # A held job's embeddings are looked up again when it is released (they may be stored by then).
+        embeddings = "" if held else first.embeddings_key
+        _record_job(job, held, placement.priority, embeddings)
         # Once the row commits, in this order: the cut mark (before a card can claim the job and clear it), the
         # message (the job's dispatch waits for it), then what nobody waits for: the metrics and the log line.
         if ahead:
@@ -175,7 +173,7 @@ def submit_or_replay(
     return job, False, snapshot
 
 
-def _record_job(
+def _new_job(
     owner: Any,
     spec: Any,
     data: dict[str, Any],
@@ -184,17 +182,9 @@ def _record_job(
     idempotency_key: str,
     request_fingerprint: str,
     charge: float,
-    embeddings_key: str,
-    held: bool = False,
 ) -> Job:
-    """The job's row: `queued` for encode, or `denoising`/`waiting` for its first chunk when its
-    embeddings are stored (`embeddings_key`); `held` by its owner's fair window: `queued`, unpublished."""
-    hit = bool(embeddings_key)
-    job = Job(
-        held=held,
-        status=JobStatus.DENOISING if hit else JobStatus.QUEUED,
-        stage=JobStage.WAITING if hit else JobStage.QUEUED,
-        embeddings_key=embeddings_key,
+    """The job's row as the request and its estimate make it, before its placement (`_record_job`)."""
+    return Job(
         owner=owner,
         model=spec.name,
         family=spec.family,
@@ -220,14 +210,23 @@ def _record_job(
         chunk_steps=est.chunk_steps,
         segment_frames=est.segment_frames,
         segment_count=est.segment_count,
-        published_at=None if held else timezone.now(),
         idempotency_key=idempotency_key,
         request_fingerprint=request_fingerprint,
         start_deadline=deadline_from(data.get("start_within")),
         charged_card_seconds=charge,  # the day's quota counts the estimate until the job ends (quotas.settle)
     )
+
+
+def _record_job(job: Job, held: bool, priority: int, embeddings_key: str) -> None:
+    """Insert the job's row, placed: `queued` for encode, or `denoising`/`waiting` for its first chunk when its
+    embeddings are stored (`embeddings_key`); `held` by its owner's fair window: `queued`, unpublished; at the
+    priority its placement gave it."""
+    hit = bool(embeddings_key)
+    job.held, job.priority, job.embeddings_key = held, priority, embeddings_key
+    job.status = JobStatus.DENOISING if hit else JobStatus.QUEUED
+    job.stage = JobStage.WAITING if hit else JobStage.QUEUED
+    job.published_at = None if held else timezone.now()
     insert_job(job)
-    return job
 
 
 def cancel_job(job: Job) -> Job:
