@@ -85,16 +85,16 @@ class KeptThreads(ASGIHandler):
         except RequestAborted:
             return
         loop = asyncio.get_running_loop()
-        response = await loop.run_in_executor(self.pool, self.respond, scope, body)
-        if response.streaming:
-            await self.send_start(response, send)
-            await loop.run_in_executor(self.pool, self.stream, response, send, loop)
-        else:
+        response = await loop.run_in_executor(self.pool, self.respond, scope, body, send, loop)
+        if response is not None:
             await self.send_response(response, send)
 
-    def respond(self, scope: Scope, body: SpooledTemporaryFile) -> HttpResponseBase:
-        """On a kept thread: the request's answer, closed already unless it is streamed (closing it sends
-        request_finished, which hands this thread's database connection back, so it must happen here)."""
+    def respond(
+        self, scope: Scope, body: SpooledTemporaryFile, send: Send, loop: asyncio.AbstractEventLoop
+    ) -> HttpResponseBase | None:
+        """On a kept thread: the request's answer, closed, for the event loop to send; or None once a streamed
+        answer has been sent from here. Closing an answer sends request_finished, which hands this thread's
+        database connection back: it must happen on the thread that served the request."""
         try:
             set_script_prefix(get_script_prefix(scope))
             signals.request_started.send(sender=self.__class__, scope=scope)
@@ -106,26 +106,28 @@ class KeptThreads(ASGIHandler):
                     response.block_size = self.chunk_size
         finally:
             body.close()
-        if not response.streaming:
-            response.close()
-        return response
-
-    def stream(self, response: HttpResponseBase, send: Send, loop: asyncio.AbstractEventLoop) -> None:
-        """On a kept thread: a streamed answer's parts, each sent by the event loop before the next is read."""
         try:
-            for part in response:
-                for chunk, _ in self.chunk_bytes(part):
-                    message = {"type": "http.response.body", "body": chunk, "more_body": True}
-                    asyncio.run_coroutine_threadsafe(send(message), loop).result()
-            asyncio.run_coroutine_threadsafe(send({"type": "http.response.body"}), loop).result()
+            if not response.streaming:
+                return response
+            self.stream(response, send, loop)
+            return None
         finally:
             response.close()
 
-    async def send_start(self, response: HttpResponseBase, send: Send) -> None:
-        """The start of a streamed answer: its status and headers, cookies included."""
+    def stream(self, response: HttpResponseBase, send: Send, loop: asyncio.AbstractEventLoop) -> None:
+        """A streamed answer (an output's file, a static file): its start, then its parts, each sent by the event
+        loop before the next is read."""
+
+        def sent(message: dict[str, Any]) -> None:
+            asyncio.run_coroutine_threadsafe(send(message), loop).result()  # type: ignore[arg-type]
+
         headers = [(str(name).encode("ascii"), str(value).encode("latin1")) for name, value in response.items()]
         headers += [(b"Set-Cookie", c.output(header="").encode("ascii").strip()) for c in response.cookies.values()]
-        await send({"type": "http.response.start", "status": response.status_code, "headers": headers})
+        sent({"type": "http.response.start", "status": response.status_code, "headers": headers})
+        for part in response:
+            for chunk, _ in self.chunk_bytes(part):
+                sent({"type": "http.response.body", "body": chunk, "more_body": True})
+        sent({"type": "http.response.body"})
 
 
 def application() -> Callable[[Scope, Receive, Send], Awaitable[None]]:
