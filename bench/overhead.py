@@ -135,6 +135,7 @@ def submit_load(
     """`requests` submits from `clients` threads: each on a new connection (urllib), or with `keep_connections`
     each client's over one kept HTTP/1.1 connection, as an SDK's client (httpx, requests' sessions) sends them."""
     kept = threading.local()
+    opened: list[http.client.HTTPConnection] = []  # closed once the load is done
 
     def one(i: int) -> tuple[float, int]:
         body = {"model": "seed-image", "prompt": f"load {i}", "steps": 2}
@@ -142,6 +143,7 @@ def submit_load(
         if keep_connections:
             if getattr(kept, "connection", None) is None:
                 kept.connection = http.client.HTTPConnection(urllib.parse.urlsplit(stack.url).netloc, timeout=30)
+                opened.append(kept.connection)
             headers = {"Authorization": f"Token {stack.token}", "Content-Type": "application/json"}
             kept.connection.request("POST", "/api/v1/jobs/", json.dumps(body), headers)
             response = kept.connection.getresponse()
@@ -155,6 +157,8 @@ def submit_load(
     with ThreadPoolExecutor(clients) as pool:
         results = list(pool.map(one, range(requests)))
     elapsed = time.perf_counter() - started
+    for connection in opened:
+        connection.close()
     codes: dict[int, int] = {}
     for _, code in results:
         codes[code] = codes.get(code, 0) + 1

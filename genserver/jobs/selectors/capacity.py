@@ -139,29 +139,24 @@ def cluster_reads(clock: Callable[[], float] = time.monotonic) -> ClusterReads:
     A read is reused by the process's requests for `config.cluster_read_seconds()` (the cards' heartbeats
     themselves come every few seconds). Each part falls back as its own read does when Redis is unreachable;
     such a fallback is not reused."""
-    reuse = config.cluster_read_seconds()
-    kept = _kept_read
-    now = clock()
-    if kept is not None and 0 <= now - kept[0] < reuse:
+    global _kept_read
+    kept, now = _kept_read, clock()
+    if kept is not None and 0 <= now - kept[0] < config.cluster_read_seconds():
         return kept[1]
     read = _read_cluster()
-    if read is not None:
-        _keep((now, read))
-        return read
-    return ClusterReads(_held_to(LongCapState(), []), {})
+    if read is None:
+        return ClusterReads(_held_to(LongCapState(), []), {})
+    _kept_read = (now, read)
+    return read
 
 
 _kept_read: tuple[float, ClusterReads] | None = None  # (when, what): the process's last read from Redis
 
 
-def _keep(read: tuple[float, ClusterReads] | None) -> None:
-    global _kept_read
-    _kept_read = read
-
-
 def forget_cluster_read() -> None:
     """The next `cluster_reads` reads Redis (after this process changed what it reads)."""
-    _keep(None)
+    global _kept_read
+    _kept_read = None
 
 
 def _read_cluster() -> ClusterReads | None:
