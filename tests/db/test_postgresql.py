@@ -1,0 +1,85 @@
+"""genserver.db.postgresql: a pooled connection is checked before it is lent only once it sat idle past the window.
+
+Through the real server (uvicorn, one API process, a pool of one connection), with that connection ended by
+PostgreSQL between two requests, as a server restart or an idle timeout ends it.
+"""
+
+from __future__ import annotations
+
+import uuid
+from urllib.error import HTTPError
+from urllib.request import Request, urlopen
+
+import pytest
+from django.db import connection
+
+from tests.reliability.conftest import using_postgres
+from tests.support.live_server import AsgiServer
+from tests.support.waits import wait_for
+
+pytestmark = [
+    pytest.mark.django_db(transaction=True),
+    pytest.mark.skipif(not using_postgres(), reason="ends a PostgreSQL backend (DATABASE_URL)"),
+]
+
+
+def _end_the_servers_connections(name: str) -> int:
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "SELECT count(*) FROM (SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+            "WHERE application_name = %s) ended",
+            [name],
+        )
+        return cursor.fetchone()[0]
+
+
+def _open_connections(name: str) -> int:
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT count(*) FROM pg_stat_activity WHERE application_name = %s", [name])
+        return cursor.fetchone()[0]
+
+
+def _status(server: AsgiServer, token: str) -> int:
+    request = Request(f"{server.url}/api/v1/jobs/", headers={"Authorization": f"Token {token}"})
+    try:
+        with urlopen(request, timeout=30) as resp:
+            return resp.status
+    except HTTPError as err:
+        return err.code
+
+
+def _server(check_after_idle: str) -> tuple[AsgiServer, str]:
+    name = f"genserver-test-pool-{uuid.uuid4().hex[:8]}"
+    env = {"GENSERVER_DATABASE_POOL": "1", "GENSERVER_DATABASE_CHECK_AFTER_IDLE": check_after_idle, "PGAPPNAME": name}
+    return AsgiServer(env=env), name
+
+
+def _ended_between_requests(server: AsgiServer, name: str, token: str) -> int:
+    """The status of a request after the pool's one connection was ended while it sat in the pool."""
+    assert _status(server, token) == 200
+    wait_for(lambda: _open_connections(name) == 1, what="the pool's connection open")
+    assert _end_the_servers_connections(name) == 1
+    wait_for(lambda: _open_connections(name) == 0, what="the pool's connection ended")
+    return _status(server, token)
+
+
+def test_a_connection_idle_past_the_window_is_checked_and_replaced(api_token):
+    token = api_token("pool-checked")
+    server, name = _server(check_after_idle="0")  # every borrow is past the window
+    try:
+        assert _ended_between_requests(server, name, token) == 200  # the check found it gone; another was lent
+        assert _status(server, token) == 200
+    finally:
+        server.stop()
+
+
+def test_a_connection_handed_back_within_the_window_is_lent_without_a_check(api_token):
+    """What the window trades: no round trip before a request, and a connection the server ended within it fails
+    the one request that borrows it; the pool then discards it and the next request gets a new one."""
+    token = api_token("pool-unchecked")
+    server, name = _server(check_after_idle="3600")
+    try:
+        assert _ended_between_requests(server, name, token) >= 500
+        assert _status(server, token) == 200
+    finally:
+        server.stop()
