@@ -166,3 +166,43 @@ def test_a_compiled_read_binds_a_moment_as_its_column_adapts_it(api, settings, c
         assert read.tuples(since=at) == [(pk,) for pk, _ in created[i:]]
     assert read.tuples(since=timezone.now() + timedelta(days=1)) == []
     assert len(compilations) == 1
+
+
+def test_the_decode_line_is_reused_for_cluster_read_seconds(db, django_user_model, monkeypatch):
+    """What GENSERVER_CLUSTER_READ_SECONDS trades for the decode line too: within it a process's ETAs reuse one
+    read (a decode published meanwhile is not seen yet), for its own `since` or a later one; past it, or for an
+    earlier `since` (rows the kept read counted per model or left out), the line is read again."""
+    from datetime import timedelta
+
+    from django.utils import timezone
+
+    from genserver.jobs.models import JobStage, JobStatus
+    from genserver.jobs.selectors import decode_queue
+    from tests.support.jobs import make_job
+
+    monkeypatch.setenv("GENSERVER_CLUSTER_READ_SECONDS", "0.5")
+    monkeypatch.setattr(decode_queue, "_kept_line", None)
+    owner = django_user_model.objects.create(username="line-reuse")
+    now, clock = timezone.now(), [1000.0]
+
+    def publish_decode(seconds_ago: float) -> None:
+        make_job(
+            owner, status=JobStatus.DECODING, stage=JobStage.QUEUED, published_at=now - timedelta(seconds=seconds_ago)
+        )
+
+    def decodes(since_ago: float) -> int:
+        read = decode_queue.line(now - timedelta(seconds=since_ago), clock=lambda: clock[0])
+        return len(read.rows) + sum(n for _, n in read.settled)
+
+    publish_decode(5)
+    assert decodes(10) == 1
+    publish_decode(4)
+    clock[0] += 0.4
+    assert decodes(10) == 1 and decodes(8) == 1  # reused: the second decode not seen yet
+    assert decodes(20) == 2  # an earlier `since` than the kept read's: read again
+    clock[0] += 0.6
+    publish_decode(3)
+    assert decodes(20) == 3  # past the window
+    monkeypatch.setenv("GENSERVER_CLUSTER_READ_SECONDS", "0")  # the suite's setting: every call reads
+    publish_decode(2)
+    assert decodes(20) == 4

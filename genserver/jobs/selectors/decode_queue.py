@@ -13,6 +13,7 @@ them; queued: whole), then those of the jobs that end their denoising before it.
 from __future__ import annotations
 
 import heapq
+import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from datetime import datetime
@@ -20,6 +21,7 @@ from typing import Any
 
 from django.db.models import BooleanField, Case, Count, F, Min, Q, Value, When
 
+from genserver import config
 from genserver.jobs.models import Job, JobStage, JobStatus
 
 from .compiled import CompiledRead
@@ -85,10 +87,20 @@ class Line:
     settled: list[tuple[str, int]]
 
 
-def line(since: datetime) -> Line:
+def line(since: datetime, clock: Callable[[], float] = time.monotonic) -> Line:
     """The decode queue in one bounded read: the decodes in service or published from `since` on, and a count per
     model of the queued ones published before (a burst's hundred queued decodes cost every submit's ETA 1.4 ms
-    as one row each on PostgreSQL)."""
+    as one row each on PostgreSQL).
+
+    Every submit's answer and every job's ETA reads it, so a process's requests reuse a read for
+    `config.cluster_read_seconds()`, as they reuse the cluster's picture (capacity.cluster_reads): an ETA then
+    counts a decode published or finished up to that much later. A read made for an earlier `since` serves a
+    later one: it has a row of its own for each decode from its `since` on, where the later read would have
+    counted some of them per model."""
+    global _kept_line
+    kept, now = _kept_line, clock()
+    if kept is not None and 0 <= now - kept[0] < config.cluster_read_seconds() and kept[1] <= since:
+        return kept[2]
     rows: list[LineRow] = []
     settled: list[tuple[str, int]] = []
     for model, serving, taken_at, published, count, alone in _LINE.tuples(since=since):
@@ -96,7 +108,12 @@ def line(since: datetime) -> Line:
             settled.append((model, count))
         else:
             rows.append((model, serving, taken_at, published))
-    return Line(rows, settled)
+    read = Line(rows, settled)
+    _kept_line = (now, since, read)
+    return read
+
+
+_kept_line: tuple[float, datetime, Line] | None = None  # (when, since, what): the process's last read of the line
 
 
 def as_line_row(row: dict[str, Any]) -> LineRow:
