@@ -138,13 +138,15 @@ if DATABASE_POOL and DATABASES["default"]["ENGINE"].endswith("postgresql"):
         "max_size": DATABASE_POOL,
         "timeout": 10,  # seconds a request waits for a free connection, then 503 (the database is busy)
     }
-    # The pool's health check by idle time (genserver/db/postgresql), not psycopg_pool's on every borrow.
-    DATABASES["default"]["ENGINE"] = "genserver.db.postgresql"
-    DATABASES["default"]["CONN_HEALTH_CHECKS"] = False
-# A pooled connection handed back less than this many seconds ago is lent again without a round trip to check
-# it (genserver/db/postgresql): under load every borrow skips the check, about 3 % of the API's CPU per request.
-# Longer skips it on more borrows; a connection the server dropped within that window (a restart) then fails the
-# one request that borrows it, and the pool replaces it. 0 checks every borrow, as psycopg_pool does.
+    DATABASES["default"]["CONN_HEALTH_CHECKS"] = False  # psycopg_pool's check of every borrow: the backend's instead
+if DATABASES["default"]["ENGINE"].endswith("postgresql"):
+    DATABASES["default"]["ENGINE"] = "genserver.db.postgresql"  # health checks by idle time (below)
+# A PostgreSQL connection used (or handed back to the API's pool) less than this many seconds ago is used again
+# without a round trip to check it first (genserver/db/postgresql): under load no request, task or borrow pays
+# the check, about 3 % of the API's CPU per request and a round trip on every card's dispatch. Longer skips it
+# more often; a connection the server dropped within that window (a restart) then fails the one request or task
+# that uses it, as a drop during a query would, and is replaced. 0 checks before every request, task and borrow,
+# as Django and psycopg_pool do.
 DATABASE_CHECK_AFTER_IDLE = env_float("GENSERVER_DATABASE_CHECK_AFTER_IDLE", 2.0, minimum=0)
 # On PostgreSQL, parameters are bound on the server, and a statement a connection has run more than this many
 # times is prepared there: parsed and planned once per connection instead of at every run. The submit path's

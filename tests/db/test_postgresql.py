@@ -1,7 +1,8 @@
-"""genserver.db.postgresql: a pooled connection is checked before it is lent only once it sat idle past the window.
+"""genserver.db.postgresql: a connection is checked before it is used only once it sat idle past the window.
 
-Through the real server (uvicorn, one API process, a pool of one connection), with that connection ended by
-PostgreSQL between two requests, as a server restart or an idle timeout ends it.
+A kept connection (a worker's, between two tasks) in this process, and a pooled one through the real server
+(uvicorn, one API process, a pool of one connection), each ended by PostgreSQL while nobody used it, as a server
+restart or an idle timeout ends it.
 """
 
 from __future__ import annotations
@@ -10,8 +11,9 @@ import uuid
 from urllib.error import HTTPError
 from urllib.request import Request, urlopen
 
+import psycopg
 import pytest
-from django.db import connection
+from django.db import OperationalError, connection
 
 from tests.reliability.conftest import using_postgres
 from tests.support.live_server import AsgiServer
@@ -83,3 +85,40 @@ def test_a_connection_handed_back_within_the_window_is_lent_without_a_check(api_
         assert _status(server, token) == 200
     finally:
         server.stop()
+
+
+def _end_this_processs_connection() -> None:
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT pg_backend_pid()")
+        pid = cursor.fetchone()[0]
+    params = {k: v for k, v in connection.get_connection_params().items() if k in ("dbname", "host", "port", "user")}
+    with psycopg.connect(**params, autocommit=True) as other:
+        assert other.execute("SELECT pg_terminate_backend(%s)", [pid]).fetchone()[0]
+        wait_for(
+            lambda: not other.execute("SELECT count(*) FROM pg_stat_activity WHERE pid = %s", [pid]).fetchone()[0],
+            what="the backend gone",
+        )
+
+
+def _next_tasks_query() -> int:
+    """What a worker's next task does first (tasks/common.py at task_prerun), then its first query."""
+    connection.close_if_unusable_or_obsolete()
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT 1")
+        return cursor.fetchone()[0]
+
+
+def test_a_kept_connection_idle_past_the_window_is_checked_and_replaced(settings):
+    settings.DATABASE_CHECK_AFTER_IDLE = 0
+    _end_this_processs_connection()
+    assert _next_tasks_query() == 1  # the check found it gone; Django connected again
+
+
+def test_a_kept_connection_used_within_the_window_is_not_checked(settings):
+    """A task right after another uses the connection without a round trip first: one the server ended within the
+    window fails that task's first query, as a drop during a query would; the next task gets a new one."""
+    settings.DATABASE_CHECK_AFTER_IDLE = 3600
+    _end_this_processs_connection()
+    with pytest.raises(OperationalError):
+        _next_tasks_query()
+    assert _next_tasks_query() == 1

@@ -1,13 +1,14 @@
-"""Django's PostgreSQL backend, whose pooled connections are checked only after they sat idle for a while.
+"""Django's PostgreSQL backend, whose health check pings a connection only after it sat idle for a while.
 
-With a pool (GENSERVER_DATABASE_POOL, the API's processes) and health checks on, psycopg_pool runs an empty query
-on every connection it hands out: a round trip to the server before each request's first statement, 3 % of the
-API's CPU under a submit load (docs/BENCHMARKS.md, "Submit throughput, stop 46"). A connection the server dropped
-(a restart, an idle timeout) has sat in the pool since its last use; one handed back a moment ago, as under load
-all of them were, is as sound as the last request found it, and a connection that broke during that request is
-not put back (the pool discards it on return). So this backend checks a borrowed connection only when it was
-handed back more than `DATABASE_CHECK_AFTER_IDLE` seconds ago (PgBouncer's `server_check_delay` does the same),
-and borrows another in its place when the check fails.
+Django checks a kept connection before its first query of every request or task (`CONN_HEALTH_CHECKS`: Celery's
+task_prerun in tasks/common.py, a request's start), and psycopg_pool checks a pooled one at every borrow: an
+empty round trip to the server each time, 3 % of the API's CPU under a submit load and a round trip on every
+card's dispatch (docs/BENCHMARKS.md, "Submit throughput, stop 46"). What the check is for is a connection the
+server dropped while nobody used it (a restart, an idle timeout); one used a moment ago is as sound as its last
+query found it, and one that broke during a query is closed (Django's `errors_occurred`) or not put back (the
+pool discards it). So this backend pings a connection only when it was last used, or handed back to the pool,
+more than `DATABASE_CHECK_AFTER_IDLE` seconds ago (PgBouncer's `server_check_delay` does the same), and a pooled
+one that fails is replaced by another.
 """
 
 from __future__ import annotations
@@ -19,16 +20,31 @@ from django.conf import settings
 from django.db.backends.postgresql import base
 
 _RETURNED_AT = "_genserver_returned_at"  # set on the psycopg connection when it goes back to the pool
-_BORROWS = 8  # connections tried before the error of the last check is raised: the pool has max_size at most
+_BORROWS = 8  # pooled connections tried before the last one's check error is raised
 
 
 class DatabaseWrapper(base.DatabaseWrapper):
+    _used_at = float("-inf")  # when this thread's kept connection last gave a cursor (time.monotonic)
+
+    def _cursor(self, name: str | None = None) -> Any:
+        cursor = super()._cursor(name)
+        self._used_at = time.monotonic()
+        return cursor
+
+    def close_if_health_check_failed(self) -> None:
+        """Django's check of a kept connection, skipped for one used within the window."""
+        if self.connection is not None and not self.health_check_done and not _idle_since(self._used_at):
+            self.health_check_done = True
+        super().close_if_health_check_failed()
+
     def get_new_connection(self, conn_params: dict[str, Any]) -> Any:
+        """A pooled connection is checked here, not by psycopg_pool (settings: CONN_HEALTH_CHECKS is off under
+        a pool, so it does not check every borrow)."""
         if self.pool is None:
             return super().get_new_connection(conn_params)
         for tries_left in range(_BORROWS - 1, -1, -1):
             connection = super().get_new_connection(conn_params)
-            if not _needs_check(connection):
+            if not _idle_since(getattr(connection, _RETURNED_AT, None)):
                 return connection
             try:
                 connection.execute("")  # as psycopg_pool's check_connection: the server answers or it is gone
@@ -46,8 +62,7 @@ class DatabaseWrapper(base.DatabaseWrapper):
         super()._close()
 
 
-def _needs_check(connection: Any) -> bool:
-    """A connection new to the pool (never handed back) is checked too: it may have waited there since the pool
-    opened it."""
-    returned_at = getattr(connection, _RETURNED_AT, None)
-    return returned_at is None or time.monotonic() - returned_at > settings.DATABASE_CHECK_AFTER_IDLE
+def _idle_since(moment: float | None) -> bool:
+    """Whether a connection last used (or handed back) at `moment` sat idle past the window; one never used (None:
+    new to the pool, where it may have waited since the pool opened it) has."""
+    return moment is None or time.monotonic() - moment > settings.DATABASE_CHECK_AFTER_IDLE
