@@ -21,6 +21,16 @@ GENSERVER_CHECKPOINT_EVERY, a boundary where the card keeps the job writes it
 since the last one, and a crash loses up to that much more. A task never runs
 past half the visibility timeout.
 
+Where the card keeps the job, the checkpoint is written without its fsync, which
+the worker's background thread does while the next chunk runs, before it
+deletes the checkpoint that came before (a Wan state's fsync is most of its
+0.04-s write). A crash of the worker loses nothing of it (the file is whole in
+the page cache the moment it is renamed into place); a power loss of the
+machine before the sync may, and the job then resumes from the checkpoint
+before (`_resume_state`): one chunk more. The next such boundary waits for that
+sync, so there is never more than one. Every other boundary (a yield, a
+segment's or the job's end) syncs before it records, as before.
+
 Merged work: when the job's model allows it (the registry's `max_merge`), the
 task also takes other jobs waiting with the same shape at the same step and
 runs them as one batch, one model call per step. Each member keeps its own
@@ -33,7 +43,7 @@ from __future__ import annotations
 import contextlib
 import time
 import traceback
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 from celery import shared_task
@@ -49,6 +59,7 @@ from genserver.redis_client import BOUNDARY, CANCEL_KEY, HOP, STEPS_KEY, client 
 from genserver.scheduling.classes import CLASSES, LONG, priority_for, yields_to_equal_priority
 from genserver.scheduling.fairness import CUT_AFTER_SECONDS
 from genserver.scheduling.pools import class_of
+from genserver.storage import StorageKeyMissing
 from workers import long_cap
 from workers.runtime import stages
 from workers.runtime.base import DenoiseState
@@ -85,6 +96,7 @@ class _Member:
     checkpoint_key: str  # the last checkpoint recorded, deleted once the next one is
     state: DenoiseState | None = None
     unsaved_seconds: float = 0.0  # denoising run here since the last checkpoint (kept boundaries that wrote none)
+    unsynced: Future[None] | None = None  # the fsync of the last checkpoint written without it, off the boundary
     outcome: str = ""  # set once the job has left this task
     cursor: SegmentCursor | None = None  # global steps over a long video's segments (one segment otherwise)
     # Every member was claimed by this task's compare-and-set, which found no cancel and read the current total:
@@ -222,7 +234,7 @@ def _denoise(members: list[_Member], worker: str, hop_from: float | None = None)
         fresh = hits = 0
         for m in members:
             encoder = card_encoder(m.job)
-            m.state = m.cursor.load_state(family, store, m.job.checkpoint_step, m.job.checkpoint_key, encoder)
+            m.state = _resume_state(m, family, store, encoder, worker)
             if encoder is not None and m.job.checkpoint_step == 0:  # its first chunk: the job's one lookup
                 fresh += 1
                 hits += not encoder.encoded and m.job.pk not in encoded
@@ -251,7 +263,7 @@ def _denoise(members: list[_Member], worker: str, hop_from: float | None = None)
                 if not ran.stopped and stay and not _checkpoint_due(m, ran):
                     m.outcome = _run_on_without_a_checkpoint(m, ran, worker)
                     continue
-                saved = ran if ran.stopped else stages.save_chunk_end(family, store, m.state, ran)
+                saved = ran if ran.stopped else _save(m, family, store, ran, synced=not stay or _ends_a_stage(m, ran))
                 m.outcome = _record_chunk(m, saved, worker, stay, store)
                 if not m.outcome:
                     m.state = m.cursor.next_state(family, m.state)  # a segment's end: the next, from its seed
@@ -280,16 +292,82 @@ def _encode_new_prompts_together(members: list[_Member], store) -> set:
     return {job.pk for job, result in zip(fresh, results) if not result.cache_hit}
 
 
-def _checkpoint_due(member: _Member, result: stages.ChunkResult) -> bool:
-    """Whether a boundary where the card keeps the job writes its checkpoint: GENSERVER_CHECKPOINT_EVERY seconds
-    of denoising (the job's clock) have run since the last one, or the chunk ended a segment (whose decode reads
-    that checkpoint) or the job's steps."""
+def _ends_a_stage(member: _Member, result: stages.ChunkResult) -> bool:
+    """Whether the chunk ended a segment (whose decode reads its checkpoint) or the job's steps."""
     job = member.job
     step = member.cursor.offset + result.step
-    if step >= job.total_steps or (job.segment_count > 1 and step % job.steps == 0):
+    return step >= job.total_steps or (job.segment_count > 1 and step % job.steps == 0)
+
+
+def _checkpoint_due(member: _Member, result: stages.ChunkResult) -> bool:
+    """Whether a boundary where the card keeps the job writes its checkpoint: GENSERVER_CHECKPOINT_EVERY seconds
+    of denoising (the job's clock) have run since the last one, or the chunk ended a stage (`_ends_a_stage`)."""
+    if _ends_a_stage(member, result):
         return True
-    every = float(settings.CHECKPOINT_EVERY_SECONDS) * job.clock_scale
+    every = float(settings.CHECKPOINT_EVERY_SECONDS) * member.job.clock_scale
     return member.unsaved_seconds + result.seconds >= every
+
+
+def _save(member: _Member, family, store, result: stages.ChunkResult, synced: bool) -> stages.ChunkResult:
+    """The chunk's checkpoint; `synced=False` (a boundary where the card keeps the job) leaves its fsync to the
+    background thread (`_record_chunk`), once the previous one's is done: at most one checkpoint of the job is
+    ever unsynced, so a power loss costs at most one chunk more than a crash."""
+    if not synced:
+        _wait_synced(member)
+    return stages.save_chunk_end(family, store, member.state, result, synced=synced)
+
+
+def _wait_synced(member: _Member) -> None:
+    """Wait for the fsync of the member's last unsynced checkpoint; its error fails the attempt (the retry resumes
+    from that checkpoint, still whole on this machine). The card lets background work run while it waits."""
+    pending, member.unsynced = member.unsynced, None
+    if pending is None:
+        return
+    if not pending.done():
+        events.card_stepping()
+        try:
+            pending.exception()
+        finally:
+            events.card_busy()
+    pending.result()
+
+
+def _sync_off_the_boundary(store, key: str, older: str) -> Future[None]:
+    """`store.sync(key)` on the background thread, then the deletion of the checkpoint before it (`older`, if
+    any): kept when the sync fails, as the one a power loss would leave. The future carries the sync's error."""
+    synced: Future[None] = Future()
+
+    def sync() -> None:
+        try:
+            store.sync(key)
+        except StorageKeyMissing:
+            pass  # gone already (the job ended and its files with it): nothing to make durable
+        except BaseException as exc:
+            synced.set_exception(exc)
+            raise
+        synced.set_result(None)
+        if older:
+            store.delete_prefix(older)
+
+    _after_the_boundary(sync)
+    return synced
+
+
+def _resume_state(member: _Member, family, store, encoder, worker: str) -> DenoiseState:
+    """The state to continue the job from: its recorded checkpoint, or, when that one cannot be read (written
+    without its fsync before a power loss), the one before it in its segment (else the segment's start), which
+    the job's row then records."""
+    job = member.job
+    try:
+        return member.cursor.load_state(family, store, job.checkpoint_step, job.checkpoint_key, encoder)
+    except stages.CheckpointUnreadable:
+        start = member.cursor.segment_start(job.checkpoint_step)
+        step, key = stages.previous_checkpoint(store, str(job.pk), job.checkpoint_step, start) or (start, "")
+        if not services.resume_from_earlier_checkpoint(job.pk, worker, job.checkpoint_key, step, key):
+            raise
+        job.checkpoint_key, job.checkpoint_step, job.steps_done = key, step, step
+        member.checkpoint_key = member.cursor.deletable(step, key)
+        return member.cursor.load_state(family, store, step, key, encoder)
 
 
 def _run_on_without_a_checkpoint(member: _Member, result: stages.ChunkResult, worker: str) -> str:
@@ -327,10 +405,13 @@ def _record_chunk(member: _Member, result: stages.ChunkResult, worker: str, stay
         return Outcome.SUPERSEDED
     _after_the_boundary(services.learn_from_chunk, member.job, result.step_seconds, worker)
     metrics.observe(metrics.CHECKPOINT_BYTES, member.job.model, result.checkpoint_bytes)
-    if member.checkpoint_key and member.checkpoint_key != result.checkpoint_key:
+    older = member.checkpoint_key if member.checkpoint_key != result.checkpoint_key else ""
+    if not result.checkpoint_synced:  # the older one stays until this one is on the disk
+        member.unsynced = _sync_off_the_boundary(store, result.checkpoint_key, older)
+    elif older:
         # The older checkpoint is no longer needed; an unlink right after an fsync can take
         # milliseconds, so it happens off the chunk boundary.
-        _after_the_boundary(store.delete_prefix, member.checkpoint_key)
+        _after_the_boundary(store.delete_prefix, older)
     member.checkpoint_key = member.cursor.deletable(step, result.checkpoint_key)  # a segment's end is kept
     return "" if stay else f"step {step}"
 

@@ -71,6 +71,13 @@ class SegmentCursor:
         request = segment_request(job, index)
         return stages.load_state(family, store, request, job.embeddings_key, resume_from, encoder)
 
+    def segment_start(self, global_step: int) -> int:
+        """The global step at which the segment of `global_step` begins (0 for a job of one segment)."""
+        if self.job.segment_count <= 1:
+            return 0
+        index, local = segment_of_step(global_step, self.job.steps)
+        return global_step - local
+
     def next_state(self, family: Family, state: DenoiseState) -> DenoiseState:
         """At a segment's end, the next segment's fresh state (same embeddings); else `state` itself."""
         job = self.job

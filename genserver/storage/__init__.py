@@ -41,7 +41,14 @@ __all__ = [
 class Storage(Protocol):
     """What every backend offers; the model runtime, the tasks and the services use only this."""
 
-    def put(self, key: str, data: Data) -> str: ...
+    def put(self, key: str, data: Data, durable: bool = True) -> str:
+        """Store `data` under `key`, whole or not at all. `durable=False`: readable at once by every process, but
+        on the local disk only in the page cache until `sync(key)` (a power loss may lose it before then)."""
+        ...
+
+    def sync(self, key: str) -> None:
+        """Make what `put(key, durable=False)` stored survive a power loss (at once for an object store)."""
+        ...
 
     def get(self, key: str) -> bytes: ...
 

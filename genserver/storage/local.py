@@ -26,7 +26,7 @@ class LocalStorage:
         """The file of `key` (this backend only: code that must run on both uses the methods below)."""
         return self.root.joinpath(*check_key(key).split("/"))
 
-    def put(self, key: str, data: Data) -> str:
+    def put(self, key: str, data: Data, durable: bool = True) -> str:
         target = self.path(key)
         try:
             target.parent.mkdir(parents=True, exist_ok=True)
@@ -38,7 +38,8 @@ class LocalStorage:
                     else:
                         fh.write(data)
                     fh.flush()
-                    os.fsync(fh.fileno())
+                    if durable:
+                        os.fsync(fh.fileno())
                 os.replace(tmp, target)
             except BaseException:
                 Path(tmp).unlink(missing_ok=True)
@@ -46,6 +47,25 @@ class LocalStorage:
         except OSError as exc:
             raise StorageError(f"could not write {key!r} under {self.root}: {exc.strerror or exc}") from exc
         return key
+
+    def sync(self, key: str) -> None:
+        """The file's bytes, then its name in the directory (the rename), to the disk."""
+        target = self.path(key)
+        try:
+            fd = os.open(target, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            directory = os.open(target.parent, os.O_RDONLY)
+            try:
+                os.fsync(directory)
+            finally:
+                os.close(directory)
+        except FileNotFoundError:
+            raise StorageKeyMissing(f"storage key {key!r} does not exist") from None
+        except OSError as exc:
+            raise StorageError(f"could not sync {key!r} under {self.root}: {exc.strerror or exc}") from exc
 
     def get(self, key: str) -> bytes:
         try:

@@ -56,12 +56,15 @@ class S3Storage:
     def _key_of(self, name: str) -> str:
         return name[len(self.prefix) + 1 :] if self.prefix else name
 
-    def put(self, key: str, data: Data) -> str:
-        try:
+    def put(self, key: str, data: Data, durable: bool = True) -> str:
+        try:  # a PUT that returned is stored: `durable` asks nothing more of it
             self.client.put_object(Bucket=self.bucket, Key=self._object(key), Body=joined(data))
         except Exception as exc:
             raise self._storage_error(exc, "write", key) from exc
         return key
+
+    def sync(self, key: str) -> None:
+        """Nothing to do: the PUT was durable when it returned."""
 
     def get(self, key: str) -> bytes:
         stored = self.open(key)

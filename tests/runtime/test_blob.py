@@ -77,6 +77,20 @@ def test_what_torch_save_wrote_still_loads():
     assert same_bits(back["latents"], original["latents"]) and back["step"] == 3
 
 
+@pytest.mark.parametrize("lost", [b"", bytes(4096), b"GSBL"], ids=["empty", "zeros", "a-few-bytes"])
+def test_what_a_lost_write_leaves_is_refused_as_not_a_blob(lost):
+    """A file renamed into place whose bytes never reached the disk (a power loss before its fsync)."""
+    with pytest.raises(blob.BlobError, match="not a blob"):
+        blob.loads(lost)
+
+
+def test_a_cut_torch_save_file_is_refused_as_a_blob_error():
+    buffer = io.BytesIO()
+    torch.save(a_checkpoint(), buffer)
+    with pytest.raises(blob.BlobError, match="torch.save file unreadable"):
+        blob.loads(buffer.getvalue()[:100])
+
+
 def test_each_tensor_starts_aligned():
     data = blob.dumps({"x": torch.ones(3, dtype=torch.uint8), "y": torch.ones(5, dtype=torch.float64)})
     # header, padding, x's 3 bytes, padding, y's 40 bytes: y starts at a multiple of ALIGN

@@ -44,6 +44,26 @@ def test_put_get_exists_and_overwrite(storage_backend):
         stored.stream.close()
 
 
+def test_a_write_left_to_sync_reads_whole_at_once_and_syncs_later(storage_backend, monkeypatch):
+    """put(durable=False) skips the fsync (local: none on the write; s3: a PUT is durable anyway); sync(key) then
+    makes it durable (local: the file's and its directory's fsync); a key gone meanwhile says so."""
+    synced: list[int] = []
+    fsync = os.fsync
+    monkeypatch.setattr(os, "fsync", lambda fd: (synced.append(fd), fsync(fd))[1])
+    storage = default_storage()
+    key = unique("checkpoints") + "/step-00004.pt"
+    storage.put(key, [b"head", b"-tensors"], durable=False)
+    assert storage.get(key) == b"head-tensors" and synced == []
+    storage.sync(key)
+    assert len(synced) == (0 if storage_backend == "s3" else 2)  # the file, then the directory's entry of it
+    storage.put(key, b"again")
+    assert len(synced) == (0 if storage_backend == "s3" else 3)  # a durable put syncs as it writes
+    if storage_backend != "s3":
+        storage.delete(key)
+        with pytest.raises(StorageKeyMissing, match="does not exist"):
+            storage.sync(key)
+
+
 def test_the_backend_is_the_one_the_environment_names(storage_backend):
     from genserver.storage.local import LocalStorage
     from genserver.storage.s3 import S3Storage

@@ -24,6 +24,7 @@ import torch
 MAGIC = b"GSBLOB1\n"
 ALIGN = 64  # each tensor's bytes start at a multiple of this (aligned loads; any dtype's itemsize divides it)
 _LENGTH_BYTES = 8
+_TORCH_ZIP = b"PK\x03\x04"  # how a file of torch.save (a zip archive, since torch 1.6) begins
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -78,7 +79,12 @@ def loads(data: bytes | bytearray | memoryview) -> Any:
     """The object `dumps` (or `torch.save`) wrote; tensors on the CPU, each in memory of its own."""
     view = memoryview(data)
     if bytes(view[: len(MAGIC)]) != MAGIC:
-        return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)  # written before this format
+        if bytes(view[: len(_TORCH_ZIP)]) != _TORCH_ZIP:  # empty, or zeros where a lost write was to be
+            raise BlobError(f"not a blob: {len(view)} bytes starting {bytes(view[:8])!r}")
+        try:
+            return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)  # written before this format
+        except (RuntimeError, EOFError) as exc:  # a cut zip
+            raise BlobError(f"torch.save file unreadable: {exc}") from exc
     header_at = len(MAGIC) + _LENGTH_BYTES
     if len(view) < header_at:
         raise BlobError(f"blob truncated: {len(view)} bytes, not even its header's length")

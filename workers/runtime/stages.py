@@ -68,10 +68,42 @@ def load_state(
     embeddings = _embeddings(storage, embeddings_ref, request, encoder)
     if not checkpoint_ref:
         return family.prepare(request, embeddings)
-    data = blob.loads(storage.get(checkpoint_ref))
+    data = read_checkpoint(storage, checkpoint_ref)
     if int(data.get("steps", request.steps)) != request.steps:
         return restore_for_new_total(family, request, embeddings, data)
     return family.restore(request, embeddings, data)
+
+
+class CheckpointUnreadable(RuntimeError):
+    """A recorded checkpoint that is missing or not a whole blob: written without its fsync and lost with the
+    machine's power before the sync (`save_chunk_end(synced=False)`), or removed by hand."""
+
+
+def read_checkpoint(storage: Storage, key: str) -> dict[str, Any]:
+    try:
+        return blob.loads(storage.get(key))
+    except (StorageKeyMissing, blob.BlobError) as exc:
+        raise CheckpointUnreadable(f"checkpoint {key!r} cannot be read: {exc}") from exc
+
+
+def previous_checkpoint(storage: Storage, job_id: str, before: int, not_before: int) -> tuple[int, str] | None:
+    """(step, key) of the job's latest readable checkpoint at a step in [not_before, before), None if there is none:
+    where a job resumes when the checkpoint recorded at `before` cannot be read. A checkpoint written without its
+    fsync is the only one that can be lost so, and the one before it stays until that sync is done."""
+    found = []
+    for entry in storage.list(f"checkpoints/{job_id}/"):
+        name = entry.key.rsplit("/", 1)[-1]
+        if name.startswith("step-") and name.endswith(".pt") and name[5:-3].isdigit():
+            step = int(name[5:-3])
+            if not_before <= step < before:
+                found.append((step, entry.key))
+    for step, key in sorted(found, reverse=True):
+        try:
+            read_checkpoint(storage, key)
+        except CheckpointUnreadable:
+            continue
+        return step, key
+    return None
 
 
 def _embeddings(
@@ -147,6 +179,7 @@ class ChunkResult:
     step_seconds: float | None  # mean measured seconds per step in this chunk
     checkpoint_bytes: int = 0  # the size of the checkpoint written (0 if none)
     checkpoint_seconds: float = 0.0  # how long writing it took (part of the chunk boundary)
+    checkpoint_synced: bool = True  # False: written without its fsync, which `Storage.sync` does later
     seconds: float = 0.0  # wall seconds of the chunk's steps for this job (its rows' share of a merged batch)
 
 
@@ -238,13 +271,21 @@ def run_merged_chunk(
     return [results[id(state)] for state in states]
 
 
-def save_chunk_end(family: Family, storage: Storage, state: DenoiseState, result: ChunkResult) -> ChunkResult:
-    """Save the atomic checkpoint of a chunk that ran to its end: `result` with where, how large, how long."""
+def save_chunk_end(
+    family: Family, storage: Storage, state: DenoiseState, result: ChunkResult, synced: bool = True
+) -> ChunkResult:
+    """Save the atomic checkpoint of a chunk that ran to its end: `result` with where, how large, how long.
+    `synced=False` leaves its fsync to the caller (`Storage.sync`): the checkpoint is whole for every reader at
+    once and survives the worker's crash, not yet a power loss."""
     saving = time.perf_counter()
     data = blob.dump_parts(family.checkpoint(state))
-    key = storage.put(checkpoint_key(state.request.job_id, state.step), data)
+    key = storage.put(checkpoint_key(state.request.job_id, state.step), data, durable=synced)
     return dataclasses.replace(
-        result, checkpoint_key=key, checkpoint_bytes=data_size(data), checkpoint_seconds=time.perf_counter() - saving
+        result,
+        checkpoint_key=key,
+        checkpoint_bytes=data_size(data),
+        checkpoint_seconds=time.perf_counter() - saving,
+        checkpoint_synced=synced,
     )
 
 

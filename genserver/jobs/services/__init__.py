@@ -48,6 +48,7 @@ from .transitions import (
     heartbeat,
     learn_from_chunk,
     record_preview,
+    resume_from_earlier_checkpoint,
     start_decoding,
     start_encoding,
 )
@@ -77,6 +78,7 @@ __all__ = [
     "expire_outputs",
     "expire_overdue",
     "fail_attempt",
+    "resume_from_earlier_checkpoint",
     "fingerprint",
     "finish_cancelled",
     "finish_chunk",

@@ -253,6 +253,19 @@ def heartbeat(job_id: JobId, worker: str, steps_done: int | None = None, *, chun
     return bool(renewed)
 
 
+def resume_from_earlier_checkpoint(job_id: JobId, worker: str, lost_key: str, step: int, key: str) -> bool:
+    """The job's recorded checkpoint `lost_key` cannot be read (written without its fsync, then the machine lost
+    power: workers/runtime/stages.py): its holder resumes it from the earlier checkpoint at `step` (`key`; "" for
+    its first step), which the job's row then records, its progress with it. False when the lease or the
+    recorded checkpoint changed meanwhile."""
+    moved = Job.objects.filter(pk=job_id, lease_owner=worker, status__in=ACTIVE, checkpoint_key=lost_key).update(
+        checkpoint_key=key, checkpoint_step=step, steps_done=step
+    )
+    if moved:
+        log.warning("job %s: checkpoint %s unreadable, resumed from step %d (%s)", job_id, lost_key, step, key or "-")
+    return bool(moved)
+
+
 def record_preview(job_id: JobId, worker: str, key: str, step: int) -> None:
     """A preview taken after `step` steps: it is the job's progress too (heartbeats record steps only
     every few seconds, so without this a poll or the preview event would still say step 0)."""
