@@ -300,10 +300,11 @@ def api_threads() -> int:
 def cluster_read_seconds() -> float:
     """How long an API process reuses its read of the cluster's picture in Redis (the live cards, the overload
     cap, the learned stage seconds: `selectors.capacity.cluster_reads`) and of the decode workers' queue
-    (`selectors.decode_queue.line`), which every submit and every job's answer needs. Longer saves a Redis round trip per request (at 200 submits/s, about 5 % of the API's CPU and
-    the wait for Redis); the answers then see a card come or go, the cap engage or let go, or a newly learned
-    stage time up to that much later (a card's liveness itself is refreshed every 5 s and expires after 15).
-    0 reads it at every request."""
+    (`selectors.decode_queue.line`), which every submit and every job's answer needs. Longer saves a Redis round
+    trip (at 200 submits/s, about 5 % of the API's CPU and the wait for Redis) and a database read per request; the
+    answers then see a card come or go, the cap engage or let go, a newly learned stage time, or a decode published
+    or done up to that much later (a card's liveness itself is refreshed every 5 s and expires after 15). 0 reads
+    them at every request."""
     return env_float("GENSERVER_CLUSTER_READ_SECONDS", 0.5, minimum=0.0, maximum=5.0)
 
 
