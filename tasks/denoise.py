@@ -23,8 +23,8 @@ past half the visibility timeout.
 
 Where the card keeps the job, the checkpoint is written without its fsync, which
 the worker's background thread does while the next chunk runs, before it
-deletes the checkpoint that came before (a Wan state's fsync is most of its
-0.04-s write). A crash of the worker loses nothing of it (the file is whole in
+deletes the checkpoint that came before (the fsync was 19 ms of a Wan state's
+31-ms save on an H200's host). A crash of the worker loses nothing of it (the file is whole in
 the page cache the moment it is renamed into place); a power loss of the
 machine before the sync may, and the job then resumes from the checkpoint
 before (`_resume_state`): one chunk more. The next such boundary waits for that
