@@ -10,12 +10,12 @@ from urllib.request import Request, urlopen
 
 import pytest
 from django.contrib.staticfiles import finders
-from django.db import connection
 from django.urls import reverse
 
 from genserver.serving import holds_the_request
 from tests.reliability.conftest import using_postgres
 from tests.support.live_server import AsgiServer
+from tests.support.postgres import open_connections
 from tests.support.waits import wait_for
 
 THREADS = 2
@@ -51,16 +51,6 @@ def test_requests_that_may_stay_open_go_to_the_asgi_handler_the_rest_to_the_kept
     assert holds_the_request(scope) is stays_open
 
 
-def _open_connections(application_name: str) -> int:
-    """PostgreSQL's connections from the server process (its PGAPPNAME)."""
-    with connection.cursor() as cursor:
-        cursor.execute(
-            "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND application_name = %s",
-            [application_name],
-        )
-        return cursor.fetchone()[0]
-
-
 # SQLite keeps a closed connection's file open while another connection of the process holds a lock on the
 # file (its POSIX locks are per process), so its descriptors do not count connections.
 @pytest.mark.skipif(not using_postgres(), reason="counts PostgreSQL's connections (DATABASE_URL)")
@@ -84,8 +74,8 @@ def test_long_requests_leave_no_connection_behind_and_the_kept_threads_keep_thei
         assert statuses == [200] * (2 * REQUESTS)
         # a request's connection closes after its answer is sent: wait for the last ones (without the close, one
         # per request on the ASGI side stays open for good)
-        wait_for(lambda: _open_connections(name) <= THREADS, what="the long requests' connections closed")
-        assert _open_connections(name) >= 1  # the kept threads keep theirs
+        wait_for(lambda: open_connections(name) <= THREADS, what="the long requests' connections closed")
+        assert open_connections(name) >= 1  # the kept threads keep theirs
     finally:
         server.stop()
 

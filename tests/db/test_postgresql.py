@@ -17,28 +17,13 @@ from django.db import OperationalError, connection
 
 from tests.reliability.conftest import using_postgres
 from tests.support.live_server import AsgiServer
+from tests.support.postgres import end_connections, open_connections
 from tests.support.waits import wait_for
 
 pytestmark = [
     pytest.mark.django_db(transaction=True),
     pytest.mark.skipif(not using_postgres(), reason="ends a PostgreSQL backend (DATABASE_URL)"),
 ]
-
-
-def _end_the_servers_connections(name: str) -> int:
-    with connection.cursor() as cursor:
-        cursor.execute(
-            "SELECT count(*) FROM (SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
-            "WHERE application_name = %s) ended",
-            [name],
-        )
-        return cursor.fetchone()[0]
-
-
-def _open_connections(name: str) -> int:
-    with connection.cursor() as cursor:
-        cursor.execute("SELECT count(*) FROM pg_stat_activity WHERE application_name = %s", [name])
-        return cursor.fetchone()[0]
 
 
 def _status(server: AsgiServer, token: str) -> int:
@@ -59,9 +44,9 @@ def _server(check_after_idle: str) -> tuple[AsgiServer, str]:
 def _ended_between_requests(server: AsgiServer, name: str, token: str) -> int:
     """The status of a request after the pool's one connection was ended while it sat in the pool."""
     assert _status(server, token) == 200
-    wait_for(lambda: _open_connections(name) == 1, what="the pool's connection open")
-    assert _end_the_servers_connections(name) == 1
-    wait_for(lambda: _open_connections(name) == 0, what="the pool's connection ended")
+    wait_for(lambda: open_connections(name) == 1, what="the pool's connection open")
+    assert end_connections(name) == 1
+    wait_for(lambda: open_connections(name) == 0, what="the pool's connection ended")
     return _status(server, token)
 
 

@@ -178,10 +178,11 @@ def test_the_decode_line_is_reused_for_cluster_read_seconds(db, django_user_mode
 
     from genserver.jobs.models import JobStage, JobStatus
     from genserver.jobs.selectors import decode_queue
+    from genserver.jobs.selectors.kept import KeptRead
     from tests.support.jobs import make_job
 
     monkeypatch.setenv("GENSERVER_CLUSTER_READ_SECONDS", "0.5")
-    monkeypatch.setattr(decode_queue, "_kept_line", None)
+    monkeypatch.setattr(decode_queue, "_LINE_READ", KeptRead())  # none kept, and restored after
     owner = django_user_model.objects.create(username="line-reuse")
     now, clock = timezone.now(), [1000.0]
 

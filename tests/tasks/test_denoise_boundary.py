@@ -82,6 +82,19 @@ def spy_on_chunks(monkeypatch) -> tuple[list[int], list[float]]:
     return saved_at, seconds
 
 
+def kept_then_fault(kept: int, error: str):
+    """A stand-in for broker.should_yield: nothing waits at the first `kept` boundaries, then `error` is raised."""
+    boundaries = iter([False] * kept)
+
+    def should_yield(*args, **kwargs):
+        try:
+            return next(boundaries)
+        except StopIteration:
+            raise RuntimeError(error) from None
+
+    return should_yield
+
+
 def test_a_checkpoint_interval_writes_at_kept_boundaries_only_when_due_and_always_at_a_yield(
     make_user, monkeypatch, settings
 ):
@@ -141,15 +154,7 @@ def test_a_fault_between_checkpoints_redoes_the_unsaved_chunks_from_the_last_one
     settings.CHECKPOINT_EVERY_SECONDS = 1e6
     sent = capture_sends(monkeypatch, "send_encode", "send_chunk", "send_decode")
     saved_at, _ = spy_on_chunks(monkeypatch)
-    boundaries = iter([False, False, False])
-
-    def fault_at_the_fourth_boundary(*args, **kwargs):
-        try:
-            return next(boundaries)
-        except StopIteration:
-            raise RuntimeError("injected fault at a kept boundary") from None
-
-    monkeypatch.setattr(denoise.broker, "should_yield", fault_at_the_fourth_boundary)
+    monkeypatch.setattr(denoise.broker, "should_yield", kept_then_fault(3, "injected fault at a kept boundary"))
     job = job_with_one_step_chunks(make_user("fault").user, 6)
     sent.clear()
     assert denoise.run_chunk.apply(args=[str(job.pk), 0]).get() == "retried"
@@ -301,15 +306,7 @@ def test_a_checkpoint_lost_before_its_fsync_resumes_from_the_one_before_with_the
         return sync_off_the_boundary(store, key, older)
 
     monkeypatch.setattr(denoise, "_sync_off_the_boundary", power_lost_before_the_sync_of_step_2)
-    boundaries = iter([False, False])
-
-    def power_lost_at_the_third_boundary(*args, **kwargs):
-        try:
-            return next(boundaries)
-        except StopIteration:
-            raise RuntimeError("the machine lost power") from None
-
-    monkeypatch.setattr(denoise.broker, "should_yield", power_lost_at_the_third_boundary)
+    monkeypatch.setattr(denoise.broker, "should_yield", kept_then_fault(2, "the machine lost power"))
     sent.clear()
     assert denoise.run_chunk.apply(args=[str(job.pk), 0]).get() == "retried"
     row = Job.objects.get(pk=job.pk)

@@ -12,12 +12,14 @@ from typing import Any
 
 from django.utils import timezone
 
-from genserver import config, deployment, liveness
+from genserver import deployment, liveness
 from genserver.jobs.models import Job, JobStatus
 from genserver.redis_client import LONG_CAP_KEY, STAGE_SECONDS_KEY, client as redis_client
 from genserver.scheduling.classes import LONG
 from genserver.scheduling.overload import capped_layout
 from genserver.scheduling.pools import PoolLayout, worker_from_queues
+
+from .kept import KeptRead
 
 
 def live_workers() -> list[dict[str, Any]]:
@@ -139,24 +141,23 @@ def cluster_reads(clock: Callable[[], float] = time.monotonic) -> ClusterReads:
     A read is reused by the process's requests for `config.cluster_read_seconds()` (the cards' heartbeats
     themselves come every few seconds). Each part falls back as its own read does when Redis is unreachable;
     such a fallback is not reused."""
-    global _kept_read
-    kept, now = _kept_read, clock()
-    if kept is not None and 0 <= now - kept[0] < config.cluster_read_seconds():
-        return kept[1]
+    now = clock()
+    read = _CLUSTER_READ.get(now)
+    if read is not None:
+        return read
     read = _read_cluster()
     if read is None:
         return ClusterReads(_held_to(LongCapState(), []), {})
-    _kept_read = (now, read)
+    _CLUSTER_READ.keep(now, read)
     return read
 
 
-_kept_read: tuple[float, ClusterReads] | None = None  # (when, what): the process's last read from Redis
+_CLUSTER_READ: KeptRead[ClusterReads] = KeptRead()  # the process's last read from Redis
 
 
 def forget_cluster_read() -> None:
     """The next `cluster_reads` reads Redis (after this process changed what it reads)."""
-    global _kept_read
-    _kept_read = None
+    _CLUSTER_READ.forget()
 
 
 def _read_cluster() -> ClusterReads | None:

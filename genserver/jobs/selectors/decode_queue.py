@@ -21,10 +21,10 @@ from typing import Any
 
 from django.db.models import BooleanField, Case, Count, F, Min, Q, Value, When
 
-from genserver import config
 from genserver.jobs.models import Job, JobStage, JobStatus
 
 from .compiled import CompiledRead
+from .kept import KeptRead
 
 _FIELDS = ("id", "model", "stage", "lease_owner", "chunk_started_at", "published_at")
 
@@ -97,10 +97,10 @@ def line(since: datetime, clock: Callable[[], float] = time.monotonic) -> Line:
     counts a decode published or finished up to that much later. A read made for an earlier `since` serves a
     later one: it has a row of its own for each decode from its `since` on, where the later read would have
     counted some of them per model."""
-    global _kept_line
-    kept, now = _kept_line, clock()
-    if kept is not None and 0 <= now - kept[0] < config.cluster_read_seconds() and kept[1] <= since:
-        return kept[2]
+    now = clock()
+    kept = _LINE_READ.get(now, covers=lambda kept_since: kept_since <= since)
+    if kept is not None:
+        return kept
     rows: list[LineRow] = []
     settled: list[tuple[str, int]] = []
     for model, serving, taken_at, published, count, alone in _LINE.tuples(since=since):
@@ -109,11 +109,11 @@ def line(since: datetime, clock: Callable[[], float] = time.monotonic) -> Line:
         else:
             rows.append((model, serving, taken_at, published))
     read = Line(rows, settled)
-    _kept_line = (now, since, read)
+    _LINE_READ.keep(now, read, key=since)
     return read
 
 
-_kept_line: tuple[float, datetime, Line] | None = None  # (when, since, what): the process's last read of the line
+_LINE_READ: KeptRead[Line] = KeptRead()  # the process's last read of the line, kept with its `since`
 
 
 def as_line_row(row: dict[str, Any]) -> LineRow:
