@@ -159,6 +159,16 @@ if DATABASE_PREPARE_AFTER >= 0 and DATABASES["default"]["ENGINE"].endswith("post
     DATABASES["default"].setdefault("OPTIONS", {}).update(
         server_side_binding=True, prepare_threshold=DATABASE_PREPARE_AFTER
     )
+# On PostgreSQL, what the planner reckons one page read at random costs against one read in sequence
+# (random_page_cost, set for each connection of the service). PostgreSQL's default, 4, is for a disk that seeks;
+# a queue's job table is read from memory, where the two cost about the same. At 4 the planner scans the whole
+# job table rather than read the few hundred rows of one index range at random (a list page's middle jobs at
+# 10,000 queued: 3-5 ms against 0.3-0.5 ms; docs/BENCHMARKS.md, "A list page at 10,000 queued, stop 47"). Lower
+# favours index reads; set 4 for a database much larger than the server's memory, on spinning disks.
+DATABASE_RANDOM_PAGE_COST = env_float("GENSERVER_DATABASE_RANDOM_PAGE_COST", 1.1, above=0)
+if DATABASES["default"]["ENGINE"].endswith("postgresql"):
+    _options = DATABASES["default"].setdefault("OPTIONS", {})
+    _options["options"] = f"{_options.get('options', '')} -c random_page_cost={DATABASE_RANDOM_PAGE_COST}".strip()
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 
 USE_TZ = True

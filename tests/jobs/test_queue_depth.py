@@ -325,3 +325,33 @@ def test_the_held_tally_and_the_positions_read_from_it_agree_with_the_rows_under
                     assert a[2] is None or a[2] == pytest.approx(b[2], abs=2e-3), (step, near_end, page, a, b)
         assert most_held >= 2  # the burst was held (its first job fills the window), whatever the random moves did
         transaction.set_rollback(True)
+
+
+def test_a_held_job_published_after_a_middle_jobs_key_counts_as_submitted_before_it(
+    django_user_model, settings, monkeypatch
+):
+    """The middle sums (`_middle_sums`: a job with NEAR_END or more on both sides) take the other users' held
+    jobs by submit time, in a read of their own for the held jobs whose wait key comes after the job's: a
+    held job published later than the middle job but submitted before it counts for it as the reads from
+    the ends count it."""
+    from genserver.jobs.api.serializers import JobCreateSerializer
+
+    settings.FAIR_WINDOW = 1  # alice's burst: her first job published, the next two held
+    settings.MAX_JOBS_IN_FLIGHT, settings.SUBMIT_RATE_LIMIT = 0, 0
+    alice, bob, carol = (django_user_model.objects.create_user(name) for name in ("alice", "bob", "carol"))
+    jobs = {}
+    for name, owner in (("a1", alice), ("a2", alice), ("a3", alice), ("b1", bob), ("c1", carol)):
+        serializer = JobCreateSerializer(data={"model": MODELS[0], "prompt": name, "steps": 4, "seed": 1})
+        serializer.is_valid(raise_exception=True)
+        jobs[name] = services.submit_job(owner, serializer.validated_data)
+    assert [jobs[n].held for n in ("a1", "a2", "a3", "b1", "c1")] == [False, True, True, False, False]
+    # a2, submitted before b1, waits after every other job: its next task published last.
+    Job.objects.filter(pk=jobs["a2"].pk).update(published_at=timezone.now() + timedelta(seconds=1))
+    layout, now = deployment.layout(), timezone.now()
+    middle = [Job.objects.get(pk=jobs["b1"].pk)]  # a1 and a3 before it, a2 and c1 after
+    from_the_ends = _answers(layout, middle, now, page=True)
+    monkeypatch.setattr(selectors.positions, "NEAR_END", 1)  # one row from each end: b1 is in the middle
+    with CaptureQueriesContext(connection) as reads:
+        summed = _answers(layout, middle, now, page=True)
+    assert any("CASE WHEN" in q["sql"] for q in reads.captured_queries)  # it was summed
+    assert summed == from_the_ends

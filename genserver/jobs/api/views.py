@@ -68,7 +68,7 @@ class JobListCreateView(GenericAPIView):
     parser_classes = [throttling.SubmitJSONParser]  # JSON only: any other content type is a 415
 
     def get_queryset(self):
-        qs = selectors.jobs_visible_to(self.request.user).select_related("owner").prefetch_related("segments")
+        qs = selectors.jobs_listed_for(self.request.user).select_related("owner").prefetch_related("segments")
         wanted = self.request.query_params.get("status")
         if wanted:
             if wanted not in JobStatus.values:
@@ -76,7 +76,7 @@ class JobListCreateView(GenericAPIView):
 
                 raise ValidationError({"status": [f"Must be one of {', '.join(JobStatus.values)}."]})
             qs = qs.filter(status=wanted)
-        return qs.order_by("-created_at")
+        return qs
 
     @extend_schema(
         parameters=[OpenApiParameter("status", OpenApiTypes.STR, enum=JobStatus.values)],

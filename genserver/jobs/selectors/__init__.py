@@ -24,7 +24,7 @@ from .capacity import (
     must_leave_long,
     nodes_overview,
 )
-from .jobs import jobs_visible_to, model_of, queue_and_priority
+from .jobs import jobs_listed_for, jobs_visible_to, model_of, queue_and_priority
 from .overview import QUEUE_SUMMARY_FIELDS, queue_overview, step_time_corrections
 from .positions import (
     NEAR_END,
@@ -88,6 +88,7 @@ __all__ = [
     "held_rows",
     "in_flight_jobs",
     "jobs",
+    "jobs_listed_for",
     "jobs_visible_to",
     "limit_counts",
     "live_api_tokens",

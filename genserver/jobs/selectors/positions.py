@@ -19,6 +19,7 @@ from typing import Any
 from django.conf import settings
 from django.db import connections, router
 from django.db.models import (
+    BooleanField,
     Case,
     Count,
     ExpressionWrapper,
@@ -31,6 +32,7 @@ from django.db.models import (
     Value,
     When,
 )
+from django.db.models.expressions import RawSQL
 from django.db.models.functions import Coalesce, Greatest
 from django.utils import timezone
 
@@ -276,6 +278,22 @@ def _fair_picture_sql(alias: str) -> str:
     )
 
 
+@functools.cache
+def _waiting_in_text(alias: str) -> RawSQL:
+    """`_WAITING` with its constants written into the statement's text, not bound: a prepared statement's
+    generic plan can then match job_waiting_order's condition, which bound constants hide from it. A page's
+    middle sums (`_middle_sums`), prepared after a few runs, took a generic plan that scanned the whole job
+    table (2.2 ms at 10,000 queued, against 0.3 ms over the index)."""
+    quote = connections[alias].ops.quote_name
+    table = quote(Job._meta.db_table)
+    status, lease_owner = (f"{table}.{quote(Job._meta.get_field(n).column)}" for n in ("status", "lease_owner"))
+    return RawSQL(
+        f"{status} IN ({sql_words(ACTIVE)}) AND ({status} <> '{JobStatus.DENOISING}' OR {lease_owner} = '')",
+        (),
+        output_field=BooleanField(),
+    )
+
+
 def _column_names() -> dict[str, str]:
     return {name: Job._meta.get_field(name).column for name in ("owner", "queue", "status", "held", "chunks_run")}
 
@@ -314,7 +332,7 @@ class _MiddleSums:
     held: dict[Any, dict[tuple[str, str, int], WaitingGroup]]
 
 
-def _middle_sums(priority: int, jobs: list[Job]) -> _MiddleSums:
+def _middle_sums(priority: int, jobs: list[Job], held_exist: bool = True) -> _MiddleSums:
     """For published waiting jobs of one priority (sorted by wait key), the waiting jobs of that priority at
     or before each one's key, itself excluded, and the other users' held jobs submitted at or before it: in
     one aggregate for all of them (a page's jobs in the middle of a deep priority), not one per job. The
@@ -322,7 +340,13 @@ def _middle_sums(priority: int, jobs: list[Job]) -> _MiddleSums:
     key, up to job i's), each job of `jobs` into a span of its own (so that it can count for the others at
     the key the database holds, and not for itself); a job's answer is the spans up to its own plus those
     jobs that are not it and wait at or before its key. The held jobs among the rows (they wait too) also
-    fall into spans by their submit time, and are grouped by owner."""
+    fall into spans by their submit time, and are grouped by owner.
+
+    The rows are read in two parts: the waiting ones up to the last key, over job_waiting_order, and, when
+    some job is held at the priority (`held_exist`), the held ones submitted up to it that wait after it (a
+    held job published later, which the first part leaves out). Asked for as one condition with an OR,
+    PostgreSQL scans the whole job table: 3-5 ms at 10,000 queued for a page's middle jobs with 500 ahead of
+    them, against 0.3-0.5 ms over the index."""
     keys = [_key(j) for j in jobs]
     span = Case(
         *(When(pk=job.pk, then=Value(-1 - i)) for i, job in enumerate(jobs)),
@@ -335,15 +359,23 @@ def _middle_sums(priority: int, jobs: list[Job]) -> _MiddleSums:
         default=None,
         output_field=IntegerField(),
     )
-    rows = list(
-        Job.objects.filter(_WAITING, priority=priority)
-        .annotate(wait_key=_WAIT_KEY)
-        .filter(Q(wait_key__lte=keys[-1]) | Q(held=True, created_at__lte=keys[-1]))
+    alias = router.db_for_read(Job)
+    connection = connections[alias]
+    waiting = Job.objects.filter(_waiting_in_text(alias), priority=priority)
+    waiting = waiting.annotate(wait_key=_WAIT_KEY)
+    parts = [Q(wait_key__lte=keys[-1])]
+    if held_exist:  # `held` in the text too, for job_held_order's condition
+        held = RawSQL(f"{connection.ops.quote_name(Job._meta.db_table)}.{connection.ops.quote_name('held')}", ())
+        parts.append(Q(ExpressionWrapper(held, BooleanField()), created_at__lte=keys[-1], wait_key__gt=keys[-1]))
+    rows = [
+        row
+        for part in parts
+        for row in waiting.filter(part)
         .annotate(span=span, held_span=held_span, holder=Case(When(held=True, then=F("owner_id")), default=None))
         .order_by()
         .values("span", "held_span", "queue", "duration_class", "holder")
         .annotate(n=Count("id"), seconds=Sum(_WALL_REMAINING), last=Max("wait_key"))
-    )
+    ]
     answers = _MiddleSums({}, {})
     for i, job in enumerate(jobs):
         sums: dict[tuple[str, str], tuple[int, float]] = {}
@@ -606,7 +638,7 @@ class QueueSnapshot:
                 else:
                     self._peers[job.pk] = ahead
             if middle:  # NEAR_END or more on both sides: summed, all of them in one read
-                sums = _middle_sums(priority, middle)
+                sums = _middle_sums(priority, middle, held_exist=any(r.priority == priority for r in self._held()))
                 self._peers.update(sums.waiting)
                 self._held_peers.update(sums.held)  # the same read's: `_prepare_held` reads nothing for them
         if jobs and self._held_exist():
