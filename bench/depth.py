@@ -15,7 +15,8 @@ genserver/liveness.py). That keeps a 10,000-job fill at seconds, where submittin
 long as the cost being measured grows. At each size it prints the P50 of each request, its ratio to the empty
 queue's and the database queries it made; the sweep runs --rounds times (the machine is shared: a burst of other work
 lands on one round) and each figure is the median over the rounds. It deletes what it recorded (the jobs
-of its users, `bench-depth` and `bench-depth-others`) at the start and at the end.
+of its users, `bench-depth`, `bench-depth-others` and `bench-depth-submitter`) at the start and at the end.
+The submits measured are `bench-depth-submitter`'s, each cancelled once timed (`Bench.__init__` says why).
 """
 
 from __future__ import annotations
@@ -64,21 +65,26 @@ def _setup() -> None:
     call_command("migrate", "--noinput", verbosity=0)
 
 
-def _p50_ms(call: Callable[[], Any], samples: int) -> float:
+def _p50_ms(call: Callable[[], Any], samples: int, after: Callable[[Any], Any] | None = None) -> float:
+    """The P50 of `call`'s time over `samples` calls; `after` (untimed) takes each call's result."""
     times = []
     for _ in range(samples):
         start = time.perf_counter()
-        call()
+        result = call()
         times.append((time.perf_counter() - start) * 1000)
+        if after is not None:
+            after(result)
     return statistics.median(times)
 
 
-def _queries(call: Callable[[], Any]) -> float:
+def _queries(call: Callable[[], Any], after: Callable[[Any], Any] | None = None) -> float:
     from django.db import connection
     from django.test.utils import CaptureQueriesContext
 
     with CaptureQueriesContext(connection) as captured:
-        call()
+        result = call()
+    if after is not None:
+        after(result)
     return float(len(captured.captured_queries))
 
 
@@ -94,9 +100,16 @@ class Bench:
         # The queue is everyone's: the fill is another user's jobs, so the measured user's list page
         # is a page of their own jobs (its pagination count is theirs, not the queue's).
         self.others, _ = user_model.objects.get_or_create(username="bench-depth-others")
+        # The measured submits are a third user's, each cancelled once timed: at every depth the submit is
+        # then that of a user with nothing else waiting, whom the fair window publishes (the same work at 0 as
+        # at 10,000). The measured user's own would be held at 0 (alone, their window full) and published at
+        # depth (lighter than the fill's user), and the ratio would be a broker publish, not the queue's growth.
+        self.submitter, _ = user_model.objects.get_or_create(username="bench-depth-submitter")
         self.clear()  # a previous run's jobs, had it been interrupted
         self.client = APIClient()
         self.client.force_authenticate(self.user)
+        self.submitting = APIClient()
+        self.submitting.force_authenticate(self.submitter)
         self.templates = [self._submit(model) for model in MODELS]
         for i in range(PAGE):  # a full page of history at every depth, so each page serialises PAGE jobs
             self._submit(MODELS[i % len(MODELS)], "depth history")
@@ -104,21 +117,22 @@ class Bench:
         self._cancel_all()  # the templates and the history are not the queue
 
     def clear(self) -> None:
-        """Delete the bench's own jobs (its two users'): the queue it filled and the probes, and their event logs."""
+        """Delete the bench's own jobs (its three users'): the queue it filled and the probes, and their event logs."""
         from genserver.jobs.events import log_key
         from genserver.jobs.models import Job
         from genserver.redis_client import client
 
-        jobs = Job.objects.filter(owner__in=(self.user, self.others))
+        jobs = Job.objects.filter(owner__in=(self.user, self.others, self.submitter))
         ids = list(jobs.values_list("pk", flat=True))
         for start in range(0, len(ids), 1000):
             client().delete(*[log_key(pk) for pk in ids[start : start + 1000]])
         jobs.delete()
 
-    def _submit(self, model: str, prompt: str = "depth probe") -> Any:
+    def _submit(self, model: str, prompt: str = "depth probe", client: Any = None) -> Any:
         from genserver.jobs.models import Job
 
-        response = self.client.post("/api/v1/jobs/", {"model": model, "prompt": prompt, "steps": 4}, format="json")
+        client = client or self.client
+        response = client.post("/api/v1/jobs/", {"model": model, "prompt": prompt, "steps": 4}, format="json")
         if response.status_code != 201:
             raise RuntimeError(f"submit of {model} answered {response.status_code}: {response.content[:300]!r}")
         return Job.objects.get(pk=response.json()["id"])
@@ -171,16 +185,21 @@ class Bench:
 
     def measure(self, samples: int) -> dict[str, float]:
         """P50 ms of each request, and the database queries it made (the same at every depth, or not)."""
+        from genserver.jobs import services
+
         probe = self._submit(MODELS[0], "depth probe, the newest queued job")
-        calls: dict[str, Callable[[], Any]] = {
-            "submit": lambda: self._submit(MODELS[0]),
-            "get": lambda: self._expect_ok(self.client.get(f"/api/v1/jobs/{probe.pk}/")),
-            "list": lambda: self._expect_ok(self.client.get(f"/api/v1/jobs/?limit={PAGE}")),
+        calls: dict[str, tuple[Callable[[], Any], Callable[[Any], Any] | None]] = {
+            "submit": (lambda: self._submit(MODELS[0], client=self.submitting), services.cancel_job),
+            "get": (lambda: self._expect_ok(self.client.get(f"/api/v1/jobs/{probe.pk}/")), None),
+            "list": (lambda: self._expect_ok(self.client.get(f"/api/v1/jobs/?limit={PAGE}")), None),
         }
         figures = {}
-        for name, call in calls.items():
-            figures[name] = _p50_ms(call, samples)
-            figures[f"{name}_queries"] = _queries(call)
+        for name, (call, after) in calls.items():
+            if name == "get":  # the measured user's recent submits, which their list page shows with the probe
+                for _ in range(samples):
+                    self._submit(MODELS[0])
+            figures[name] = _p50_ms(call, samples, after)
+            figures[f"{name}_queries"] = _queries(call, after)
         return figures
 
     @staticmethod

@@ -28,6 +28,7 @@ from django.db.models import (
     IntegerField,
     Max,
     Q,
+    QuerySet,
     Sum,
     Value,
     When,
@@ -109,7 +110,6 @@ def _work_item(job: Job, wall: bool, now: datetime | None = None, step_overhead:
 # of its own priority that waits around it, in the database over the partial index of waiting jobs
 # (migration 0012). A request reads a few tally rows, not the rows of the whole queue.
 _RUNNING = Q(status=JobStatus.DENOISING) & ~Q(lease_owner="")
-_WAITING = Q(status__in=ACTIVE) & ~_RUNNING
 # Wall seconds of work left (Job.remaining_seconds × clock_scale), as the database computes it.
 _WALL_REMAINING = ExpressionWrapper(
     F("estimated_seconds")
@@ -280,10 +280,10 @@ def _fair_picture_sql(alias: str) -> str:
 
 @functools.cache
 def _waiting_in_text(alias: str) -> RawSQL:
-    """`_WAITING` with its constants written into the statement's text, not bound: a prepared statement's
-    generic plan can then match job_waiting_order's condition, which bound constants hide from it. A page's
-    middle sums (`_middle_sums`), prepared after a few runs, took a generic plan that scanned the whole job
-    table (2.2 ms at 10,000 queued, against 0.3 ms over the index)."""
+    """The waiting jobs (active, on no card: job_waiting_order's condition), with the constants written into
+    the statement's text, not bound: a prepared statement's generic plan can then match the index's condition,
+    which bound constants hide from it. A page's middle sums (`_middle_sums`), prepared after a few runs, took
+    a generic plan that scanned the whole job table (2.2 ms at 10,000 queued, against 0.3 ms over the index)."""
     quote = connections[alias].ops.quote_name
     table = quote(Job._meta.db_table)
     status, lease_owner = (f"{table}.{quote(Job._meta.get_field(n).column)}" for n in ("status", "lease_owner"))
@@ -292,6 +292,15 @@ def _waiting_in_text(alias: str) -> RawSQL:
         (),
         output_field=BooleanField(),
     )
+
+
+@functools.cache
+def _held_in_text(alias: str) -> RawSQL:
+    """The active held jobs (job_held_order's condition), their constants in the text as `_waiting_in_text`'s."""
+    quote = connections[alias].ops.quote_name
+    table = quote(Job._meta.db_table)
+    status, held = (f"{table}.{quote(Job._meta.get_field(n).column)}" for n in ("status", "held"))
+    return RawSQL(f"{held} AND {status} IN ({sql_words(ACTIVE)})", (), output_field=BooleanField())
 
 
 def _column_names() -> dict[str, str]:
@@ -332,6 +341,51 @@ class _MiddleSums:
     held: dict[Any, dict[tuple[str, str, int], WaitingGroup]]
 
 
+def _middle_read(count: int, held: bool) -> CompiledRead:
+    """`_middle_sums`'s statement for `count` jobs, compiled once per connection: its part of the waiting rows
+    up to the last job's key, or (`held`) its part of the held rows submitted up to it that wait after it."""
+    read = _MIDDLE_READS.get((count, held))
+    if read is None:
+        build = functools.partial(_middle_queryset, count, held)
+        ids, moments = tuple(f"job{i}" for i in range(count)), tuple(f"key{i}" for i in range(count))
+        read = _MIDDLE_READS.setdefault(
+            (count, held), CompiledRead(Job, build, ints=("priority",), ids=ids, moments=moments)
+        )
+    return read
+
+
+_MIDDLE_READS: dict[tuple[int, bool], CompiledRead] = {}
+
+
+def _middle_queryset(count: int, held: bool, priority: int, **values: Any) -> QuerySet:
+    pks, keys = [values[f"job{i}"] for i in range(count)], [values[f"key{i}"] for i in range(count)]
+    span = Case(
+        *(When(pk=pk, then=Value(-1 - i)) for i, pk in enumerate(pks)),
+        *(When(wait_key__lte=key, then=Value(i)) for i, key in enumerate(keys)),
+        default=None,
+        output_field=IntegerField(),
+    )
+    held_span = Case(
+        *(When(held=True, created_at__lte=key, then=Value(i)) for i, key in enumerate(keys)),
+        default=None,
+        output_field=IntegerField(),
+    )
+    alias = router.db_for_read(Job)
+    rows = Job.objects.filter(_waiting_in_text(alias), priority=priority).annotate(wait_key=_WAIT_KEY)
+    if held:  # `held` in the text too, for job_held_order's condition
+        quote = connections[alias].ops.quote_name
+        in_text = ExpressionWrapper(RawSQL(f"{quote(Job._meta.db_table)}.{quote('held')}", ()), BooleanField())
+        rows = rows.filter(in_text, created_at__lte=keys[-1], wait_key__gt=keys[-1])
+    else:
+        rows = rows.filter(wait_key__lte=keys[-1])
+    return (
+        rows.annotate(span=span, held_span=held_span, holder=Case(When(held=True, then=F("owner_id")), default=None))
+        .order_by()
+        .values("span", "held_span", "queue", "duration_class", "holder")
+        .annotate(n=Count("id"), seconds=Sum(_WALL_REMAINING), last=Max("wait_key"))
+    )
+
+
 def _middle_sums(priority: int, jobs: list[Job], held_exist: bool = True) -> _MiddleSums:
     """For published waiting jobs of one priority (sorted by wait key), the waiting jobs of that priority at
     or before each one's key, itself excluded, and the other users' held jobs submitted at or before it: in
@@ -346,35 +400,15 @@ def _middle_sums(priority: int, jobs: list[Job], held_exist: bool = True) -> _Mi
     some job is held at the priority (`held_exist`), the held ones submitted up to it that wait after it (a
     held job published later, which the first part leaves out). Asked for as one condition with an OR,
     PostgreSQL scans the whole job table: 3-5 ms at 10,000 queued for a page's middle jobs with 500 ahead of
-    them, against 0.3-0.5 ms over the index."""
+    them, against 0.3-0.5 ms over the index. Each part's statement is compiled once per connection and count
+    of jobs (`_middle_read`): Django compiled its CASEs in 1-2 ms at each page."""
     keys = [_key(j) for j in jobs]
-    span = Case(
-        *(When(pk=job.pk, then=Value(-1 - i)) for i, job in enumerate(jobs)),
-        *(When(wait_key__lte=key, then=Value(i)) for i, key in enumerate(keys)),
-        default=None,
-        output_field=IntegerField(),
-    )
-    held_span = Case(
-        *(When(held=True, created_at__lte=key, then=Value(i)) for i, key in enumerate(keys)),
-        default=None,
-        output_field=IntegerField(),
-    )
-    alias = router.db_for_read(Job)
-    connection = connections[alias]
-    waiting = Job.objects.filter(_waiting_in_text(alias), priority=priority)
-    waiting = waiting.annotate(wait_key=_WAIT_KEY)
-    parts = [Q(wait_key__lte=keys[-1])]
-    if held_exist:  # `held` in the text too, for job_held_order's condition
-        held = RawSQL(f"{connection.ops.quote_name(Job._meta.db_table)}.{connection.ops.quote_name('held')}", ())
-        parts.append(Q(ExpressionWrapper(held, BooleanField()), created_at__lte=keys[-1], wait_key__gt=keys[-1]))
+    values: dict[str, Any] = {"priority": priority}
+    values |= {f"job{i}": job.pk for i, job in enumerate(jobs)} | {f"key{i}": key for i, key in enumerate(keys)}
     rows = [
         row
-        for part in parts
-        for row in waiting.filter(part)
-        .annotate(span=span, held_span=held_span, holder=Case(When(held=True, then=F("owner_id")), default=None))
-        .order_by()
-        .values("span", "held_span", "queue", "duration_class", "holder")
-        .annotate(n=Count("id"), seconds=Sum(_WALL_REMAINING), last=Max("wait_key"))
+        for held in ((False, True) if held_exist else (False,))
+        for row in _middle_read(len(jobs), held).dicts(**values)
     ]
     answers = _MiddleSums({}, {})
     for i, job in enumerate(jobs):
@@ -446,25 +480,17 @@ class _Neighbours:
     complete: bool  # fewer than NEAR_END: every row on that side was read
 
     @classmethod
-    def read(cls, priority: int, side: Q, ascending: bool) -> _Neighbours:
-        # In the index's order (job_waiting_order): a planner guessing many rows on that side would
-        # otherwise scan the table to stop at NEAR_END.
-        order = ("priority", "wait_key") if ascending else ("-priority", "-wait_key")
-        rows = list(
-            Job.objects.filter(_WAITING, priority=priority)
-            .annotate(wait_key=_WAIT_KEY, wall=_WALL_REMAINING)
-            .filter(side)
-            .order_by(*order)
-            .values_list("wait_key", "pk", "queue", "duration_class", "wall")[:NEAR_END]
-        )
+    def read(cls, priority: int, key: Any, ascending: bool) -> _Neighbours:
+        """From the front (`ascending`): the first rows at or before `key`; from the back: the last after it."""
+        rows = _neighbours_read(ascending).dicts(priority=priority, key=key)
         if not ascending:
             rows.reverse()
         return cls(
             priority,
-            [r[0] for r in rows],
-            [r[1] for r in rows],
-            [(r[2] or r[3], r[3]) for r in rows],
-            [float(r[4] or 0.0) for r in rows],
+            [r["wait_key"] for r in rows],
+            [r["id"] for r in rows],
+            [(r["queue"] or r["duration_class"], r["duration_class"]) for r in rows],
+            [float(r["wall"] or 0.0) for r in rows],
             len(rows) < NEAR_END,
         )
 
@@ -492,23 +518,65 @@ class _Neighbours:
         return self._sums(bisect_right(self.keys, key), len(self.keys))
 
 
-def _held_at(priority: int) -> Any:
-    return Job.objects.filter(held=True, status__in=ACTIVE, priority=priority)
-
-
-def _held_read(priority: int, side: Q, ascending: bool) -> tuple[list[tuple[datetime, HeldRow]], bool]:
-    """Up to NEAR_END held jobs of one priority from one end of their submit order (job_held_order): each
-    job's submit time and the job as a held row of one, in the order read, and whether that was all of them."""
-    order = ("priority", "created_at") if ascending else ("-priority", "-created_at")
-    rows = (
-        _held_at(priority)
-        .filter(side)
-        .annotate(wall=_WALL_REMAINING)
-        .order_by(*order)
-        .values_list("created_at", "queue", "duration_class", "owner_id", "wall")[:NEAR_END]
-    )
-    read = [(at, HeldRow(queue, cls, priority, owner, 1, float(wall or 0.0))) for at, queue, cls, owner, wall in rows]
+def _held_read(priority: int, key: Any, ascending: bool) -> tuple[list[tuple[datetime, HeldRow]], bool]:
+    """Up to NEAR_END held jobs of one priority from one end of their submit order (job_held_order): from the
+    front (`ascending`) those submitted at or before `key`, from the back those after it. Each job's submit
+    time and the job as a held row of one, in the order read, and whether that was all of them."""
+    rows = _held_end_read(ascending).dicts(priority=priority, key=key)
+    read = [
+        (r["created_at"], HeldRow(r["queue"], r["duration_class"], priority, r["owner_id"], 1, float(r["wall"] or 0.0)))
+        for r in rows
+    ]
     return read, len(read) < NEAR_END
+
+
+# The reads from one end of a priority's order: per direction and NEAR_END (inlined as the statement's LIMIT),
+# compiled once per connection, their constants in the text (`_waiting_in_text`).
+_END_READS: dict[tuple[str, bool, int], CompiledRead] = {}
+
+
+def _neighbours_read(ascending: bool) -> CompiledRead:
+    def build(priority: int, key: Any) -> QuerySet:
+        # In the index's order (job_waiting_order): a planner guessing many rows on that side would
+        # otherwise scan the table to stop at NEAR_END.
+        side, order = (
+            (Q(wait_key__lte=key), ("priority", "wait_key"))
+            if ascending
+            else (Q(wait_key__gt=key), ("-priority", "-wait_key"))
+        )
+        return (
+            Job.objects.filter(_waiting_in_text(router.db_for_read(Job)), priority=priority)
+            .annotate(wait_key=_WAIT_KEY, wall=_WALL_REMAINING)
+            .filter(side)
+            .order_by(*order)
+            .values("wait_key", "id", "queue", "duration_class", "wall")[:limit]
+        )
+
+    limit = NEAR_END
+    return _END_READS.setdefault(
+        ("waiting", ascending, limit), CompiledRead(Job, build, ints=("priority",), moments=("key",))
+    )
+
+
+def _held_end_read(ascending: bool) -> CompiledRead:
+    def build(priority: int, key: Any) -> QuerySet:
+        side, order = (
+            (Q(created_at__lte=key), ("priority", "created_at"))
+            if ascending
+            else (Q(created_at__gt=key), ("-priority", "-created_at"))
+        )
+        return (
+            Job.objects.filter(_held_in_text(router.db_for_read(Job)), priority=priority)
+            .filter(side)
+            .annotate(wall=_WALL_REMAINING)
+            .order_by(*order)
+            .values("created_at", "queue", "duration_class", "owner_id", "wall")[:limit]
+        )
+
+    limit = NEAR_END
+    return _END_READS.setdefault(
+        ("held", ascending, limit), CompiledRead(Job, build, ints=("priority",), moments=("key",))
+    )
 
 
 def _less(
@@ -619,7 +687,7 @@ class QueueSnapshot:
         for priority in sorted({j.priority for j in waiting}):
             mine = sorted((j for j in waiting if j.priority == priority), key=_key)
             # The back first: the jobs a response shows are mostly recent ones (a submit's, a page's).
-            back = _Neighbours.read(priority, Q(wait_key__gt=_key(mine[0])), ascending=False)
+            back = _Neighbours.read(priority, _key(mine[0]), ascending=False)
             rest = []
             for job in mine:
                 behind = back.behind(job)
@@ -629,7 +697,7 @@ class QueueSnapshot:
                     self._peers[job.pk] = self._all_but(job, behind)
             if not rest:
                 continue
-            front = _Neighbours.read(priority, Q(wait_key__lte=_key(rest[-1])), ascending=True)
+            front = _Neighbours.read(priority, _key(rest[-1]), ascending=True)
             middle = []
             for job in rest:
                 ahead = front.ahead_of(job)
@@ -663,7 +731,7 @@ class QueueSnapshot:
                     self._held_peers[job.pk] = {}
             if not mine:
                 continue
-            newer, complete = _held_read(priority, Q(created_at__gt=_key(mine[0])), ascending=False)
+            newer, complete = _held_read(priority, _key(mine[0]), ascending=False)
             rest = []
             for job in mine:
                 key = _key(job)
@@ -676,7 +744,7 @@ class QueueSnapshot:
                     rest.append(job)
             if not rest:
                 continue
-            front, complete = _held_read(priority, Q(created_at__lte=_key(rest[-1])), ascending=True)
+            front, complete = _held_read(priority, _key(rest[-1]), ascending=True)
             middle = []
             for job in rest:
                 key = _key(job)
