@@ -208,9 +208,10 @@ class Job(models.Model):
                 name="job_owner_in_flight",
                 condition=models.Q(status__in=ACTIVE, cancel_requested=False),
             ),
-            # A user's fair window in a queue: published, not started (a few rows per user at any depth).
+            # A user's fair window in a queue: published, not started (a few rows per user at any depth), and
+            # a queue's such jobs, per user (selectors.fair_picture): the queue first, for both.
             models.Index(
-                fields=["owner", "queue"],
+                fields=["queue", "owner"],
                 name="job_fair_window",
                 condition=models.Q(status__in=ACTIVE, held=False, chunks_run=0),
             ),

@@ -47,8 +47,7 @@ def _copies(template: Job, owner: Any, count: int, first: Any) -> None:
 
 def _generic_plans(run: Any, wanted: str) -> Iterator[dict]:
     """The generic plan, as EXPLAIN ANALYZE's JSON, of each statement whose text holds `wanted` among those
-    one call of `run` (a request) makes: each prepared under a name, planned for any value of its parameters
-    and run with the request's values."""
+    one call of `run` (a request) makes, run with the request's values."""
     statements: list[tuple[str, Any]] = []
 
     def capture(execute, sql, params, many, context):
@@ -57,21 +56,28 @@ def _generic_plans(run: Any, wanted: str) -> Iterator[dict]:
 
     with connection.execute_wrapper(capture):
         run()
+    for sql, params in statements:
+        if wanted in sql:
+            yield _generic_plan(sql, params)
+
+
+def _generic_plan(sql: str, params: Any) -> dict:
+    """The statement prepared under a name, planned for any value of its parameters, run with `params`: its
+    plan as EXPLAIN ANALYZE's JSON."""
+    numbered = sql.split("%s")
+    text = "".join(f"{part}${n}" for n, part in enumerate(numbered[:-1], 1)) + numbered[-1]
     with connection.cursor() as cursor:
         cursor.execute("SET plan_cache_mode = force_generic_plan")
         try:
-            for i, (sql, params) in enumerate(s for s in statements if wanted in s[0]):
-                numbered = sql.split("%s")
-                text = "".join(f"{part}${n}" for n, part in enumerate(numbered[:-1], 1)) + numbered[-1]
-                # through psycopg itself, with no parameters: Django's cursor would bind the $n as its own
-                connection.connection.execute(f"PREPARE plan_{i} AS {text.replace('%%', '%')}")
-                # EXECUTE takes no bound parameters: the values as literals
-                values = ", ".join(Literal(value).as_string(connection.connection) for value in params or ())
-                cursor.execute(f"EXPLAIN (ANALYZE, FORMAT JSON) EXECUTE plan_{i}" + (f"({values})" if values else ""))
-                explained = cursor.fetchone()[0]
-                yield (json.loads(explained) if isinstance(explained, str) else explained)[0]["Plan"]
-                cursor.execute(f"DEALLOCATE plan_{i}")
+            # through psycopg itself, with no parameters: Django's cursor would bind the $n as its own
+            connection.connection.execute(f"PREPARE generic_plan AS {text.replace('%%', '%')}")
+            # EXECUTE takes no bound parameters: the values as literals
+            values = ", ".join(Literal(value).as_string(connection.connection) for value in params or ())
+            cursor.execute("EXPLAIN (ANALYZE, FORMAT JSON) EXECUTE generic_plan" + (f"({values})" if values else ""))
+            explained = cursor.fetchone()[0]
+            return (json.loads(explained) if isinstance(explained, str) else explained)[0]["Plan"]
         finally:
+            connection.connection.execute("DEALLOCATE generic_plan")
             cursor.execute("RESET plan_cache_mode")
 
 

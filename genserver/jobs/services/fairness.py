@@ -30,7 +30,6 @@ from typing import Any
 
 from django.conf import settings
 from django.db import transaction
-from django.db.models import Q
 from django.utils import timezone
 
 from genserver import deployment
@@ -49,13 +48,9 @@ def window() -> FairWindow:
     return FairWindow(settings.FAIR_WINDOW)
 
 
-def _window_jobs(owner_id: Any, queue: str) -> Q:
-    """The user's jobs of the queue that are published and not yet started."""
-    return Q(owner_id=owner_id, queue=queue, status__in=ACTIVE, held=False, chunks_run=0)
-
-
 def in_window(owner_id: Any, queue: str) -> int:
-    return Job.objects.filter(_window_jobs(owner_id, queue)).count()
+    """How many of the user's jobs of the queue are published and not yet started."""
+    return selectors.published_unstarted(owner_id, queue)
 
 
 @dataclass(frozen=True)
