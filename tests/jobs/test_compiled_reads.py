@@ -115,6 +115,28 @@ def test_a_named_value_is_bound_at_each_call_into_the_statement_compiled_once(ap
         read.tuples(status="queued", model="x")
 
 
+def test_a_priority_and_a_job_id_are_bound_at_each_call_and_the_rows_answered_as_values_gives_them(
+    api, settings, compilations
+):
+    _running_and_waiting(api, settings)
+    fields = ("id", "priority", "queue", "steps")
+    read = CompiledRead(
+        Job,
+        lambda priority, job: (
+            Job.objects.filter(priority=priority).exclude(pk=job).order_by("created_at").values(*fields)
+        ),
+        ints=("priority",),
+        ids=("job",),
+    )
+    jobs = list(Job.objects.order_by("created_at").values(*fields))
+    compilations.clear()
+    for job in jobs:
+        expected = [j for j in jobs if j["priority"] == job["priority"] and j["id"] != job["id"]]
+        assert read.dicts(priority=job["priority"], job=job["id"]) == expected
+    assert read.dicts(priority=9, job=jobs[0]["id"]) == [j for j in jobs if j["priority"] == 9]
+    assert len(compilations) == 1
+
+
 def test_the_decode_queue_read_answers_as_django_evaluates_it(api, settings):
     from datetime import timedelta
 

@@ -73,11 +73,12 @@ class _Statement:
 
 class CompiledRead:
     """A read of `model` whose queryset is `build(**values)`. `tuples(**values)` answers its rows as
-    `values_list` would; `instances()` as model instances, for a queryset of the model's own columns (`only`).
+    `values_list` would, `dicts(**values)` as `values` would; `instances()` as model instances, for a queryset of
+    the model's own columns (`only`).
 
     `names` are the values a call passes: strings that the statement compares as they are (a queue's name),
-    `moments`, aware datetimes it compares with a datetime column (a cutoff), `ints`, small whole numbers it
-    compares with an integer column (a priority, 0-30,000), and `ids`, UUIDs it compares with a UUID column (a
+    `moments`, aware datetimes it compares with a datetime column (a cutoff), `ints`, whole numbers it compares
+    with an integer column, a small one included (a priority), and `ids`, UUIDs it compares with a UUID column (a
     job's id), bound at each call into the SQL compiled with stand-ins. Anything else the queryset reads is
     frozen at its compilation: give only statements that take no other value (no clock but a moment). The SQL
     is kept per connection (its converters may read it).

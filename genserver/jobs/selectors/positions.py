@@ -11,7 +11,7 @@ from __future__ import annotations
 import functools
 import math
 from bisect import bisect_right
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
 from datetime import datetime, timedelta
 from typing import Any
@@ -564,6 +564,14 @@ def _held_read(priority: int, key: Any, ascending: bool) -> tuple[list[tuple[dat
 _END_READS: dict[tuple[str, bool, int], CompiledRead] = {}
 
 
+def _end_read(kind: str, ascending: bool, limit: int, build: Callable[..., QuerySet]) -> CompiledRead:
+    read = _END_READS.get((kind, ascending, limit))
+    if read is None:
+        read = CompiledRead(Job, build, ints=("priority",), moments=("key",))
+        read = _END_READS.setdefault((kind, ascending, limit), read)
+    return read
+
+
 def _neighbours_read(ascending: bool) -> CompiledRead:
     def build(priority: int, key: Any) -> QuerySet:
         # In the index's order (job_waiting_order): a planner guessing many rows on that side would
@@ -582,9 +590,7 @@ def _neighbours_read(ascending: bool) -> CompiledRead:
         )
 
     limit = NEAR_END
-    return _END_READS.setdefault(
-        ("waiting", ascending, limit), CompiledRead(Job, build, ints=("priority",), moments=("key",))
-    )
+    return _end_read("waiting", ascending, limit, build)
 
 
 def _held_end_read(ascending: bool) -> CompiledRead:
@@ -603,9 +609,7 @@ def _held_end_read(ascending: bool) -> CompiledRead:
         )
 
     limit = NEAR_END
-    return _END_READS.setdefault(
-        ("held", ascending, limit), CompiledRead(Job, build, ints=("priority",), moments=("key",))
-    )
+    return _end_read("held", ascending, limit, build)
 
 
 def _less(
