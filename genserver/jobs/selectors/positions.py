@@ -403,7 +403,9 @@ def _middle_queryset(count: int, held: bool, priority: int, **values: Any) -> Qu
     rows = Job.objects.filter(_waiting_in_text(alias), priority=priority).annotate(wait_key=_WAIT_KEY)
     if held:  # `held` in the text too, for job_held_order's condition
         quote = connections[alias].ops.quote_name
-        in_text = ExpressionWrapper(RawSQL(f"{quote(Job._meta.db_table)}.{quote('held')}", ()), BooleanField())
+        in_text = ExpressionWrapper(
+            RawSQL(f"{quote(Job._meta.db_table)}.{quote(Job._meta.get_field('held').column)}", ()), BooleanField()
+        )
         rows = rows.filter(in_text, created_at__lte=keys[-1], wait_key__gt=keys[-1])
     else:
         rows = rows.filter(wait_key__lte=keys[-1])
