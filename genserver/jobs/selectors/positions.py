@@ -401,12 +401,8 @@ def _middle_queryset(count: int, held: bool, priority: int, **values: Any) -> Qu
     )
     alias = router.db_for_read(Job)
     rows = Job.objects.filter(_waiting_in_text(alias), priority=priority).annotate(wait_key=_WAIT_KEY)
-    if held:  # `held` in the text too, for job_held_order's condition
-        quote = connections[alias].ops.quote_name
-        in_text = ExpressionWrapper(
-            RawSQL(f"{quote(Job._meta.db_table)}.{quote(Job._meta.get_field('held').column)}", ()), BooleanField()
-        )
-        rows = rows.filter(in_text, created_at__lte=keys[-1], wait_key__gt=keys[-1])
+    if held:  # job_held_order's condition word for word, as for the held reads from the ends
+        rows = rows.filter(_held_in_text(alias), created_at__lte=keys[-1], wait_key__gt=keys[-1])
     else:
         rows = rows.filter(wait_key__lte=keys[-1])
     return (
