@@ -25,6 +25,11 @@ Starts the real stack (simulated backend, 4 CPU "cards") and measures, in one ru
 
 boots the stack with GENSERVER_CHUNK_SECONDS=0.001 (one step per chunk), runs a 50-step tiny-sd image and a
 50-step tiny-wan video on the CPU cards, and reads their boundaries from /metrics as in 3.
+
+    python -m bench.overhead --step-cost --samples 10   # instead: the service's own work per denoising step
+
+boots the stack three times in turn (the cancel flags read from Redis before every step, GENSERVER_FLAG_RECHECK=0;
+the default's announcements; the first again) and prints what a step takes beyond its modelled time.
 """
 
 from __future__ import annotations
@@ -230,15 +235,55 @@ def tiny_boundaries() -> int:
     return 0
 
 
+# --step-cost: seed-image jobs of these many steps (512², 0.1 s a step modelled), each one chunk, run one at a time.
+STEP_COST_STEPS = (20, 100)
+# The settings compared, side by side: the flags read from Redis before every step, and the default's announcements.
+FLAG_RECHECKS = (("read before every step", "0"), ("announced (the default)", ""))
+
+
+def step_cost(pairs: int) -> int:
+    """What the service adds to each denoising step, with the cancel flags read before every step and with the
+    default's announcements: the wall time of a 100-step job less a 20-step one's (submitted in turn, `pairs` of
+    each), over the 80 steps between them, less the modelled step. Stacks booted in turn, A B A."""
+    modelled = 0.1 * SCALE
+    print(f"the service's own work per step, {STEP_COST_STEPS[1]}- less {STEP_COST_STEPS[0]}-step seed-image jobs:")
+    for label, recheck in (*FLAG_RECHECKS, FLAG_RECHECKS[0]):
+        env = stack_env() | {"GENSERVER_CHUNK_SECONDS": "1000"}  # one chunk: no boundary in the difference
+        if recheck:
+            env["GENSERVER_FLAG_RECHECK"] = recheck
+        per_step = []
+        with live_stack(env) as stack:
+            for i in range(-1, pairs):  # the first pair warms the cards' caches and is not counted
+                took = []
+                for steps in STEP_COST_STEPS:
+                    body = {"model": "seed-image", "prompt": "step cost", "steps": steps, "seed": i}
+                    status, job, _ = stack.request("POST", "/api/v1/jobs/", body)
+                    assert status == 201, job
+                    job = wait_terminal(stack, job["id"])
+                    assert job["status"] == "succeeded", job
+                    took.append(_ts(job["finished_at"]) - _ts(job["started_at"]))
+                if i >= 0:
+                    per_step.append((took[1] - took[0]) / (STEP_COST_STEPS[1] - STEP_COST_STEPS[0]) - modelled)
+        us = [f"{pct(per_step, q) * 1e6:4.0f} µs" for q in (0.5, 0.25, 0.75)]
+        print(
+            f"  {label:24} P50 {us[0]}  (quartiles {us[1]} / {us[2]}, n={len(per_step)};"
+            f" a modelled step: {modelled * 1e6:.0f} µs)"
+        )
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--samples", type=int, default=30)
     parser.add_argument("--clients", type=int, default=8)
     parser.add_argument("--requests", type=int, default=200)
     parser.add_argument("--tiny-boundaries", action="store_true", help="only the tiny models' chunk boundaries")
+    parser.add_argument("--step-cost", action="store_true", help="only the service's own work per step")
     args = parser.parse_args(argv)
     if args.tiny_boundaries:
         return tiny_boundaries()
+    if args.step_cost:
+        return step_cost(args.samples)
     with live_stack(stack_env()) as stack:
         bare = bare_round_trip(args.samples)
         miss = dispatch_latency(stack, args.samples, hit=False)

@@ -375,6 +375,11 @@ BOUNDARY_HOLD_SECONDS = env_float("GENSERVER_BOUNDARY_HOLD", 0.25, minimum=0)
 # per kept boundary (a Wan 480p state: 0.04 s, 1.7 % of a 2.4-s step) and lets a crash redo up to this many
 # seconds more.
 CHECKPOINT_EVERY_SECONDS = env_float("GENSERVER_CHECKPOINT_EVERY", 0.0, minimum=0)
+# A running job's card learns of its cancel or new step total from an announcement (genserver/jobs/flags.py) and
+# reads both flags from Redis at least this often anyway: the longest a subscription that died without an error
+# can delay a cancel. Shorter reads Redis more often (one read per running job and interval); 0 reads it before
+# every step, as before the announcements (a round trip per step).
+FLAG_RECHECK_SECONDS = env_float("GENSERVER_FLAG_RECHECK", 1.0, minimum=0)
 # Longest expected wait each class accepts before 429 (seconds of work).
 ADMIT_SHORT_SECONDS = env_float("GENSERVER_ADMIT_SHORT_SECONDS", 60.0, above=0)
 ADMIT_MEDIUM_SECONDS = env_float("GENSERVER_ADMIT_MEDIUM_SECONDS", 300.0, above=0)

@@ -11,9 +11,11 @@ from celery.signals import task_postrun, task_prerun, worker_init, worker_proces
 from django.db import close_old_connections
 
 from genserver import config, deployment
-from genserver.jobs import events
+from genserver.jobs import events, flags
 from genserver.jobs.models import Job
 from genserver.registry import ModelSpec
+from genserver.scheduling.classes import CLASSES
+from genserver.scheduling.pools import class_of
 from genserver.storage import default_storage
 from workers.runtime.base import Family, GenerationRequest
 from workers.runtime.cache import model_cache
@@ -92,17 +94,26 @@ def _warm_up_compiled_models() -> None:
     warm_up_worker(deployment.registry(), lambda spec: model_cache().get(spec, "denoise"))
 
 
+def _subscribe_to_flags() -> None:
+    """A worker that runs denoise chunks subscribes to the cancel and new-total announcements before its first
+    job (genserver/jobs/flags.py), so that job's steps check them without reading Redis either."""
+    if any(class_of(queue) in CLASSES for queue in config.worker_queues()):
+        flags.watch().subscribe()
+
+
 @worker_init.connect
 def warm_up_in_main_process(**kwargs) -> None:
     if config.worker_pool() in ("solo", "threads"):  # tasks run in this process
         events.publish_in_background()
         _warm_up_compiled_models()
+        _subscribe_to_flags()
 
 
 @worker_process_init.connect
 def warm_up_in_pool_process(**kwargs) -> None:
     events.publish_in_background()  # prefork: each child runs jobs
     _warm_up_compiled_models()
+    _subscribe_to_flags()
 
 
 storage = default_storage

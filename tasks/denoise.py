@@ -51,11 +51,11 @@ from celery.worker import state as worker_state
 from django.conf import settings
 
 from genserver import config, deployment, metrics
-from genserver.jobs import broker, events, selectors, services
+from genserver.jobs import broker, events, flags, selectors, services
 from genserver.jobs.models import Job
 from genserver.jobs.services import Outcome
 from genserver.metrics import count_embedding_cache, count_merged_batch
-from genserver.redis_client import BOUNDARY, CANCEL_KEY, HOP, STEPS_KEY, client as redis_client
+from genserver.redis_client import BOUNDARY, HOP
 from genserver.scheduling.classes import CLASSES, LONG, priority_for, yields_to_equal_priority
 from genserver.scheduling.fairness import CUT_AFTER_SECONDS
 from genserver.scheduling.pools import class_of
@@ -91,7 +91,6 @@ class _Member:
     """One job of the batch this task runs, and what the task keeps about it between steps."""
 
     job: Job
-    cancel_key: str
     last_beat: float
     checkpoint_key: str  # the last checkpoint recorded, deleted once the next one is
     state: DenoiseState | None = None
@@ -139,9 +138,16 @@ def _run_chunk(task, job_id: str, from_step: int, free_since: float, model: str)
     partners = services.claim_merge_partners(job, worker, deployment.registry().get(job.model).max_merge)
     if partners:
         count_merged_batch(1 + len(partners))
-    members = [_Member(j, CANCEL_KEY.format(job_id=j.pk), time.monotonic(), j.checkpoint_key) for j in [job, *partners]]
+    members = [_Member(j, time.monotonic(), j.checkpoint_key) for j in [job, *partners]]
     found_idle = from_step == 0 and job.published_at is not None and job.published_at.timestamp() >= free_since
-    return _denoise(members, worker, hop_from=job.published_at.timestamp() if found_idle else None)
+    watch = flags.watch()
+    for m in members:
+        watch.track(m.job.pk)  # its first read (before its second step) is Redis's; then only what is announced
+    try:
+        return _denoise(members, worker, hop_from=job.published_at.timestamp() if found_idle else None)
+    finally:
+        for m in members:
+            watch.untrack(m.job.pk)
 
 
 def _held_back_by_the_long_cap(task, job_id: str, from_step: int, worker: str, model: str = "") -> bool:
@@ -418,8 +424,12 @@ def _record_chunk(member: _Member, result: stages.ChunkResult, worker: str, stay
 
 def _flagged(member: _Member) -> str:
     """ "cancelled", "steps-changed" (POST /steps/ set another total than the one this worker runs),
-    or "": both flags in one Redis round trip, since this runs before every step of every member."""
-    cancelled, total = redis_client().mget(member.cancel_key, STEPS_KEY.format(job_id=member.job.pk))
+    or "". This runs before every step of every member, so the flags come from this process's subscription to
+    their announcements (genserver/jobs/flags.py): a Redis read only when they may have changed."""
+    values = flags.watch().current(member.job.pk)
+    if values is None:
+        return ""  # nothing announced for the job since its last read, which found neither flag
+    cancelled, total = values
     if cancelled is not None:
         return Outcome.CANCELLED
     if total is not None and int(total) != member.job.steps:

@@ -16,8 +16,8 @@ import pytest
 from PIL import Image
 
 from genserver.celery import app
+from genserver.jobs import flags
 from genserver.metrics import merged_counts
-from genserver.redis_client import CANCEL_KEY, client as redis_client
 from tests.support.api import submit
 from tests.support.waits import JOB_SECONDS, finished, job_row, wait_for
 
@@ -89,7 +89,7 @@ def test_cancelling_one_merged_job_leaves_the_others_running(stack, api):
         # through the API once the batch was counted lost the race twice on a busy machine: the request landed
         # after all 50 steps. That the API's cancel of a held job sets this flag, and a lone running job stops at
         # it, test_stack.py shows.)
-        redis_client().set(CANCEL_KEY.format(job_id=ids[1]), "1", ex=600)
+        flags.raise_cancel(ids[1])
     cancelled = finished(ids[1], timeout=JOB_SECONDS)
     assert cancelled.status == "cancelled" and not cancelled.outputs
     assert cancelled.steps_done <= 1  # it left the batch after its first step, at the flag's first read

@@ -68,3 +68,36 @@ def test_a_cancel_after_the_claim_stops_the_job_after_one_step(make_user, monkey
     assert ran == [(1, "cancelled")]  # step 0 ran, step 1 did not
     assert reads == [(str(job.pk), 1)]
     assert Job.objects.get(pk=job.pk).status == JobStatus.CANCELLED
+
+
+def test_after_its_first_read_a_chunk_reads_the_flags_from_redis_only_when_announced(make_user, monkeypatch):
+    """The check before each step drains the card's subscription (genserver/jobs/flags.py); Redis is read once,
+    before the second step, and again only for the job's announced cancel, which stops it at that step."""
+    from genserver.jobs import flags
+    from tasks import denoise
+
+    capture_sends(monkeypatch, "send_encode", "send_chunk", "send_decode")
+    watch = flags.watch()  # this thread's, which the task run here uses
+    assert watch.subscribe(timeout=10)
+    monkeypatch.setattr(watch, "recheck_seconds", 3600.0)  # no periodic read in this test, however slow the run
+    reads = spy_on_flag_reads(monkeypatch)
+    job = job_with_one_step_chunks(make_user("announced").user, 6)
+    before = watch.reads
+    assert denoise.run_chunk.apply(args=[str(job.pk), 0]).get() == "step 6"
+    assert [step for _, step in reads] == [1, 2, 3, 4, 5] and watch.reads - before == 1
+
+    job = job_with_one_step_chunks(make_user("announced-cancel").user, 6)
+    checks = denoise._flagged
+
+    def cancelled_after_the_third_check(member):
+        found = checks(member)
+        if member.state.step == 3:
+            flags.raise_cancel(member.job.pk)  # as the API's cancel flags it, while step 3 would run
+        return found
+
+    monkeypatch.setattr(denoise, "_flagged", cancelled_after_the_third_check)
+    before = watch.reads
+    assert denoise.run_chunk.apply(args=[str(job.pk), 0]).get() == "cancelled"
+    assert watch.reads - before == 2  # its first read, then the announced one
+    row = Job.objects.get(pk=job.pk)
+    assert row.status == JobStatus.CANCELLED and row.steps_done == 4  # steps 0-3 ran; step 4 did not

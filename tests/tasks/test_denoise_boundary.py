@@ -11,7 +11,7 @@ import pytest
 from django.db import connection
 from django.test.utils import CaptureQueriesContext
 
-from genserver.jobs import broker, services
+from genserver.jobs import broker, flags, services
 from genserver.jobs.models import Job, JobStatus
 from genserver.redis_client import CORRECTION_KEY, client as redis_client
 from tests.support.broker import capture_sends
@@ -182,7 +182,7 @@ def test_a_cancel_between_checkpoints_bills_the_chunks_run_since_the_last(make_u
         try:
             return next(boundaries)
         except StopIteration:
-            redis_client().set(denoise.CANCEL_KEY.format(job_id=job.pk), "1")  # as the API's cancel flags it
+            flags.raise_cancel(job.pk)  # as the API's cancel flags it
             return False
 
     monkeypatch.setattr(denoise.broker, "should_yield", cancelled_at_the_third_boundary)

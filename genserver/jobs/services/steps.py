@@ -8,9 +8,8 @@ from django.db import transaction
 from django.utils import timezone
 
 from genserver import deployment
-from genserver.jobs import broker, selectors
+from genserver.jobs import broker, flags, selectors
 from genserver.jobs.models import Job, JobStage, JobStatus
-from genserver.redis_client import STEPS_KEY, client as redis_client
 from genserver.scheduling.admission import decide
 from genserver.scheduling.classes import priority_for
 
@@ -45,7 +44,7 @@ def change_steps(job: Job, new_steps: int) -> Job:
       done, it goes to decoding at once (its x0 estimate is decoded; `steps` becomes the steps
       done); otherwise its pending message runs with the new total (re-published when its
       priority moved; the duplicate finds the chunk taken and does nothing).
-    * A worker holding it sees the new total in Redis (STEPS_KEY) before its next step, saves its
+    * A worker holding it sees the new total (flags.raise_new_total) before its next step, saves its
       checkpoint there and hands the job back (`release_for_new_total`).
 
     `steps_requested` keeps the total asked at submit. Raises StepsChangeRefused when the job is
@@ -116,7 +115,7 @@ def _admit_added_work(job: Job, added_seconds: float) -> None:
 
 def _mirror_steps(job_id: JobId, steps: int) -> None:
     try:
-        redis_client().set(STEPS_KEY.format(job_id=job_id), str(steps), ex=7 * 24 * 3600)
+        flags.raise_new_total(job_id, steps)
     except Exception:  # noqa: BLE001 - the DB is the truth; finish_chunk applies it at the chunk's end
         log.warning("could not mirror the new step count of job %s in Redis", job_id)
 

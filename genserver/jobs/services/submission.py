@@ -12,9 +12,8 @@ from django.db.models import Q
 from django.utils import timezone
 
 from genserver import deployment, metrics
-from genserver.jobs import broker, selectors
+from genserver.jobs import broker, flags, selectors
 from genserver.jobs.models import ACTIVE, DEFAULT_WEBHOOK_EVENTS, Job, JobStage, JobStatus
-from genserver.redis_client import CANCEL_KEY, client as redis_client
 from genserver.scheduling.admission import Decision, decide
 
 from . import fairness, observe
@@ -239,7 +238,7 @@ def cancel_job(job: Job) -> Job:
     if job.is_terminal:
         return job
     try:
-        redis_client().set(CANCEL_KEY.format(job_id=job.id), "1", ex=7 * 24 * 3600)
+        flags.raise_cancel(job.id)
     except Exception:  # noqa: BLE001 - the DB flag is the truth; workers also check it per chunk
         log.warning("could not mirror the cancel flag of job %s in Redis", job.id)
     now = timezone.now()
