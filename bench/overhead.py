@@ -40,6 +40,8 @@ import http.client
 import json
 import os
 import statistics
+import subprocess
+import sys
 import threading
 import time
 import urllib.parse
@@ -244,31 +246,43 @@ FLAG_RECHECKS = (("read before every step", "0"), ("announced (the default)", ""
 def step_cost(pairs: int) -> int:
     """What the service adds to each denoising step, with the cancel flags read before every step and with the
     default's announcements: the wall time of a 100-step job less a 20-step one's (submitted in turn, `pairs` of
-    each), over the 80 steps between them, less the modelled step. Stacks booted in turn, A B A."""
+    each), over the 80 steps between them, less the modelled step. Stacks booted in turn, A B A, each measured in
+    a process of its own (this one's Django and Celery stay bound to the first stack's broker)."""
     modelled = 0.1 * SCALE
     print(f"the service's own work per step, {STEP_COST_STEPS[1]}- less {STEP_COST_STEPS[0]}-step seed-image jobs:")
     for label, recheck in (*FLAG_RECHECKS, FLAG_RECHECKS[0]):
-        env = stack_env() | {"GENSERVER_CHUNK_SECONDS": "1000"}  # one chunk: no boundary in the difference
-        if recheck:
-            env["GENSERVER_FLAG_RECHECK"] = recheck
-        per_step = []
-        with live_stack(env) as stack:
-            for i in range(-1, pairs):  # the first pair warms the cards' caches and is not counted
-                took = []
-                for steps in STEP_COST_STEPS:
-                    body = {"model": "seed-image", "prompt": "step cost", "steps": steps, "seed": i}
-                    status, job, _ = stack.request("POST", "/api/v1/jobs/", body)
-                    assert status == 201, job
-                    job = wait_terminal(stack, job["id"])
-                    assert job["status"] == "succeeded", job
-                    took.append(_ts(job["finished_at"]) - _ts(job["started_at"]))
-                if i >= 0:
-                    per_step.append((took[1] - took[0]) / (STEP_COST_STEPS[1] - STEP_COST_STEPS[0]) - modelled)
+        argv = [sys.executable, "-m", "bench.overhead", "--samples", str(pairs), "--step-cost-stack", recheck]
+        done = subprocess.run(argv, capture_output=True, text=True, check=True)
+        per_step = [seconds - modelled for seconds in json.loads(done.stdout.strip().splitlines()[-1])]
         us = [f"{pct(per_step, q) * 1e6:4.0f} µs" for q in (0.5, 0.25, 0.75)]
         print(
             f"  {label:24} P50 {us[0]}  (quartiles {us[1]} / {us[2]}, n={len(per_step)};"
-            f" a modelled step: {modelled * 1e6:.0f} µs)"
+            f" a modelled step: {modelled * 1e6:.0f} µs)",
+            flush=True,
         )
+    return 0
+
+
+def step_cost_stack(pairs: int, recheck: str) -> int:
+    """One stack of `step_cost` (GENSERVER_FLAG_RECHECK=`recheck`, the default when empty): prints the wall
+    seconds per step of each pair, as JSON."""
+    env = stack_env() | {"GENSERVER_CHUNK_SECONDS": "1000"}  # one chunk: no boundary in the difference
+    if recheck:
+        env["GENSERVER_FLAG_RECHECK"] = recheck
+    per_step = []
+    with live_stack(env) as stack:
+        for i in range(-1, pairs):  # the first pair warms the cards' caches and is not counted
+            took = []
+            for steps in STEP_COST_STEPS:
+                body = {"model": "seed-image", "prompt": "step cost", "steps": steps, "seed": i + 1}
+                status, job, _ = stack.request("POST", "/api/v1/jobs/", body)
+                assert status == 201, job
+                job = wait_terminal(stack, job["id"])
+                assert job["status"] == "succeeded", job
+                took.append(_ts(job["finished_at"]) - _ts(job["started_at"]))
+            if i >= 0:
+                per_step.append((took[1] - took[0]) / (STEP_COST_STEPS[1] - STEP_COST_STEPS[0]))
+    print(json.dumps(per_step))
     return 0
 
 
@@ -279,9 +293,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--requests", type=int, default=200)
     parser.add_argument("--tiny-boundaries", action="store_true", help="only the tiny models' chunk boundaries")
     parser.add_argument("--step-cost", action="store_true", help="only the service's own work per step")
+    parser.add_argument("--step-cost-stack", metavar="RECHECK", help=argparse.SUPPRESS)  # one stack of --step-cost
     args = parser.parse_args(argv)
     if args.tiny_boundaries:
         return tiny_boundaries()
+    if args.step_cost_stack is not None:
+        return step_cost_stack(args.samples, args.step_cost_stack)
     if args.step_cost:
         return step_cost(args.samples)
     with live_stack(stack_env()) as stack:
