@@ -163,6 +163,10 @@ class FlagWatch:
             self._drop()
             self._retry_at = time.monotonic() + RETRY_SECONDS
 
+    def close(self) -> None:
+        """Drop the subscription; the next check subscribes again."""
+        self._drop()
+
     def _unconfirm(self) -> None:
         self._confirmed = False
 

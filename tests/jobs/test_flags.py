@@ -27,10 +27,6 @@ def subscribed(recheck_seconds: float = LONG) -> flags.FlagWatch:
     return watch
 
 
-def close(watch: flags.FlagWatch) -> None:
-    watch._drop()
-
-
 def test_a_tracked_job_is_read_once_and_then_not_until_announced(job_id):
     watch = subscribed()
     try:
@@ -42,7 +38,7 @@ def test_a_tracked_job_is_read_once_and_then_not_until_announced(job_id):
         assert wait_for(lambda: watch.current(job_id), 10, interval=0.001, what="the announced cancel") == (b"1", None)
         assert watch.reads == 2
     finally:
-        close(watch)
+        watch.close()
 
 
 def test_a_new_total_is_announced_like_a_cancel(job_id):
@@ -54,7 +50,7 @@ def test_a_new_total_is_announced_like_a_cancel(job_id):
         assert wait_for(lambda: watch.current(job_id), 10, interval=0.001, what="the new total") == (None, b"12")
         assert redis_client().ttl(STEPS_KEY.format(job_id=job_id)) > 0  # it expires like the cancel flag
     finally:
-        close(watch)
+        watch.close()
 
 
 def test_announcements_of_jobs_not_tracked_are_not_kept(job_id):
@@ -71,7 +67,7 @@ def test_announcements_of_jobs_not_tracked_are_not_kept(job_id):
         watch.untrack(mine)
         assert watch._tracked == {}
     finally:
-        close(watch)
+        watch.close()
 
 
 def test_a_broken_subscription_makes_every_tracked_job_read_again(job_id):
@@ -94,7 +90,7 @@ def test_a_broken_subscription_makes_every_tracked_job_read_again(job_id):
         watch.current(job_id)  # once under the new subscription, then not until announced
         assert watch.current(job_id) is None and watch.reads == reads + 1
     finally:
-        close(watch)
+        watch.close()
 
 
 def test_a_flag_written_without_an_announcement_is_read_at_the_recheck(job_id):
@@ -105,7 +101,7 @@ def test_a_flag_written_without_an_announcement_is_read_at_the_recheck(job_id):
         redis_client().set(CANCEL_KEY.format(job_id=job_id), "1", ex=60)  # not through raise_cancel
         assert wait_for(lambda: watch.current(job_id), 10, interval=0.01, what="the periodic read") == (b"1", None)
     finally:
-        close(watch)
+        watch.close()
 
 
 def test_without_a_subscription_every_check_reads_redis(job_id, monkeypatch):
