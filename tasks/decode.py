@@ -16,9 +16,9 @@ from .common import family_of, preload, renewing, request_of, storage, worker_id
 
 
 @shared_task(name=broker.DECODE_TASK.name, bind=True)
-def decode(self, job_id: str) -> str:
+def decode(self, job_id: str, model: str = "") -> str:
     worker = worker_id(self)
-    if not preload(job_id, "decode"):
+    if not preload(job_id, "decode", model):
         return Outcome.SKIPPED
     job = services.start_decoding(job_id, worker)
     if job is None:

@@ -104,8 +104,10 @@ def arrived(job_id: UUID, queue: str) -> None:
         log.warning("could not withdraw the announcement of job %s", job_id, exc_info=True)
 
 
-def send_decode(job_id: UUID, priority: int) -> None:
-    _send(DECODE_TASK, [str(job_id)], priority)
+def send_decode(job_id: UUID, priority: int, model: str = "") -> None:
+    """The job's decode goes to the decode worker. `model`, where the caller has the job: the worker loads its
+    VAE without reading the job first."""
+    _send(DECODE_TASK, [str(job_id)], priority, kwargs={"model": model} if model else None)
 
 
 def send_webhook(job_id: UUID, event: str, payload: dict[str, Any]) -> None:

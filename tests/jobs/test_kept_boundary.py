@@ -106,7 +106,7 @@ def test_a_total_lowered_meanwhile_ends_the_job_at_its_steps(django_user_model, 
     assert kept(job, 8, claimed=job)
     row = Job.objects.get(pk=job.pk)
     assert (row.status, row.steps, row.lease_owner) == (JobStatus.DECODING, 8, "")
-    assert sent == [("decode", job.pk, row.priority)]
+    assert sent == [("decode", job.pk, row.priority, row.model)]
 
 
 def test_the_last_step_publishes_the_decode(django_user_model, sent):
@@ -114,7 +114,7 @@ def test_the_last_step_publishes_the_decode(django_user_model, sent):
     assert kept(job, 20, claimed=job)
     row = Job.objects.get(pk=job.pk)
     assert (row.status, row.lease_owner) == (JobStatus.DECODING, "")
-    assert sent == [("decode", job.pk, row.priority)]
+    assert sent == [("decode", job.pk, row.priority, row.model)]
 
 
 def test_a_segments_end_publishes_its_decode(django_user_model, sent):

@@ -33,7 +33,7 @@ def sent(monkeypatch):
         monkeypatch,
         send_segment_decode=lambda job_id, index, p: ("decode", index),
         send_assemble=lambda job_id, p: ("assemble",),
-        send_decode=lambda job_id, p: ("job-decode",),
+        send_decode=lambda job_id, p, model="": ("job-decode",),
     )
 
 

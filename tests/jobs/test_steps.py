@@ -172,7 +172,7 @@ def test_a_waiting_job_asked_for_no_more_than_its_steps_done_goes_to_decode(api,
     assert response.status_code == 202, response.content
     job = Job.objects.get(pk=job_id)
     assert (job.status, job.stage, job.steps, job.steps_requested, job.steps_done) == ("decoding", "waiting", 6, 20, 6)
-    assert sent == [("decode", job.pk, job.priority)]
+    assert sent == [("decode", job.pk, job.priority, job.model)]
     assert response.json()["progress"] == {"step": 6, "total_steps": 6}
     # Its pending chunk message finds it decoding and does nothing; a repeat is now too late.
     assert services.claim_chunk(job_id, "card0:1", 6) is None
@@ -209,7 +209,7 @@ def test_a_held_job_is_told_through_redis_and_released_by_its_worker(api, sent):
     assert services.release_for_new_total(job_id, "card0:1", 7, f"checkpoints/{job_id}/step-00007.pt")
     job = Job.objects.get(pk=job_id)
     assert (job.status, job.steps, job.steps_done, job.checkpoint_step, job.lease_owner) == ("decoding", 7, 7, 7, "")
-    assert job.steps_requested == 20 and sent == [("decode", job.pk, job.priority)]
+    assert job.steps_requested == 20 and sent == [("decode", job.pk, job.priority, job.model)]
     assert not services.release_for_new_total(job_id, "card0:1", 7, "")  # a repeat does nothing
 
 
@@ -244,7 +244,7 @@ def test_a_chunk_that_ran_past_a_lowered_total_ends_the_job_at_its_steps(api, se
     assert services.finish_chunk(job_id, "card0:1", 8, f"checkpoints/{job_id}/step-00008.pt", None, keep_lease=True)
     job = Job.objects.get(pk=job_id)
     assert (job.status, job.steps, job.steps_done, job.lease_owner) == ("decoding", 8, 8, "")
-    assert sent == [("decode", job.pk, job.priority)]
+    assert sent == [("decode", job.pk, job.priority, job.model)]
 
 
 def test_the_endpoint_is_in_the_schema():

@@ -24,7 +24,7 @@ def capture_sends(
     """Replace the broker's `send_*` functions with recorders; the list of calls is returned.
 
     A name in `names` records `(name without "send_", *args)`; a keyword gives
-    the tuple to record instead, e.g. `send_decode=lambda job_id, priority: ("decode",)`.
+    the tuple to record instead, e.g. `send_decode=lambda job_id, priority, model="": ("decode",)`.
     Nothing reaches Redis.
     """
     calls: list[tuple] = [] if into is None else into

@@ -31,7 +31,7 @@ def statements_for_a_job_of(steps: int, owner, sent: list) -> int:
     denoise._off_the_boundary.submit(lambda: None).result()  # what the boundaries left to the worker's thread
     row = Job.objects.get(pk=job.pk)
     assert (row.status, row.checkpoint_step, row.chunks_run) == (JobStatus.DECODING, steps, steps)
-    assert sent == [("decode", job.pk, row.priority)]  # no chunk message: every chunk ran here
+    assert sent == [("decode", job.pk, row.priority, row.model)]  # no chunk message: every chunk ran here
     return sum("jobs_job" in q["sql"] for q in statements.captured_queries)
 
 
@@ -121,7 +121,7 @@ def test_a_checkpoint_interval_writes_at_kept_boundaries_only_when_due_and_alway
     assert [step for step, starts in beats if starts] == [1, 2, 3, 4, 5]
     assert (row.status, row.checkpoint_step, row.chunks_run) == (JobStatus.DECODING, 6, 1)
     assert row.card_seconds == pytest.approx(sum(seconds))  # the unrecorded chunks' seconds were carried
-    assert sent == [("decode", job.pk, row.priority)]
+    assert sent == [("decode", job.pk, row.priority, row.model)]
 
     # A card that yields writes the checkpoint there, whatever the interval: its continuation resumes from it.
     boundaries = iter([False, False, True])  # better work waits at the third boundary

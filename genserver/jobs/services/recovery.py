@@ -74,7 +74,7 @@ def republish(job: Job) -> None:
     elif job.status == JobStatus.DECODING and job.segment_count > 1:
         segment_service.republish_decodes(job)  # the missing segment decodes, or the assembly
     elif job.status == JobStatus.DECODING:
-        broker.send_decode(job.id, job.priority)
+        broker.send_decode(job.id, job.priority, job.model)
 
 
 def reap_stale() -> dict[str, int]:

@@ -68,7 +68,7 @@ def change_steps(job: Job, new_steps: int) -> Job:
             job.lease_owner, job.lease_expires_at = "", None  # an expired holder, if any, finds it lost
             job.save()
             observe.transition(job.pk, JobStatus.DENOISING, JobStatus.DECODING, step=job.checkpoint_step)
-            transaction.on_commit(lambda: publish_or_leave_to_reaper(broker.send_decode, job.id, job.priority))
+            _decode_on_commit(job)
         else:
             rescale_to_total(job, new_steps)
             job.save()
@@ -113,6 +113,11 @@ def _admit_added_work(job: Job, added_seconds: float) -> None:
         raise AdmissionRefused(decision, job.duration_class)
 
 
+def _decode_on_commit(job: Job) -> None:
+    """The job's decode, published once its transition commits (left to the reaper if the broker is down)."""
+    transaction.on_commit(lambda: publish_or_leave_to_reaper(broker.send_decode, job.id, job.priority, job.model))
+
+
 def _mirror_steps(job_id: JobId, steps: int) -> None:
     try:
         flags.raise_new_total(job_id, steps)
@@ -144,7 +149,7 @@ def release_for_new_total(job_id: JobId, worker: str, step: int, checkpoint_key:
             job.status, job.stage = JobStatus.DECODING, JobStage.WAITING
             job.save()
             observe.transition(job.pk, JobStatus.DENOISING, JobStatus.DECODING, worker=worker, step=job.checkpoint_step)
-            transaction.on_commit(lambda: publish_or_leave_to_reaper(broker.send_decode, job.id, job.priority))
+            _decode_on_commit(job)
         else:
             job.priority = priority_for(
                 job.duration_class, job.remaining_seconds, job.checkpoint_step > 0, deployment.thresholds()

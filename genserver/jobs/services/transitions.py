@@ -337,7 +337,7 @@ def finish_chunk(
                 observe.transition(job.pk, JobStatus.DENOISING, JobStatus.DECODING, worker=worker, step=step)
                 announce_on_commit(job_id, "decoding")
                 if job.segment_count <= 1:  # a segmented job is assembled once its last segment is decoded
-                    transaction.on_commit(lambda: broker.send_decode(job.id, job.priority))
+                    transaction.on_commit(lambda: broker.send_decode(job.id, job.priority, job.model))
             else:
                 job.stage = JobStage.WAITING
                 job.save()
@@ -408,26 +408,28 @@ def learn_from_chunk(job: Job, step_seconds: float | None, worker: str) -> None:
 
 
 def start_decoding(job_id: JobId, worker: str) -> Job | None:
+    """Take the job's decode (its lease), and the job as the take left it, in one statement; None when it is not
+    waiting for one (decoded already, held elsewhere, cancelled)."""
     now = timezone.now()
-    taken = Job.objects.filter(lease_free(now), pk=job_id, status=JobStatus.DECODING, cancel_requested=False).update(
+    job = update_returning(
+        job_id,
+        lease_free(now) & Q(status=JobStatus.DECODING, cancel_requested=False),
         # chunk_started_at: its decode's start, as a chunk's (what is left of it counts in the ETAs behind it).
         stage=JobStage.DECODING,
         lease_owner=worker,
         lease_expires_at=lease_until(),
         chunk_started_at=now,
     )
-    if not taken:
-        return None
-    announce_on_commit(job_id, "decoding")
-    return Job.objects.get(pk=job_id)
+    if job is not None:
+        announce_on_commit(job_id, "decoding")
+    return job
 
 
 def finish_decoding(job_id: JobId, worker: str, outputs: list[dict[str, str]]) -> bool:
     now = timezone.now()
-    # Its decode's publish (finish_chunk set published_at when denoising ended): what its tail took; and when
-    # this worker took it (start_decoding set chunk_started_at): what its decode alone took.
-    row = Job.objects.filter(pk=job_id).values_list("model", "published_at", "chunk_started_at").first()
-    done = Job.objects.filter(pk=job_id, lease_owner=worker, status=JobStatus.DECODING).update(
+    job = update_returning(
+        job_id,
+        Q(lease_owner=worker, status=JobStatus.DECODING),
         status=JobStatus.SUCCEEDED,
         stage=JobStage.DONE,
         outputs=outputs,
@@ -435,14 +437,17 @@ def finish_decoding(job_id: JobId, worker: str, outputs: list[dict[str, str]]) -
         lease_owner="",
         lease_expires_at=None,
     )
-    if done:
-        observe.transition(job_id, JobStatus.DECODING, JobStatus.SUCCEEDED, worker=worker)
-        if row is not None and row[1] is not None:
-            learn_stage_seconds(row[0], TAIL, (now - row[1]).total_seconds())
-        if row is not None and row[2] is not None:
-            learn_stage_seconds(row[0], DECODE, (now - row[2]).total_seconds())
-        after_end(job_id)
-    return bool(done)
+    if job is None:
+        return False
+    observe.transition(job_id, JobStatus.DECODING, JobStatus.SUCCEEDED, worker=worker)
+    # Its decode's publish (finish_chunk set published_at when denoising ended): what its tail took; and when
+    # this worker took it (start_decoding set chunk_started_at): what its decode alone took. The statement left both.
+    if job.published_at is not None:
+        learn_stage_seconds(job.model, TAIL, (now - job.published_at).total_seconds())
+    if job.chunk_started_at is not None:
+        learn_stage_seconds(job.model, DECODE, (now - job.chunk_started_at).total_seconds())
+    after_end(job_id)
+    return True
 
 
 def _group_size(worker: str) -> int:
