@@ -158,7 +158,7 @@ class FlagWatch:
                     job = message["data"].decode()
                     if job in self._tracked:
                         self._tracked[job] = None
-        except redis.RedisError:
+        except (redis.RedisError, OSError):
             log.warning("the flags' subscription failed; reading the flags from Redis until it is back", exc_info=True)
             self._drop()
             self._retry_at = time.monotonic() + RETRY_SECONDS
