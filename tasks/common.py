@@ -94,10 +94,16 @@ def _warm_up_compiled_models() -> None:
     warm_up_worker(deployment.registry(), lambda spec: model_cache().get(spec, "denoise"))
 
 
+def denoise_queues() -> list[str]:
+    """The denoise queues this worker consumes, as its launcher set them (none: not a denoise worker, or a bare
+    worker the launcher did not start)."""
+    return [queue for queue in config.worker_queues() if class_of(queue) in CLASSES]
+
+
 def _subscribe_to_flags() -> None:
     """A worker that runs denoise chunks subscribes to the cancel and new-total announcements before its first
     job (genserver/jobs/flags.py), so that job's steps check them without reading Redis either."""
-    if any(class_of(queue) in CLASSES for queue in config.worker_queues()):
+    if denoise_queues():
         flags.watch().subscribe()
 
 

@@ -50,13 +50,13 @@ from celery import shared_task
 from celery.worker import state as worker_state
 from django.conf import settings
 
-from genserver import config, deployment, metrics
+from genserver import deployment, metrics
 from genserver.jobs import broker, events, flags, selectors, services
 from genserver.jobs.models import Job
 from genserver.jobs.services import Outcome
 from genserver.metrics import count_embedding_cache, count_merged_batch
 from genserver.redis_client import BOUNDARY, HOP
-from genserver.scheduling.classes import CLASSES, LONG, priority_for, yields_to_equal_priority
+from genserver.scheduling.classes import LONG, priority_for, yields_to_equal_priority
 from genserver.scheduling.fairness import CUT_AFTER_SECONDS
 from genserver.scheduling.pools import class_of
 from genserver.storage import StorageKeyMissing
@@ -64,7 +64,7 @@ from workers import long_cap
 from workers.runtime import stages
 from workers.runtime.base import DenoiseState
 
-from .common import card_encoder, family_of, preload, request_of, storage, worker_id
+from .common import card_encoder, denoise_queues, family_of, preload, request_of, storage, worker_id
 from .segments import SegmentCursor, job_id_of
 
 HEARTBEAT_EVERY_SECONDS = 1.0  # lease renewal + progress write; per step would hammer the DB on fast models
@@ -83,7 +83,7 @@ def _after_the_boundary(work, *args) -> None:
 
 def _consumed_queues(job_queue: str) -> list[str]:
     """The denoise queues this worker consumes (the launcher sets them; a bare worker assumes the job's)."""
-    return [q for q in config.worker_queues() if class_of(q) in CLASSES] or [job_queue]
+    return denoise_queues() or [job_queue]
 
 
 @dataclass

@@ -87,7 +87,6 @@ class FlagWatch:
     def __init__(self, recheck_seconds: float | None = None) -> None:
         self.recheck_seconds = settings.FLAG_RECHECK_SECONDS if recheck_seconds is None else recheck_seconds
         self.reads = 0  # the flags' reads from Redis (round trips) it made
-        self._pid = os.getpid()
         self._subscription: _Subscription | None = None
         self._generation = 0  # counts the confirmed subscriptions: a read under an older one is not trusted
         self._confirmed = False
@@ -136,8 +135,6 @@ class FlagWatch:
 
     def _drain(self) -> None:
         """Take in what the subscription has delivered, without waiting; (re)subscribe when there is none."""
-        if self._pid != os.getpid():  # a forked child: the parent's socket is not this process's
-            self._pid, self._subscription, self._confirmed = os.getpid(), None, False
         if self._subscription is None and time.monotonic() < self._retry_at:
             return
         try:
@@ -180,6 +177,8 @@ class FlagWatch:
 
 
 _local = threading.local()
+# A forked child (a prefork pool's, the zygote's) starts without its parent's watch: the socket is the parent's.
+os.register_at_fork(after_in_child=lambda: _local.__dict__.pop("watch", None))
 
 
 def watch() -> FlagWatch:

@@ -3,6 +3,7 @@ only when announced, when the subscription came back, or when the safety interva
 
 from __future__ import annotations
 
+import os
 import uuid
 
 import pytest
@@ -118,3 +119,14 @@ def test_without_a_subscription_every_check_reads_redis(job_id, monkeypatch):
     assert [watch.current(job_id) for _ in range(3)] == [(None, None)] * 3 and watch.reads == 3
     redis_client().set(CANCEL_KEY.format(job_id=job_id), "1", ex=60)
     assert watch.current(job_id) == (b"1", None)
+
+
+def test_a_forked_child_starts_without_its_parents_watch():
+    """A prefork pool's child (or the zygote's) must not read its parent's subscription socket."""
+    parent = flags.watch()
+    pid = os.fork()
+    if pid == 0:  # the child: exit at once, without pytest's teardown
+        os._exit(0 if flags.watch() is not parent else 1)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert flags.watch() is parent  # the parent keeps its own
