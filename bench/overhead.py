@@ -26,6 +26,14 @@ Starts the real stack (simulated backend, 4 CPU "cards") and measures, in one ru
 boots the stack with GENSERVER_CHUNK_SECONDS=0.001 (one step per chunk), runs a 50-step tiny-sd image and a
 50-step tiny-wan video on the CPU cards, and reads their boundaries from /metrics as in 3.
 
+    python -m bench.overhead --hand-over --samples 15   # instead: images preempting a video on one card
+
+boots a stack of one card, runs a 50-step seed-video on it three times, and submits `samples` 2-step seed-image
+jobs (a stored prompt) one after another while each runs: each waits for the video's step under way to end,
+then for the hand-over (the video's boundary: its yield test, checkpoint and record; Celery's ack and delivery
+of the image's message; its claim) before its own first step. Prints the images' wait (submit → first step) and
+that wait beyond half a video step, the mean a step under way still has to run when an image arrives.
+
     python -m bench.overhead --step-cost --samples 10   # instead: the service's own work per denoising step
 
 boots the stack three times in turn (the cancel flags read from Redis before every step, GENSERVER_FLAG_RECHECK=0;
@@ -237,6 +245,37 @@ def tiny_boundaries() -> int:
     return 0
 
 
+def hand_over(samples: int, videos: int = 3) -> int:
+    video_step = 2.4 * SCALE  # seed-video 832×480: 2.4 s a step, modelled
+    waits: list[float] = []
+    with live_stack(stack_env() | {"GENSERVER_CPU_WORKERS": "1"}) as stack:
+        probe = {"model": "seed-image", "prompt": "hand-over probe", "steps": 2}
+        status, job, _ = stack.request("POST", "/api/v1/jobs/", probe)  # stores the prompt's embeddings
+        assert status == 201, job
+        wait_terminal(stack, job["id"])
+        for _ in range(videos):
+            status, video, _ = stack.request("POST", "/api/v1/jobs/", {"model": "seed-video", "prompt": "hand-over"})
+            assert status == 201, video
+            while not stack.request("GET", f"/api/v1/jobs/{video['id']}/")[1].get("started_at"):
+                time.sleep(0.01)
+            for _ in range(samples):
+                time.sleep(0.09)  # a phase of the video's step of its own
+                status, job, _ = stack.request("POST", "/api/v1/jobs/", probe)
+                assert status == 201, job
+                job = wait_terminal(stack, job["id"])
+                if stack.request("GET", f"/api/v1/jobs/{video['id']}/")[1]["status"] != "denoising":
+                    break  # the video ended: this image may have found the card idle
+                waits.append(_ts(job["started_at"]) - _ts(job["created_at"]))
+            wait_terminal(stack, video["id"], timeout=300)
+    print(f"images behind a video on one card: submit → first step  P50 {ms(waits, 0.5)}  P90 {ms(waits, 0.9)}")
+    beyond = statistics.mean(waits) - video_step / 2
+    print(
+        f"  mean {statistics.mean(waits) * 1000:.1f} ms, beyond half a video step ({video_step * 500:.0f} ms)"
+        f" {beyond * 1000:.1f} ms: the submit's own path and the hand-over (n={len(waits)})"
+    )
+    return 0
+
+
 # --step-cost: seed-image jobs of these many steps (512², 0.1 s a step modelled), each one chunk, run one at a time.
 STEP_COST_STEPS = (20, 100)
 # The settings compared, side by side: the flags read from Redis before every step, and the default's announcements.
@@ -293,6 +332,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--requests", type=int, default=200)
     parser.add_argument("--tiny-boundaries", action="store_true", help="only the tiny models' chunk boundaries")
     parser.add_argument("--step-cost", action="store_true", help="only the service's own work per step")
+    parser.add_argument("--hand-over", action="store_true", help="only images preempting a video on one card")
     parser.add_argument("--step-cost-stack", metavar="RECHECK", help=argparse.SUPPRESS)  # one stack of --step-cost
     args = parser.parse_args(argv)
     if args.tiny_boundaries:
@@ -301,6 +341,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return step_cost_stack(args.samples, args.step_cost_stack)
     if args.step_cost:
         return step_cost(args.samples)
+    if args.hand_over:
+        return hand_over(args.samples)
     with live_stack(stack_env()) as stack:
         bare = bare_round_trip(args.samples)
         miss = dispatch_latency(stack, args.samples, hit=False)

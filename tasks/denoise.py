@@ -49,6 +49,7 @@ from dataclasses import dataclass
 from celery import shared_task
 from celery.worker import state as worker_state
 from django.conf import settings
+from django.utils import timezone
 
 from genserver import deployment, metrics
 from genserver.jobs import broker, events, flags, selectors, services
@@ -76,9 +77,23 @@ CUT_CHECK_SECONDS = 0.2
 _off_the_boundary = ThreadPoolExecutor(max_workers=1, thread_name_prefix="off-the-boundary")
 
 
-def _after_the_boundary(work, *args) -> None:
+def _after_the_boundary(work, *args) -> Future[None]:
     """`work(*args)` on the off-the-boundary thread once the card is stepping again (events.after_the_card)."""
-    events.after_the_card(_off_the_boundary, work, *args)
+    return events.after_the_card(_off_the_boundary, work, *args)
+
+
+def _wait_behind(pending: Future[None] | None) -> None:
+    """Wait for work handed to a background thread; the card lets background work run while it waits (else that
+    work would wait for the card in turn, events.CARD_BUSY_MAX_SECONDS). Its error is raised here."""
+    if pending is None:
+        return
+    if not pending.done():
+        events.card_stepping()
+        try:
+            pending.exception()
+        finally:
+            events.card_busy()
+    pending.result()
 
 
 def _consumed_queues(job_queue: str) -> list[str]:
@@ -96,6 +111,7 @@ class _Member:
     state: DenoiseState | None = None
     unsaved_seconds: float = 0.0  # denoising run here since the last checkpoint (kept boundaries that wrote none)
     unsynced: Future[None] | None = None  # the fsync of the last checkpoint written without it, off the boundary
+    started: Future[None] | None = None  # the write of its first step's start, beside that step
     outcome: str = ""  # set once the job has left this task
     cursor: SegmentCursor | None = None  # global steps over a long video's segments (one segment otherwise)
     # Every member was claimed by this task's compare-and-set, which found no cancel and read the current total:
@@ -111,18 +127,24 @@ class _Member:
 # chunk whose message was published after it found the card idle, so its wait for the first step was dispatch
 # alone, what the ETAs learn as the model's HOP.
 _free_since = time.time()
+# The running task yields its card to a message waiting for it (the boundary's yield test): at its end the card
+# is still on its way to a step, the next task's (events.card_handing_over).
+_handing_over = False
 
 
 @shared_task(name=broker.CHUNK_TASK.name, bind=True)
 def run_chunk(self, job_id: str, from_step: int, model: str = "") -> str:
     """`model`: the job's model, when the publisher had the job (broker.send_chunk); else it is read."""
-    global _free_since
-    free_since = _free_since
+    global _free_since, _handing_over
+    free_since, _handing_over = _free_since, False
     events.card_busy()  # to the first step, this process's background threads wait (genserver/jobs/events.py)
     try:
         return _run_chunk(self, job_id, from_step, free_since, model)
     finally:
-        events.card_stepping()
+        if _handing_over:
+            events.card_handing_over()
+        else:
+            events.card_stepping()
         _free_since = time.time()
 
 
@@ -183,8 +205,8 @@ def _denoise(members: list[_Member], worker: str, hop_from: float | None = None)
         member.flags_read_at_claim = False
         if stop:
             return stop
-        if step == 0:
-            services.heartbeat(job_id, worker, steps_done=0)  # started_at: the first step begins now
+        if step == 0:  # started_at, written beside the step (the boundary waits for it: nothing is recorded before)
+            member.started = _after_the_boundary(services.record_first_step, job_id, timezone.now())
             if hop_from is not None and member is members[0]:
                 _after_the_boundary(services.learn_stage_seconds, lead.model, HOP, time.time() - hop_from)
         if time.monotonic() - member.last_beat > HEARTBEAT_EVERY_SECONDS:
@@ -203,11 +225,13 @@ def _denoise(members: list[_Member], worker: str, hop_from: float | None = None)
             return False
         if class_of(lead.queue) == LONG and selectors.must_leave_long(worker):
             return False  # the overload cap: this card yields its long job (and takes no more for now)
+        global _handing_over
         queues = _consumed_queues(lead.queue)
         at_equal = yields_to_equal_priority(lead.duration_class)  # not to another started video: a swap costs
-        return not broker.should_yield(
+        _handing_over = broker.should_yield(
             queues, continuation_at(step), worker, settings.BOUNDARY_HOLD_SECONDS, at_equal=at_equal
         )
+        return not _handing_over
 
     def continuation_at(step: int) -> int:
         """The priority the lead's next chunk would be published at from `step` (global over its segments)."""
@@ -259,6 +283,7 @@ def _denoise(members: list[_Member], worker: str, hop_from: float | None = None)
                 save=False,  # below, once the boundary knows whether the card keeps the jobs
             )
             boundary = time.perf_counter()
+            _first_steps_recorded(running)
             events.card_busy()  # until the next chunk's first step, or the task's end
             stages.embeddings_stored()  # encoded on this card: stored before anything is recorded that reads them
             stay = keep_card(max(m.cursor.offset + r.step for m, r in zip(running, results)))
@@ -278,12 +303,21 @@ def _denoise(members: list[_Member], worker: str, hop_from: float | None = None)
             _after_the_boundary(services.learn_stage_seconds, lead.model, BOUNDARY, took)
     except Exception:  # noqa: BLE001 - recorded on each job, retried from its checkpoint
         error = traceback.format_exc()
+        with contextlib.suppress(Exception):  # its start before its failure, in its row and its events
+            _first_steps_recorded(members)
         for m in members:
             if not m.outcome:  # still held here; the others were recorded and let go
                 m.outcome = services.fail_attempt(m.job.pk, worker, error)
         with contextlib.suppress(Exception):  # a write still running: the retry encodes again if it failed
             stages.embeddings_stored()
     return members[0].outcome
+
+
+def _first_steps_recorded(members: list[_Member]) -> None:
+    """The members' first-step writes are done: what the boundary records of a job follows its start."""
+    for m in members:
+        started, m.started = m.started, None
+        _wait_behind(started)
 
 
 def _encode_new_prompts_together(members: list[_Member], store) -> set:
@@ -327,15 +361,7 @@ def _wait_synced(member: _Member) -> None:
     """Wait for the fsync of the member's last unsynced checkpoint; its error fails the attempt (the retry resumes
     from that checkpoint, still whole on this machine). The card lets background work run while it waits."""
     pending, member.unsynced = member.unsynced, None
-    if pending is None:
-        return
-    if not pending.done():
-        events.card_stepping()
-        try:
-            pending.exception()
-        finally:
-            events.card_busy()
-    pending.result()
+    _wait_behind(pending)
 
 
 def _sync_off_the_boundary(store, key: str, older: str) -> Future[None]:

@@ -117,6 +117,15 @@ _held: list[tuple[ThreadPoolExecutor, Callable[[], None], float]] = []  # (execu
 _hand_over = threading.Lock()  # the held list and the decision to hold, so that items keep their order
 _watcher: threading.Thread | None = None
 
+# A card whose task ends by yielding to a message waiting for it is still on the way to a step: the next task's.
+# Its background work (the yielded chunk's deferred writes) ran between the two tasks, beside Celery's ack and
+# delivery, and made a hand-over 3-4 ms longer at the median (docs/BENCHMARKS.md, "The hand-over"). It now waits
+# to the next task's first step, or until the watcher lets it go HAND_OVER_MAX_SECONDS after the yield (the
+# message went to another card): shorter runs the deferred work sooner on a card left idle, longer waits less
+# often for a delivery that is merely slow.
+HAND_OVER_MAX_SECONDS = 0.1
+_free_after: float | None = None  # monotonic: when the watcher ends a hand-over that found no task
+
 
 def hold_hand_overs_while_busy() -> None:
     """From now on, work handed over while the card is busy is held in this process until it steps (a worker's)."""
@@ -128,10 +137,14 @@ def hold_hand_overs_while_busy() -> None:
 
 
 def _queue_overdue() -> None:
+    global _free_after
     while _watcher is threading.current_thread():  # a test that replaced it ends this one
         time.sleep(min(HELD_CHECK_SECONDS, CARD_BUSY_MAX_SECONDS))
         with _hand_over:
-            if _held and _held[0][2] <= time.monotonic():
+            if _free_after is not None and _free_after <= time.monotonic():
+                _free_after = None
+                _card_free.set()
+            if _held and (_card_free.is_set() or _held[0][2] <= time.monotonic()):
                 _queue_held()
 
 
@@ -144,16 +157,33 @@ def _queue_held() -> None:
 
 def card_busy() -> None:
     """The card's thread is on its way to a step: this process's background work waits (a worker's)."""
+    global _free_after
+    _free_after = None  # a task took the card: its first step or its end lets the work go
     _card_free.clear()
 
 
 def card_stepping() -> None:
     """The card's thread is in a step or idle: background work runs beside it (a GPU step leaves the CPU free; a
-    task's end must always call this)."""
+    task's end must call this or `card_handing_over`)."""
+    global _free_after
     with _hand_over:
+        _free_after = None
         _card_free.set()
         if _held:
             _queue_held()
+
+
+def card_handing_over() -> None:
+    """The card's task ends by yielding to a message waiting for it (tasks/denoise.py): background work keeps
+    waiting through the hand-over, to the next task's first step, HAND_OVER_MAX_SECONDS at most. Where no watcher
+    would end the wait (a process that does not hold hand-overs), the same as `card_stepping`."""
+    global _free_after
+    with _hand_over:
+        if _watcher is not None:
+            _free_after = time.monotonic() + HAND_OVER_MAX_SECONDS
+            _card_free.clear()
+            return
+    card_stepping()
 
 
 def in_background(work: Callable[..., Any], *args: Any) -> None:

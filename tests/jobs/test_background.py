@@ -97,3 +97,39 @@ def test_held_work_runs_at_the_latest_after_the_bound_while_the_card_stays_busy(
     events.after_the_card(executor, seen.append, "first").result(timeout=30)
     events.after_the_card(executor, seen.append, "second").result(timeout=30)
     assert seen == ["first", "second"] and not events._card_free.is_set()  # the watcher queued them
+
+
+def test_a_hand_over_keeps_background_work_waiting_until_the_next_task_steps(executor, holding, monkeypatch):
+    """A card that yielded to a waiting message is still on its way to a step: the yielded chunk's deferred work
+    waits through Celery's ack and delivery and the next task's claim, and runs once that task steps."""
+    monkeypatch.setattr(events, "CARD_BUSY_MAX_SECONDS", 60.0)
+    monkeypatch.setattr(events, "HAND_OVER_MAX_SECONDS", 60.0)
+    seen = []
+    events.card_busy()  # the yielding chunk's boundary
+    deferred = events.after_the_card(executor, seen.append, "the yielded chunk's")
+    events.card_handing_over()  # its task ends
+    events.card_busy()  # the next task starts, claims, loads
+    assert executor.queued == 0 and seen == []
+    events.card_stepping()  # its first step
+    deferred.result(timeout=30)
+    assert seen == ["the yielded chunk's"]
+
+
+def test_a_hand_over_that_finds_no_task_lets_background_work_go_after_its_bound(executor, holding, monkeypatch):
+    monkeypatch.setattr(events, "CARD_BUSY_MAX_SECONDS", 60.0)
+    monkeypatch.setattr(events, "HAND_OVER_MAX_SECONDS", 0.05)
+    monkeypatch.setattr(events, "HELD_CHECK_SECONDS", 0.01)
+    seen = []
+    events.card_busy()
+    deferred = events.after_the_card(executor, seen.append, "held")
+    events.card_handing_over()  # the waiting message went to another card: this one stays idle
+    deferred.result(timeout=30)
+    events.after_the_card(executor, seen.append, "later").result(timeout=30)
+    assert seen == ["held", "later"] and events._card_free.is_set()  # idle again: nothing waits for a step
+
+
+def test_a_hand_over_in_a_process_that_holds_nothing_lets_work_run_at_once(executor, monkeypatch):
+    monkeypatch.setattr(events, "_watcher", None)
+    events.card_busy()
+    events.card_handing_over()
+    assert events._card_free.is_set()

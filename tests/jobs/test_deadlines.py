@@ -128,7 +128,7 @@ def test_a_job_that_started_never_expires(api):
     services.start_encoding(job_id, "encode@test")
     services.finish_encoding(job_id, "encode@test", "embeddings/x")
     assert services.claim_chunk(job_id, "card0@test", 0) is not None
-    assert services.heartbeat(job_id, "card0@test", steps_done=0)  # its first step: started_at
+    services.record_first_step(job_id, timezone.now())  # its first step: started_at
     Job.objects.filter(pk=job_id).update(start_deadline=timezone.now() - timedelta(seconds=1))
     # Held: neither the sweeper nor another claim may touch it.
     assert services.expire_overdue() == 0

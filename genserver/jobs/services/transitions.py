@@ -230,8 +230,17 @@ def claim_merge_partners(job: Job, worker: str, max_rows: int) -> list[Job]:
     return partners
 
 
+def record_first_step(job_id: JobId, at: datetime) -> None:
+    """The job's first step began `at`: its `started_at`, and its `started` event, once (a job retried from its
+    start does not start again). The denoise task writes it beside that step rather than before it: the claim has
+    just renewed the lease, and a retry resets the progress itself (`fail_attempt`)."""
+    if Job.objects.filter(pk=job_id, started_at__isnull=True).update(started_at=at):
+        emit_on_commit(job_id, "started")
+        observe.first_step(job_id, at)
+
+
 def heartbeat(job_id: JobId, worker: str, steps_done: int | None = None, *, chunk_starts: bool = False) -> bool:
-    """Renew the lease and record progress (steps_done=0: the first step begins, `started_at`).
+    """Renew the lease and record progress.
 
     `chunk_starts`: a boundary where the card keeps the job and writes no checkpoint (GENSERVER_CHECKPOINT_EVERY):
     the next chunk starts now, which the queue picture counts what is left of it from (`chunk_started_at`).
@@ -244,11 +253,7 @@ def heartbeat(job_id: JobId, worker: str, steps_done: int | None = None, *, chun
     if chunk_starts:
         fields["chunk_started_at"] = now
     renewed = Job.objects.filter(pk=job_id, lease_owner=worker, status__in=ACTIVE).update(**fields)
-    if renewed and steps_done == 0:
-        if Job.objects.filter(pk=job_id, started_at__isnull=True).update(started_at=now):
-            emit_on_commit(job_id, "started")  # once: a resumed job does not start again
-            observe.first_step(job_id, now)
-    elif renewed and steps_done:
+    if renewed and steps_done:
         announce_on_commit(job_id, "progress")
     return bool(renewed)
 
@@ -290,18 +295,19 @@ def finish_chunk(
     `chunk_seconds`: the chunk's measured wall seconds for this job (its share of a merged batch);
     without it, `step_seconds` × the chunk's steps. Times the worker's cards, it adds to the job's
     measured `card_seconds` (what its owner's daily quota is settled with when it ends).
-    `claimed`: the worker's copy of the job's row as it claimed it; with it, a boundary where the card keeps the
-    job and nothing else happens is one conditional UPDATE (`_record_kept_chunk`) instead of a locked
-    read and save. `learn=False`: the caller folds the step time into the model's correction itself,
+    `claimed`: the worker's copy of the job's row as it claimed it; with it, a boundary where nothing else happens
+    (the card keeps the job, or yields it to better work) is one conditional UPDATE (`_record_chunk_alone`)
+    instead of a locked read and save. `learn=False`: the caller folds the step time into the model's correction itself,
     off its critical path (`learn_from_chunk`). False when this worker no longer holds the job or the
     step was already recorded.
     """
     group_size = _group_size(worker)
     if (
-        keep_lease
-        and claimed is not None
+        claimed is not None
         and chunk_seconds is not None
-        and _record_kept_chunk(claimed, worker, step, checkpoint_key, step_seconds, chunk_seconds * group_size)
+        and _record_chunk_alone(
+            claimed, worker, step, checkpoint_key, step_seconds, chunk_seconds * group_size, keep_lease
+        )
     ):
         if learn:
             learn_from_chunk(claimed, step_seconds, worker)
@@ -348,44 +354,64 @@ def finish_chunk(
     return True
 
 
-def _record_kept_chunk(
-    claimed: Job, worker: str, step: int, checkpoint_key: str, step_seconds: float | None, card_seconds: float
+def _record_chunk_alone(
+    claimed: Job,
+    worker: str,
+    step: int,
+    checkpoint_key: str,
+    step_seconds: float | None,
+    card_seconds: float,
+    keep_lease: bool,
 ) -> bool:
-    """The common boundary, where the card keeps the job for its next chunk, as one compare-and-set.
+    """The common boundary as one compare-and-set: the card keeps the job for its next chunk (`keep_lease`:
+    the lease renewed), or yields it to better work (the lease let go, the next chunk published once this
+    commits). A yield is on the way to the waiting job's first step, a kept boundary on the way to this
+    job's next one.
 
-    It writes what the locked path would (checkpoint, progress, card seconds, the next chunk's priority)
-    and renews the lease. It applies only where nothing else
-    happens at the boundary: not the job's last step, not a segment's end, the total it runs is still the
-    row's (a change of steps goes the locked way, which rescales), no cancel asked. The priority comes
-    from `claimed`'s estimate, which only a change of steps changes. False when any of that does not hold
-    (or the lease is gone): the caller then takes the locked path, which decides.
+    It writes what the locked path would (checkpoint, progress, card seconds, the next chunk's priority). It
+    applies only where nothing else happens at the boundary: not the job's last step, not a segment's end,
+    the total it runs and its queue are still the row's (a change of steps goes the locked way, which
+    rescales), no cancel asked. The priority comes from `claimed`'s estimate, which only a change of steps
+    changes. False when any of that does not hold (or the lease is gone): the caller then takes the locked
+    path, which decides.
     """
     if step >= claimed.total_steps or (claimed.segment_count > 1 and step % claimed.steps == 0):
         return False
     remaining = claimed.estimated_seconds * (claimed.total_steps - step) / claimed.total_steps
+    priority = priority_for(claimed.duration_class, remaining, True, deployment.thresholds())
     now = timezone.now()
-    return bool(
-        Job.objects.filter(
-            pk=claimed.pk,
-            lease_owner=worker,
-            status=JobStatus.DENOISING,
-            checkpoint_step__lt=step,
-            cancel_requested=False,
-            steps=claimed.steps,
-            segment_count=claimed.segment_count,
-        ).update(
-            checkpoint_step=step,
-            steps_done=step,
-            checkpoint_key=checkpoint_key,
-            measured_step_seconds=step_seconds,
-            chunks_run=F("chunks_run") + 1,  # an in-process chunk counts like a claimed one
-            card_seconds=F("card_seconds") + card_seconds,
-            priority=priority_for(claimed.duration_class, remaining, True, deployment.thresholds()),
-            lease_expires_at=lease_until(),
-            chunk_started_at=now,
-            updated_at=now,
-        )
+    if keep_lease:
+        # An in-process chunk counts like a claimed one; the next chunk starts now.
+        handover: dict[str, Any] = {
+            "chunks_run": F("chunks_run") + 1,
+            "lease_expires_at": lease_until(),
+            "chunk_started_at": now,
+        }
+    else:
+        handover = {"lease_owner": "", "lease_expires_at": None, "published_at": now, "stage": JobStage.WAITING}
+    recorded = Job.objects.filter(
+        pk=claimed.pk,
+        lease_owner=worker,
+        status=JobStatus.DENOISING,
+        checkpoint_step__lt=step,
+        cancel_requested=False,
+        steps=claimed.steps,
+        segment_count=claimed.segment_count,
+        queue=claimed.queue,
+    ).update(
+        checkpoint_step=step,
+        steps_done=step,
+        checkpoint_key=checkpoint_key,
+        measured_step_seconds=step_seconds,
+        card_seconds=F("card_seconds") + card_seconds,
+        priority=priority,
+        updated_at=now,
+        **handover,
     )
+    if recorded and not keep_lease:
+        announce_on_commit(claimed.pk, "waiting")
+        transaction.on_commit(lambda: broker.send_chunk(claimed.pk, step, claimed.queue, priority, claimed.model))
+    return bool(recorded)
 
 
 def learn_from_chunk(job: Job, step_seconds: float | None, worker: str) -> None:
