@@ -7,7 +7,14 @@ import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
-from celery.signals import task_postrun, task_prerun, worker_init, worker_process_init
+from celery.signals import (
+    task_postrun,
+    task_prerun,
+    worker_init,
+    worker_process_init,
+    worker_process_shutdown,
+    worker_shutdown,
+)
 from django.db import close_old_connections
 
 from genserver import config, deployment
@@ -120,6 +127,14 @@ def warm_up_in_pool_process(**kwargs) -> None:
     events.publish_in_background()  # prefork: each child runs jobs
     _warm_up_compiled_models()
     _subscribe_to_flags()
+
+
+@worker_shutdown.connect
+@worker_process_shutdown.connect
+def release_held_work(**kwargs) -> None:
+    """A worker that stops between a yield and its next task: the work its card held through the hand-over
+    (events.card_handing_over) goes to its threads now, which finish it before the process exits."""
+    events.card_stepping()
 
 
 storage = default_storage

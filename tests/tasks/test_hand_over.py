@@ -1,6 +1,7 @@
 """The path from a card's chunk boundary to its next step when it yields to better work (the hand-over), and from
-a claim to a job's first step: the yield records the chunk in one statement, the card's background work waits
-through the hand-over, and a job's first step begins with no write before it (its start is written beside it)."""
+a claim to a job's first step: a yield, and a job's last step, record the chunk in one statement; the card's
+background work waits through the hand-over; and a job's first step begins with no write before it (its start is
+written beside it)."""
 
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ def yield_at_the_first_boundary(job: Job, monkeypatch) -> tuple[list[str], dict]
     of each of the task's statements on the job table (its events' reads among them), and the row it left."""
     from tasks import denoise
 
+    monkeypatch.setattr(denoise, "HEARTBEAT_EVERY_SECONDS", 1e9)  # no renewal: a first model load may take seconds
     monkeypatch.setattr(denoise.broker, "should_yield", lambda *args, **kwargs: True)
     with CaptureQueriesContext(connection) as statements:
         assert denoise.run_chunk.apply(args=[str(job.pk), 0], kwargs={"model": job.model}).get() == "step 1"
@@ -62,6 +64,39 @@ def test_a_yield_is_one_statement_that_leaves_the_row_and_the_message_of_the_loc
     assert keys[0] == keys[1]
     assert alone_sent == [("chunk", one.pk, 1, one.queue, alone_row["priority"], one.model)]
     assert sent == [("chunk", other.pk, 1, other.queue, locked_row["priority"], other.model)]
+
+
+def test_a_last_step_is_one_statement_that_leaves_the_row_and_the_decode_message_of_the_locked_path(
+    make_user, monkeypatch
+):
+    from tasks import denoise
+
+    monkeypatch.setattr(denoise, "HEARTBEAT_EVERY_SECONDS", 1e9)  # no renewal: a first model load may take seconds
+    sent = capture_sends(monkeypatch, "send_encode", "send_chunk", "send_decode")
+    owner = make_user("last-step").user
+    found: dict[str, tuple[list[str], dict]] = {}
+    for path in ("alone", "locked"):
+        if path == "locked":
+            monkeypatch.setattr(transitions, "_record_last_chunk", lambda *args, **kwargs: False)
+        job = job_with_one_step_chunks(owner, 2)
+        sent.clear()
+        with CaptureQueriesContext(connection) as statements:
+            assert denoise.run_chunk.apply(args=[str(job.pk), 0], kwargs={"model": job.model}).get() == "step 2"
+        denoise._off_the_boundary.submit(lambda: None).result()
+        row = Job.objects.values(*ROW, "published_at", "card_seconds").get(pk=job.pk)
+        found[path] = [q["sql"].split()[0] for q in statements.captured_queries if "jobs_job" in q["sql"]], row
+        # At the priority the row holds at its last step (the kept boundary before it set it).
+        assert sent == [("decode", job.pk, row["priority"], job.model)]
+    (alone, alone_row), (locked, locked_row) = found["alone"], found["locked"]
+    # The claim, the kept boundary at step 1, the last step's record; the locked path reads the row before it.
+    assert alone.count("UPDATE") == locked.count("UPDATE") == 3 and len(locked) == len(alone) + 1
+    assert [alone_row[f] for f in ROW] == [locked_row[f] for f in ROW]
+    assert (alone_row["status"], alone_row["stage"], alone_row["lease_owner"]) == (
+        JobStatus.DECODING,
+        JobStage.WAITING,
+        "",
+    )
+    assert alone_row["published_at"] is not None and alone_row["card_seconds"] > 0
 
 
 def test_a_yield_of_a_job_asked_to_cancel_takes_the_locked_path_and_ends_it(make_user, monkeypatch):
@@ -107,6 +142,7 @@ def test_a_first_step_begins_with_no_write_after_the_claim_and_its_start_is_reco
 ):
     from tasks import denoise
 
+    monkeypatch.setattr(denoise, "HEARTBEAT_EVERY_SECONDS", 1e9)  # no renewal: a first model load may take seconds
     capture_sends(monkeypatch, "send_encode", "send_chunk", "send_decode")
     job = job_with_one_step_chunks(make_user("first-step").user, 2)
     run = denoise.stages.run_merged_chunk
@@ -136,3 +172,23 @@ def test_a_first_step_begins_with_no_write_after_the_claim_and_its_start_is_reco
     assert before_the_step.count("UPDATE") == 1  # the claim: no write of the start (or of anything) after it
     row = Job.objects.get(pk=job.pk)
     assert row.started_at is not None and seen["started when recorded"] == row.started_at
+
+
+def test_a_worker_that_stops_during_a_hand_over_lets_the_work_it_held_run(monkeypatch):
+    from concurrent.futures import ThreadPoolExecutor
+
+    from tasks import common
+
+    monkeypatch.setattr(events, "_watcher", None)
+    events.hold_hand_overs_while_busy()  # as a worker does (its own watcher, ended after the test)
+    monkeypatch.setattr(events, "CARD_BUSY_MAX_SECONDS", 60.0)
+    monkeypatch.setattr(events, "HAND_OVER_MAX_SECONDS", 60.0)
+    executor = ThreadPoolExecutor(max_workers=1)
+    seen: list[str] = []
+    events.card_busy()
+    held = events.after_the_card(executor, seen.append, "the yielded chunk's")
+    events.card_handing_over()
+    assert not held.done()
+    common.release_held_work()  # Celery's worker_shutdown: the process exits next
+    executor.shutdown(wait=True)  # what the interpreter's exit does with a worker's threads
+    assert held.done() and seen == ["the yielded chunk's"]

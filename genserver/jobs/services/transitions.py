@@ -296,22 +296,20 @@ def finish_chunk(
     without it, `step_seconds` × the chunk's steps. Times the worker's cards, it adds to the job's
     measured `card_seconds` (what its owner's daily quota is settled with when it ends).
     `claimed`: the worker's copy of the job's row as it claimed it; with it, a boundary where nothing else happens
-    (the card keeps the job, or yields it to better work) is one conditional UPDATE (`_record_chunk_alone`)
-    instead of a locked read and save. `learn=False`: the caller folds the step time into the model's correction itself,
-    off its critical path (`learn_from_chunk`). False when this worker no longer holds the job or the
-    step was already recorded.
+    (the card keeps the job, or yields it to better work: `_record_chunk_alone`; or the job's last step hands it to
+    its decode: `_record_last_chunk`) is one conditional UPDATE instead of a locked read and save.
+    `learn=False`: the caller folds the step time into the model's correction itself, off its critical path
+    (`learn_from_chunk`). False when this worker no longer holds the job or the step was already recorded.
     """
     group_size = _group_size(worker)
-    if (
-        claimed is not None
-        and chunk_seconds is not None
-        and _record_chunk_alone(
-            claimed, worker, step, checkpoint_key, step_seconds, chunk_seconds * group_size, keep_lease
-        )
-    ):
-        if learn:
-            learn_from_chunk(claimed, step_seconds, worker)
-        return True
+    if claimed is not None and chunk_seconds is not None:
+        card_seconds = chunk_seconds * group_size
+        if _record_chunk_alone(claimed, worker, step, checkpoint_key, step_seconds, card_seconds, keep_lease) or (
+            not keep_lease and _record_last_chunk(claimed, worker, step, checkpoint_key, step_seconds, card_seconds)
+        ):
+            if learn:
+                learn_from_chunk(claimed, step_seconds, worker)
+            return True
     with transaction.atomic():
         job = Job.objects.select_for_update().filter(pk=job_id, lease_owner=worker, status=JobStatus.DENOISING).first()
         if job is None or job.checkpoint_step >= step:
@@ -412,6 +410,46 @@ def _record_chunk_alone(
         announce_on_commit(claimed.pk, "waiting")
         transaction.on_commit(lambda: broker.send_chunk(claimed.pk, step, claimed.queue, priority, claimed.model))
     return bool(recorded)
+
+
+def _record_last_chunk(
+    claimed: Job, worker: str, step: int, checkpoint_key: str, step_seconds: float | None, card_seconds: float
+) -> bool:
+    """A job's last denoising step as one statement: the chunk recorded, the lease let go, the job `decoding`,
+    and its decode published once this commits (on the way to its outputs: every job's tail). It applies where
+    the locked path would do that and nothing else: one segment (a segmented job's decodes are the segments'),
+    the total still the row's and reached exactly, no cancel asked. False otherwise (or the lease is gone)."""
+    if step != claimed.total_steps or claimed.segment_count > 1:
+        return False
+    now = timezone.now()
+    job = update_returning(
+        claimed.pk,
+        Q(
+            lease_owner=worker,
+            status=JobStatus.DENOISING,
+            checkpoint_step__lt=step,
+            cancel_requested=False,
+            steps=claimed.steps,
+            segment_count=1,
+        ),
+        checkpoint_step=step,
+        steps_done=step,
+        checkpoint_key=checkpoint_key,
+        measured_step_seconds=step_seconds,
+        card_seconds=F("card_seconds") + card_seconds,
+        status=JobStatus.DECODING,
+        stage=JobStage.WAITING,
+        lease_owner="",
+        lease_expires_at=None,
+        published_at=now,
+        updated_at=now,
+    )
+    if job is None:
+        return False
+    observe.transition(job.pk, JobStatus.DENOISING, JobStatus.DECODING, worker=worker, step=step)
+    announce_on_commit(job.pk, "decoding")
+    transaction.on_commit(lambda: broker.send_decode(job.id, job.priority, job.model))  # its priority as it stands
+    return True
 
 
 def learn_from_chunk(job: Job, step_seconds: float | None, worker: str) -> None:
