@@ -119,7 +119,7 @@ _watcher: threading.Thread | None = None
 
 # A card whose task ends by yielding to a message waiting for it is still on the way to a step: the next task's.
 # Its background work (the yielded chunk's deferred writes) ran between the two tasks, beside Celery's ack and
-# delivery, and made a hand-over 3-4 ms longer at the median (docs/BENCHMARKS.md, "The hand-over"). It now waits
+# delivery, and made those 4-7 ms longer at the median (docs/BENCHMARKS.md, "The hand-over"). It now waits
 # to the next task's first step, or until the watcher lets it go HAND_OVER_MAX_SECONDS after the yield (the
 # message went to another card): shorter runs the deferred work sooner on a card left idle, longer waits less
 # often for a delivery that is merely slow.
