@@ -14,7 +14,9 @@ announced its first chunk: the card holds up to GENSERVER_BOUNDARY_HOLD for
 it), it re-publishes the continuation and returns to the broker; otherwise it
 runs the next chunk in-process from the state in memory, skipping the broker hop
 and the checkpoint restore. The order of work is that of re-publishing every
-chunk, less the swaps between started jobs of equal priority. The checkpoint
+chunk, less the swaps between started jobs of equal priority. A task that yields
+ends with its card still on the way to a step, the waiting job's: the work it
+deferred stays held until that step (events.card_handing_over). The checkpoint
 is still written at every boundary, so a crash loses at most one chunk; with
 GENSERVER_CHECKPOINT_EVERY, a boundary where the card keeps the job writes it
 (and records the chunk) only once that many seconds of denoising have run
