@@ -20,15 +20,20 @@ pytestmark = pytest.mark.django_db(transaction=True)
 ROW = ("status", "stage", "lease_owner", "lease_expires_at", "checkpoint_step", "steps_done", "chunks_run", "priority")
 
 
-def yield_at_the_first_boundary(job: Job, monkeypatch) -> tuple[list[str], dict]:
-    """Run the job's first one-step chunk on a card that finds better work waiting at its boundary: the first word
-    of each of the task's statements on the job table (its events' reads among them), and the row it left."""
+def run_from_step_0(job: Job, monkeypatch, *, yields: bool, ends_at: int) -> tuple[list[str], dict]:
+    """Run the job's one-step chunks on a card that finds better work waiting at its first boundary (`yields`) or
+    nothing (it runs on to the job's end), until the task ends at `ends_at`: the first word of each of the task's
+    statements on the job table, and the row it left."""
     from tasks import denoise
 
     monkeypatch.setattr(denoise, "HEARTBEAT_EVERY_SECONDS", 1e9)  # no renewal: a first model load may take seconds
-    monkeypatch.setattr(denoise.broker, "should_yield", lambda *args, **kwargs: True)
+    monkeypatch.setattr(denoise.broker, "should_yield", lambda *args, **kwargs: yields)
+    # The job's events are rendered on a worker's own thread, not here: their reads (which vary with what the
+    # queue picture has cached) are not the task's statements.
+    monkeypatch.setattr(events, "in_background", lambda work, *args: None)
     with CaptureQueriesContext(connection) as statements:
-        assert denoise.run_chunk.apply(args=[str(job.pk), 0], kwargs={"model": job.model}).get() == "step 1"
+        outcome = denoise.run_chunk.apply(args=[str(job.pk), 0], kwargs={"model": job.model}).get()
+    assert outcome == f"step {ends_at}"
     denoise._off_the_boundary.submit(lambda: None).result()
     row = Job.objects.values(*ROW, "checkpoint_key", "published_at", "card_seconds", "measured_step_seconds").get(
         pk=job.pk
@@ -41,16 +46,17 @@ def test_a_yield_is_one_statement_that_leaves_the_row_and_the_message_of_the_loc
     owner = make_user("yields").user
     one = job_with_one_step_chunks(owner, 6)
     sent.clear()
-    alone, alone_row = yield_at_the_first_boundary(one, monkeypatch)
+    alone, alone_row = run_from_step_0(one, monkeypatch, yields=True, ends_at=1)
     alone_sent = list(sent)
 
     monkeypatch.setattr(transitions, "_record_chunk_alone", lambda *args, **kwargs: False)  # the locked path
     other = job_with_one_step_chunks(owner, 6)
     sent.clear()
-    locked, locked_row = yield_at_the_first_boundary(other, monkeypatch)
+    locked, locked_row = run_from_step_0(other, monkeypatch, yields=True, ends_at=1)
 
-    # The claim, then the chunk's record with the lease let go; the locked path reads the row first.
-    assert alone.count("UPDATE") == locked.count("UPDATE") == 2 and len(locked) == len(alone) + 1
+    # The claim, its merge partners' read, then the chunk's record with the lease let go; the locked path reads
+    # the row first.
+    assert alone == ["UPDATE", "SELECT", "UPDATE"] and locked == ["UPDATE", "SELECT", "SELECT", "UPDATE"]
     for row in (alone_row, locked_row):
         assert (row["status"], row["stage"], row["lease_owner"], row["lease_expires_at"]) == (
             JobStatus.DENOISING,
@@ -69,9 +75,6 @@ def test_a_yield_is_one_statement_that_leaves_the_row_and_the_message_of_the_loc
 def test_a_last_step_is_one_statement_that_leaves_the_row_and_the_decode_message_of_the_locked_path(
     make_user, monkeypatch
 ):
-    from tasks import denoise
-
-    monkeypatch.setattr(denoise, "HEARTBEAT_EVERY_SECONDS", 1e9)  # no renewal: a first model load may take seconds
     sent = capture_sends(monkeypatch, "send_encode", "send_chunk", "send_decode")
     owner = make_user("last-step").user
     found: dict[str, tuple[list[str], dict]] = {}
@@ -80,16 +83,19 @@ def test_a_last_step_is_one_statement_that_leaves_the_row_and_the_decode_message
             monkeypatch.setattr(transitions, "_record_last_chunk", lambda *args, **kwargs: False)
         job = job_with_one_step_chunks(owner, 2)
         sent.clear()
-        with CaptureQueriesContext(connection) as statements:
-            assert denoise.run_chunk.apply(args=[str(job.pk), 0], kwargs={"model": job.model}).get() == "step 2"
-        denoise._off_the_boundary.submit(lambda: None).result()
-        row = Job.objects.values(*ROW, "published_at", "card_seconds").get(pk=job.pk)
-        found[path] = [q["sql"].split()[0] for q in statements.captured_queries if "jobs_job" in q["sql"]], row
+        found[path] = _, row = run_from_step_0(job, monkeypatch, yields=False, ends_at=2)
         # At the priority the row holds at its last step (the kept boundary before it set it).
         assert sent == [("decode", job.pk, row["priority"], job.model)]
     (alone, alone_row), (locked, locked_row) = found["alone"], found["locked"]
-    # The claim, the kept boundary at step 1, the last step's record; the locked path reads the row before it.
-    assert alone.count("UPDATE") == locked.count("UPDATE") == 3 and len(locked) == len(alone) + 1
+    # The claim, its merge partners' read, the kept boundary at step 1, the last step's record; the locked path
+    # reads the row before it.
+    assert alone == ["UPDATE", "SELECT", "UPDATE", "UPDATE"] and locked == [
+        "UPDATE",
+        "SELECT",
+        "UPDATE",
+        "SELECT",
+        "UPDATE",
+    ]
     assert [alone_row[f] for f in ROW] == [locked_row[f] for f in ROW]
     assert (alone_row["status"], alone_row["stage"], alone_row["lease_owner"]) == (
         JobStatus.DECODING,
@@ -112,7 +118,7 @@ def test_a_yield_of_a_job_asked_to_cancel_takes_the_locked_path_and_ends_it(make
 
     monkeypatch.setattr(denoise.stages, "run_merged_chunk", cancelled_during_the_chunk)
     sent.clear()
-    _, row = yield_at_the_first_boundary(job, monkeypatch)
+    _, row = run_from_step_0(job, monkeypatch, yields=True, ends_at=1)
     assert row["status"] == JobStatus.CANCELLED and sent == []  # the compare-and-set did not apply: the locked path
 
 

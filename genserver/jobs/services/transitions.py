@@ -368,10 +368,9 @@ def _record_chunk_alone(
 
     It writes what the locked path would (checkpoint, progress, card seconds, the next chunk's priority). It
     applies only where nothing else happens at the boundary: not the job's last step, not a segment's end,
-    the total it runs and its queue are still the row's (a change of steps goes the locked way, which
-    rescales), no cancel asked. The priority comes from `claimed`'s estimate, which only a change of steps
-    changes. False when any of that does not hold (or the lease is gone): the caller then takes the locked
-    path, which decides.
+    and `_alone`'s guard. The priority comes from `claimed`'s estimate, which only a change of steps changes.
+    False when any of that does not hold (or the lease is gone): the caller then takes the locked path, which
+    decides.
     """
     if step >= claimed.total_steps or (claimed.segment_count > 1 and step % claimed.steps == 0):
         return False
@@ -380,32 +379,15 @@ def _record_chunk_alone(
     now = timezone.now()
     if keep_lease:
         # An in-process chunk counts like a claimed one; the next chunk starts now.
-        handover: dict[str, Any] = {
+        lease: dict[str, Any] = {
             "chunks_run": F("chunks_run") + 1,
             "lease_expires_at": lease_until(),
             "chunk_started_at": now,
         }
     else:
-        handover = {"lease_owner": "", "lease_expires_at": None, "published_at": now, "stage": JobStage.WAITING}
-    recorded = Job.objects.filter(
-        pk=claimed.pk,
-        lease_owner=worker,
-        status=JobStatus.DENOISING,
-        checkpoint_step__lt=step,
-        cancel_requested=False,
-        steps=claimed.steps,
-        segment_count=claimed.segment_count,
-        queue=claimed.queue,
-    ).update(
-        checkpoint_step=step,
-        steps_done=step,
-        checkpoint_key=checkpoint_key,
-        measured_step_seconds=step_seconds,
-        card_seconds=F("card_seconds") + card_seconds,
-        priority=priority,
-        updated_at=now,
-        **handover,
-    )
+        lease = {"lease_owner": "", "lease_expires_at": None, "published_at": now, "stage": JobStage.WAITING}
+    guard, chunk = _alone(claimed, worker, step, checkpoint_key, step_seconds, card_seconds, now)
+    recorded = Job.objects.filter(guard, pk=claimed.pk).update(**chunk, priority=priority, **lease)
     if recorded and not keep_lease:
         announce_on_commit(claimed.pk, "waiting")
         transaction.on_commit(lambda: broker.send_chunk(claimed.pk, step, claimed.queue, priority, claimed.model))
@@ -418,31 +400,20 @@ def _record_last_chunk(
     """A job's last denoising step as one statement: the chunk recorded, the lease let go, the job `decoding`,
     and its decode published once this commits (on the way to its outputs: every job's tail). It applies where
     the locked path would do that and nothing else: one segment (a segmented job's decodes are the segments'),
-    the total still the row's and reached exactly, no cancel asked. False otherwise (or the lease is gone)."""
+    the total reached exactly, and `_alone`'s guard. False otherwise (or the lease is gone)."""
     if step != claimed.total_steps or claimed.segment_count > 1:
         return False
     now = timezone.now()
+    guard, chunk = _alone(claimed, worker, step, checkpoint_key, step_seconds, card_seconds, now)
     job = update_returning(
         claimed.pk,
-        Q(
-            lease_owner=worker,
-            status=JobStatus.DENOISING,
-            checkpoint_step__lt=step,
-            cancel_requested=False,
-            steps=claimed.steps,
-            segment_count=1,
-        ),
-        checkpoint_step=step,
-        steps_done=step,
-        checkpoint_key=checkpoint_key,
-        measured_step_seconds=step_seconds,
-        card_seconds=F("card_seconds") + card_seconds,
+        guard,
+        **chunk,
         status=JobStatus.DECODING,
         stage=JobStage.WAITING,
         lease_owner="",
         lease_expires_at=None,
         published_at=now,
-        updated_at=now,
     )
     if job is None:
         return False
@@ -450,6 +421,38 @@ def _record_last_chunk(
     announce_on_commit(job.pk, "decoding")
     transaction.on_commit(lambda: broker.send_decode(job.id, job.priority, job.model))  # its priority as it stands
     return True
+
+
+def _alone(
+    claimed: Job,
+    worker: str,
+    step: int,
+    checkpoint_key: str,
+    step_seconds: float | None,
+    card_seconds: float,
+    now: datetime,
+) -> tuple[Q, dict[str, Any]]:
+    """A chunk recorded in one statement: its guard (this worker's lease, the step not recorded yet, no cancel
+    asked, the total, segments and queue still `claimed`'s: a change of steps goes the locked way, which
+    rescales) and the chunk's fields."""
+    guard = Q(
+        lease_owner=worker,
+        status=JobStatus.DENOISING,
+        checkpoint_step__lt=step,
+        cancel_requested=False,
+        steps=claimed.steps,
+        segment_count=claimed.segment_count,
+        queue=claimed.queue,
+    )
+    chunk = {
+        "checkpoint_step": step,
+        "steps_done": step,
+        "checkpoint_key": checkpoint_key,
+        "measured_step_seconds": step_seconds,
+        "card_seconds": F("card_seconds") + card_seconds,
+        "updated_at": now,
+    }
+    return guard, chunk
 
 
 def learn_from_chunk(job: Job, step_seconds: float | None, worker: str) -> None:
