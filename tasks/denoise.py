@@ -43,6 +43,7 @@ cancelled or loses its lease leaves the batch and the others go on.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import time
 import traceback
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -51,10 +52,11 @@ from dataclasses import dataclass
 from celery import shared_task
 from celery.worker import state as worker_state
 from django.conf import settings
+from django.db import close_old_connections
 from django.utils import timezone
 
 from genserver import deployment, metrics
-from genserver.jobs import broker, events, flags, selectors, services
+from genserver.jobs import broker, events, flags, rows, selectors, services
 from genserver.jobs.models import Job
 from genserver.jobs.services import Outcome
 from genserver.metrics import count_embedding_cache, count_merged_batch
@@ -77,6 +79,12 @@ CUT_CHECK_SECONDS = 0.2
 # Work a chunk boundary need not wait for (deleting the previous checkpoint, learning what the chunk and the
 # boundary took).
 _off_the_boundary = ThreadPoolExecutor(max_workers=1, thread_name_prefix="off-the-boundary")
+# A first chunk's claim sent while its first step runs (`_claim_beside_the_first_step`): a thread of its own, so
+# it waits neither for the card nor behind the work the boundaries deferred.
+_claiming = ThreadPoolExecutor(max_workers=1, thread_name_prefix="first-claim")
+# A member whose first step began from the message's copy of its row, and whose claim then found the row changed
+# (its total): the task runs it again from the claimed row.
+_REFUTED = "refuted"
 
 
 def _after_the_boundary(work, *args) -> Future[None]:
@@ -119,6 +127,11 @@ class _Member:
     # Every member was claimed by this task's compare-and-set, which found no cancel and read the current total:
     # that check stands for the flags' read before its first step (a cancel after it stops the job at the next).
     flags_read_at_claim: bool = True
+    # A first step begun from the message's copy of the row: its claim, on the way (`_confirmed`), then what it
+    # found ("" the copy holds; else the member's stop) and the row it returned.
+    claim: Future[Job | None] | None = None
+    claim_found: str = ""
+    claimed: Job | None = None
 
     def __post_init__(self) -> None:
         self.cursor = SegmentCursor(self.job)
@@ -135,13 +148,15 @@ _handing_over = False
 
 
 @shared_task(name=broker.CHUNK_TASK.name, bind=True)
-def run_chunk(self, job_id: str, from_step: int, model: str = "") -> str:
-    """`model`: the job's model, when the publisher had the job (broker.send_chunk); else it is read."""
+def run_chunk(self, job_id: str, from_step: int, model: str = "", row: dict | None = None, **later) -> str:
+    """`model`: the job's model, when the publisher had the job (broker.send_chunk); else it is read. `row`: a
+    first chunk's publisher's copy of the job's row (genserver/jobs/rows.py). `later`: arguments a publisher of a
+    later version adds, which this one does without."""
     global _free_since, _handing_over
     free_since, _handing_over = _free_since, False
     events.card_busy()  # to the first step, this process's background threads wait (genserver/jobs/events.py)
     try:
-        return _run_chunk(self, job_id, from_step, free_since, model)
+        return _run_chunk(self, job_id, from_step, free_since, model, row)
     finally:
         if _handing_over:
             events.card_handing_over()
@@ -150,28 +165,87 @@ def run_chunk(self, job_id: str, from_step: int, model: str = "") -> str:
         _free_since = time.time()
 
 
-def _run_chunk(task, job_id: str, from_step: int, free_since: float, model: str) -> str:
+def _run_chunk(task, job_id: str, from_step: int, free_since: float, model: str, row: dict | None) -> str:
     worker = worker_id(task)
     if _held_back_by_the_long_cap(task, job_id, from_step, worker, model):
         return Outcome.SKIPPED
     if not preload(job_id, "denoise", model):
         return Outcome.SKIPPED
-    job = services.claim_chunk(job_id, worker, from_step)
+    copy = _copy_to_begin_from(job_id, from_step, row)
+    if copy is not None:
+        lead = _Member(copy, time.monotonic(), copy.checkpoint_key)
+        lead.claim = _claiming.submit(_claim_beside_the_first_step, job_id, worker, from_step)
+        outcome = _run_members([lead], worker, from_step, free_since)
+        if outcome != _REFUTED:
+            return outcome
+        job = lead.claimed  # claimed, but not the job the copy described: run again from the claimed row
+    else:
+        job = services.claim_chunk(job_id, worker, from_step)
     if job is None:
         return Outcome.SKIPPED  # already past this step, held elsewhere, cancelled or finished
     partners = services.claim_merge_partners(job, worker, deployment.registry().get(job.model).max_merge)
     if partners:
         count_merged_batch(1 + len(partners))
     members = [_Member(j, time.monotonic(), j.checkpoint_key) for j in [job, *partners]]
-    found_idle = from_step == 0 and job.published_at is not None and job.published_at.timestamp() >= free_since
+    return _run_members(members, worker, from_step if copy is None else -1, free_since)
+
+
+def _run_members(members: list[_Member], worker: str, from_step: int, free_since: float) -> str:
+    """`_denoise` the members, their cancels watched meanwhile. `from_step` 0: the lead's first chunk, whose
+    first step measures the HOP when its message found this card idle."""
+    lead = members[0].job
+    found_idle = from_step == 0 and lead.published_at is not None and lead.published_at.timestamp() >= free_since
     watch = flags.watch()
     for m in members:
         watch.track(m.job.pk)  # its first read (before its second step) is Redis's; then only what is announced
     try:
-        return _denoise(members, worker, hop_from=job.published_at.timestamp() if found_idle else None)
+        return _denoise(members, worker, hop_from=lead.published_at.timestamp() if found_idle else None)
     finally:
         for m in members:
             watch.untrack(m.job.pk)
+
+
+def _copy_to_begin_from(job_id: str, from_step: int, row: dict | None) -> Job | None:
+    """The message's copy of the job's row, when the first step may begin from it before the claim returns
+    (GENSERVER_FIRST_STEP_BEFORE_CLAIM): a first chunk, the copy whole and of this job, and no job its claim
+    would merge with it (a model that merges: nothing else waits on its queue)."""
+    if row is None or from_step != 0 or not settings.FIRST_STEP_BEFORE_CLAIM:
+        return None
+    copy = rows.job_from_row(row)
+    if copy is None or str(copy.pk) != job_id or copy.checkpoint_step != 0 or copy.segment_count != 1:
+        return None
+    if deployment.registry().get(copy.model).max_merge > copy.num_outputs and broker.broker_depth(copy.queue):
+        return None  # the claim takes its merge partners with it: claim first
+    return copy
+
+
+def _claim_beside_the_first_step(job_id: str, worker: str, from_step: int) -> Job | None:
+    """`services.claim_chunk` on the claiming thread's own connection (dropped first if it broke)."""
+    close_old_connections()
+    return services.claim_chunk(job_id, worker, from_step)
+
+
+def _confirmed(member: _Member) -> str:
+    """ "" when the member's row is claimed (its claim answered: the copy it began from becomes the claimed row);
+    else why it stops: SKIPPED (the claim found the job cancelled, taken or ended) or _REFUTED (the row is not
+    the copy: its step must be run again). The claim's error is raised here, as the claim's own would be."""
+    pending, member.claim = member.claim, None
+    if pending is not None:
+        _wait_behind(pending)
+        member.claimed = pending.result()
+        if member.claimed is None:
+            member.claim_found = Outcome.SKIPPED
+        elif not rows.same_first_steps(member.job, member.claimed):
+            member.claim_found = _REFUTED
+        else:
+            rows.adopt(member.job, member.claimed)
+    return member.claim_found
+
+
+def _record_first_step_once_claimed(claim: Future[Job | None], job_id, at) -> None:
+    """`services.record_first_step` once the claim of a step begun before it took the job (else nothing)."""
+    if claim.result() is not None:
+        services.record_first_step(job_id, at)
 
 
 def _held_back_by_the_long_cap(task, job_id: str, from_step: int, worker: str, model: str = "") -> bool:
@@ -203,12 +277,21 @@ def _denoise(members: list[_Member], worker: str, hop_from: float | None = None)
         member = by_id[job_id_of(state.request)]
         job_id = member.job.pk
         step += member.cursor.offset  # global over the segments
+        if member.claim is None or step:  # a first step begun before its claim answered: the second waits for it
+            stop = _confirmed(member)
+            if stop:
+                return stop
         stop = "" if member.flags_read_at_claim else _flagged(member)  # one Redis read fewer before the first step
         member.flags_read_at_claim = False
         if stop:
             return stop
         if step == 0:  # started_at, written beside the step (the boundary waits for it: nothing is recorded before)
-            member.started = _after_the_boundary(services.record_first_step, job_id, timezone.now())
+            if member.claim is None:
+                member.started = _after_the_boundary(services.record_first_step, job_id, timezone.now())
+            else:
+                member.started = _after_the_boundary(
+                    _record_first_step_once_claimed, member.claim, job_id, timezone.now()
+                )
             if hop_from is not None and member is members[0]:
                 _after_the_boundary(services.learn_stage_seconds, lead.model, HOP, time.time() - hop_from)
         if time.monotonic() - member.last_beat > HEARTBEAT_EVERY_SECONDS:
@@ -248,6 +331,8 @@ def _denoise(members: list[_Member], worker: str, hop_from: float | None = None)
         lead's continuation and this card is the first to claim it. The chunk then ends as planned ones do:
         checkpoint, then the boundary's yield test hands the card over."""
         nonlocal last_cut_check
+        if members[0].claim is not None:
+            return False  # the lead's claim has not answered: its next step's check waits for it first
         now = time.monotonic()
         if now - last_cut_check < CUT_CHECK_SECONDS:
             return False
@@ -258,7 +343,8 @@ def _denoise(members: list[_Member], worker: str, hop_from: float | None = None)
 
     def on_preview(state: DenoiseState, key: str, step: int) -> None:
         member = by_id[job_id_of(state.request)]
-        services.record_preview(member.job.pk, worker, key, member.cursor.offset + step)
+        if not _confirmed(member):  # a claim that did not take the job: its step is thrown away, with its preview
+            services.record_preview(member.job.pk, worker, key, member.cursor.offset + step)
 
     family, store = family_of(lead, "denoise"), storage()
     try:
@@ -285,10 +371,12 @@ def _denoise(members: list[_Member], worker: str, hop_from: float | None = None)
                 save=False,  # below, once the boundary knows whether the card keeps the jobs
             )
             boundary = time.perf_counter()
+            results = [_claim_checked(m, ran) for m, ran in zip(running, results)]
             _first_steps_recorded(running)
             events.card_busy()  # until the next chunk's first step, or the task's end
             stages.embeddings_stored()  # encoded on this card: stored before anything is recorded that reads them
-            stay = keep_card(max(m.cursor.offset + r.step for m, r in zip(running, results)))
+            going_on = [m.cursor.offset + ran.step for m, ran in zip(running, results) if not ran.stopped]
+            stay = bool(going_on) and keep_card(max(going_on))
             for m, ran in zip(running, results):
                 if ran.stopped == Outcome.STEPS_CHANGED:
                     m.outcome = _hand_back_for_new_total(m, worker, family, store)
@@ -305,6 +393,11 @@ def _denoise(members: list[_Member], worker: str, hop_from: float | None = None)
             _after_the_boundary(services.learn_stage_seconds, lead.model, BOUNDARY, took)
     except Exception:  # noqa: BLE001 - recorded on each job, retried from its checkpoint
         error = traceback.format_exc()
+        for m in members:
+            with contextlib.suppress(Exception):  # a claim still on its way: whether the job is this task's
+                _confirmed(m)
+            if m.claim_found == Outcome.SKIPPED:
+                m.outcome = m.claim_found  # never this task's: nothing to record
         with contextlib.suppress(Exception):  # its start before its failure, in its row and its events
             _first_steps_recorded(members)
         for m in members:
@@ -313,6 +406,13 @@ def _denoise(members: list[_Member], worker: str, hop_from: float | None = None)
         with contextlib.suppress(Exception):  # a write still running: the retry encodes again if it failed
             stages.embeddings_stored()
     return members[0].outcome
+
+
+def _claim_checked(member: _Member, ran: stages.ChunkResult) -> stages.ChunkResult:
+    """A chunk that ran all its steps before the member's claim answered (a chunk of one step): the result stopped
+    where the claim says the member stops."""
+    found = "" if ran.stopped else _confirmed(member)
+    return dataclasses.replace(ran, stopped=found) if found else ran
 
 
 def _first_steps_recorded(members: list[_Member]) -> None:

@@ -56,9 +56,16 @@ PING_TASK = TaskRoute("tasks.probe.ping", "")  # bench/overhead.py picks the que
 
 
 def _send(
-    task: TaskRoute, args: list[Any], priority: int | None = None, queue: str = "", kwargs: dict[str, Any] | None = None
+    task: TaskRoute,
+    args: list[Any],
+    priority: int | None = None,
+    queue: str = "",
+    kwargs: dict[str, Any] | None = None,
+    kwargsrepr: str | None = None,
 ) -> None:
     options: dict[str, Any] = {} if priority is None else {"priority": priority}
+    if kwargsrepr is not None:  # what Flower and the logs show of the arguments (Celery's default: their repr)
+        options["kwargsrepr"] = kwargsrepr
     app.send_task(task.name, args=args, kwargs=kwargs, queue=queue or task.queue, **options)
 
 
@@ -83,11 +90,19 @@ def send_encode(job_id: UUID, priority: int, chunk_queue: str = "") -> None:
     _send(ENCODE_TASK, [str(job_id)], priority)
 
 
-def send_chunk(job_id: UUID, from_step: int, queue: str, priority: int, model: str = "") -> None:
+def send_chunk(
+    job_id: UUID, from_step: int, queue: str, priority: int, model: str = "", row: dict[str, Any] | None = None
+) -> None:
     """The next denoise chunk goes to the job's queue (its class, or its model's own class queue)
     at its current priority band. `model`, where the caller has the job: the card loads it without reading
-    the job first (a read on the path to the first step)."""
-    _send(CHUNK_TASK, [str(job_id), from_step], priority, queue=queue, kwargs={"model": model} if model else None)
+    the job first (a read on the path to the first step). `row`, a first chunk's publisher's copy of the row it
+    wrote (genserver/jobs/rows.py): the card may begin the first step while it claims the job."""
+    kwargs: dict[str, Any] = {"model": model} if model else {}
+    if row is not None:
+        kwargs["row"] = row
+    # The row stays out of the message's headers (Flower and the logs show its model and that it is there).
+    shown = f"{{'model': {model!r}, 'row': '…'}}" if row is not None else None
+    _send(CHUNK_TASK, [str(job_id), from_step], priority, queue=queue, kwargs=kwargs or None, kwargsrepr=shown)
 
 
 def arrived(job_id: UUID, queue: str) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+from functools import partial
 from typing import Any
 
 from django.db import IntegrityError, transaction
@@ -12,7 +13,7 @@ from django.db.models import Q
 from django.utils import timezone
 
 from genserver import deployment, metrics
-from genserver.jobs import broker, flags, selectors
+from genserver.jobs import broker, flags, rows, selectors
 from genserver.jobs.models import ACTIVE, DEFAULT_WEBHOOK_EVENTS, Job, JobStage, JobStatus
 from genserver.scheduling.admission import Decision, decide
 
@@ -141,7 +142,9 @@ def submit(owner: Any, data: dict[str, Any], idempotency_key: str = "") -> tuple
             pass  # published by fairness.release_held when one of the owner's jobs in the queue starts or ends
         elif embeddings:
             transaction.on_commit(
-                lambda: publish_or_leave_to_reaper(broker.send_chunk, job.id, 0, job.queue, job.priority, job.model)
+                lambda: publish_or_leave_to_reaper(
+                    partial(broker.send_chunk, row=rows.row_of(job)), job.id, 0, job.queue, job.priority, job.model
+                )
             )
             if first.stored:  # counted where it is looked up: here, by the encode worker, or by the card
                 transaction.on_commit(lambda: metrics.count_embedding_cache(1, 0))

@@ -15,7 +15,7 @@ from django.db.models import F, Q
 from django.utils import timezone
 
 from genserver import deployment, metrics
-from genserver.jobs import broker, events, segment_service
+from genserver.jobs import broker, events, rows, segment_service
 from genserver.jobs.models import ACTIVE, Job, JobStage, JobStatus
 from genserver.redis_client import DECODE, LEAD_IN, STEP, TAIL
 from genserver.scheduling.classes import priority_for
@@ -122,7 +122,7 @@ def _first_chunk_published(job: Job, encode_published: datetime | None, worker: 
 
 def _publish_first_chunk(job: Job) -> None:
     """The encoded job's chunk, then the end of its announcement (a card holding at a boundary stops holding)."""
-    broker.send_chunk(job.id, job.checkpoint_step, job.queue, job.priority, job.model)
+    broker.send_chunk(job.id, job.checkpoint_step, job.queue, job.priority, job.model, row=rows.row_of(job))
     broker.arrived(job.id, job.queue)
 
 
