@@ -33,6 +33,14 @@ before (`_resume_state`): one chunk more. The next such boundary waits for that
 sync, so there is never more than one. Every other boundary (a yield, a
 segment's or the job's end) syncs before it records, as before.
 
+A job's first chunk whose message carries its publisher's copy of the row (the submit's embedding hit, the
+encode's finish: genserver/jobs/rows.py) begins its first step from that copy while the claim goes to the
+database on a thread of its own; the claim's answer confirms it before the second step (or, for a chunk of one
+step, before the boundary records anything). A claim that does not take the job (cancelled, taken, ended) throws
+the step away with nothing written; a row changed since the copy (its total) runs again from the claimed row.
+Nothing of the job is written before its claim answers: its start waits for it on the boundary thread. A model
+that merges begins so only when nothing else waits on its queue, since the claim takes the batch with it.
+
 Merged work: when the job's model allows it (the registry's `max_merge`), the
 task also takes other jobs waiting with the same shape at the same step and
 runs them as one batch, one model call per step. Each member keeps its own
@@ -52,7 +60,6 @@ from dataclasses import dataclass
 from celery import shared_task
 from celery.worker import state as worker_state
 from django.conf import settings
-from django.db import close_old_connections
 from django.utils import timezone
 
 from genserver import deployment, metrics
@@ -80,7 +87,7 @@ CUT_CHECK_SECONDS = 0.2
 # boundary took).
 _off_the_boundary = ThreadPoolExecutor(max_workers=1, thread_name_prefix="off-the-boundary")
 # A first chunk's claim sent while its first step runs (`_claim_beside_the_first_step`): a thread of its own, so
-# it waits neither for the card nor behind the work the boundaries deferred.
+# it waits behind none of the work the boundaries deferred.
 _claiming = ThreadPoolExecutor(max_workers=1, thread_name_prefix="first-claim")
 # A member whose first step began from the message's copy of its row, and whose claim then found the row changed
 # (its total): the task runs it again from the claimed row.
@@ -174,7 +181,7 @@ def _run_chunk(task, job_id: str, from_step: int, free_since: float, model: str,
     copy = _copy_to_begin_from(job_id, from_step, row)
     if copy is not None:
         lead = _Member(copy, time.monotonic(), copy.checkpoint_key)
-        lead.claim = _claiming.submit(_claim_beside_the_first_step, job_id, worker, from_step)
+        lead.claim = _claim_beside_the_first_step(job_id, worker, from_step)
         outcome = _run_members([lead], worker, from_step, free_since)
         if outcome != _REFUTED:
             return outcome
@@ -219,10 +226,24 @@ def _copy_to_begin_from(job_id: str, from_step: int, row: dict | None) -> Job | 
     return copy
 
 
-def _claim_beside_the_first_step(job_id: str, worker: str, from_step: int) -> Job | None:
-    """`services.claim_chunk` on the claiming thread's own connection (dropped first if it broke)."""
-    close_old_connections()
-    return services.claim_chunk(job_id, worker, from_step)
+def _claim_beside_the_first_step(job_id: str, worker: str, from_step: int) -> Future[Job | None]:
+    """`services.claim_chunk` on the claiming thread (its own connection) once the card steps
+    (`events.after_the_card`): sent earlier, its Python would take the interpreter from the card's way to the
+    step, each time that let it go. The future carries the claim's row, or its error."""
+    claimed: Future[Job | None] = Future()
+
+    def claim() -> None:
+        try:
+            claimed.set_result(services.claim_chunk(job_id, worker, from_step))
+        except Exception as error:  # noqa: BLE001 - the card's next check raises it (`_confirmed`)
+            claimed.set_exception(error)
+
+    def never_ran(run: Future[None]) -> None:  # its connection could not be made ready
+        if not claimed.done() and run.exception() is not None:
+            claimed.set_exception(run.exception())
+
+    events.after_the_card(_claiming, claim).add_done_callback(never_ran)
+    return claimed
 
 
 def _confirmed(member: _Member) -> str:
