@@ -12,8 +12,8 @@ import pytest
 from genserver.jobs import broker, rows
 from genserver.jobs.models import Job
 from genserver.redis_client import client as redis_client
-from tests.support.api import submit
 from tests.jobs.test_embedding_hit import store_embeddings
+from tests.support.api import submit
 from tests.support.broker import BROKER_QUEUES
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.usefixtures("empty_broker")]
