@@ -14,10 +14,12 @@ import re
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Any
 from uuid import UUID
 
 import redis
+from redis.commands.core import Script
 
 from genserver.celery import app
 from genserver.redis_client import (
@@ -207,17 +209,13 @@ def should_yield(queues: Sequence[str], priority: int, worker: str, hold: float,
     claim it); the hold ends early when the chunk is published and another card took it."""
     r = redis_client()
     lists = _lists_at_or_before(queues, priority if at_equal else priority - 1)
-    with r.pipeline() as pipe:
-        for key in lists:
-            pipe.llen(key)
-        for queue in queues if hold > 0 else ():
-            pipe.hgetall(ARRIVING_KEY.format(queue=queue))
-        replies = pipe.execute()
-    if any(int(n) for n in replies[: len(lists)]):
+    announced = [ARRIVING_KEY.format(queue=queue) for queue in queues] if hold > 0 else []
+    replies = _yield_test(r)(keys=[*lists, *announced], args=[len(lists)])
+    if replies == 1:
         return True
     now, stale, better = time.time(), [], []
-    for queue, entries in zip(queues, replies[len(lists) :]):
-        for raw_id, raw in entries.items():
+    for queue, flat in zip(queues, replies):
+        for raw_id, raw in zip(flat[::2], flat[1::2]):
             at_priority, since = raw.split()
             if now - float(since) > hold:
                 stale.append((queue, raw_id))
@@ -232,6 +230,28 @@ def should_yield(queues: Sequence[str], priority: int, worker: str, hold: float,
         if r.set(ARRIVING_CLAIM_KEY.format(job_id=job_id), worker, nx=True, ex=_CUT_CLAIM_SECONDS):
             return _held_until_published(r, queues, at_priority, job_id, since + hold)
     return False
+
+
+# The yield test's read as one command: the lists' lengths, up to the first that holds a message (then 1), else
+# each announcement hash's fields and values, flat. The same commands as a pipeline took the card 0.39 ms against
+# 0.13-0.20 ms (21 lists and 3 hashes; most of it redis-py packing and parsing each command), at every boundary.
+_YIELD_TEST = """
+local lists = tonumber(ARGV[1])
+for i = 1, lists do
+  if redis.call('LLEN', KEYS[i]) > 0 then return 1 end
+end
+local announced = {}
+for i = lists + 1, #KEYS do
+  announced[#announced + 1] = redis.call('HGETALL', KEYS[i])
+end
+return announced
+"""
+
+
+@lru_cache(maxsize=1)
+def _yield_test(r: redis.Redis) -> Script:
+    """The yield test's script on `r` (sent by its hash; loaded again after a Redis restart forgot it)."""
+    return r.register_script(_YIELD_TEST)
 
 
 def _held_until_published(r: redis.Redis, queues: Sequence[str], priority: int, job_id: str, until: float) -> bool:
