@@ -102,7 +102,6 @@ def test_a_started_video_yields_to_better_work_and_not_to_another_started_video(
     assert not broker.should_yield(["short"], 0, "card0@test", 0.0, at_equal=False)  # nothing is better than 0
 
 
-
 def test_the_yield_test_reads_again_after_redis_forgot_its_script():
     assert not broker.should_yield(["short", "long"], 6, "card0@test", HOLD)  # its script sent once
     redis_client().script_flush()  # a Redis restarted since
