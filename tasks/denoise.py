@@ -221,7 +221,10 @@ def _copy_to_begin_from(job_id: str, from_step: int, row: dict | None) -> Job | 
     copy = rows.job_from_row(row)
     if copy is None or str(copy.pk) != job_id or copy.checkpoint_step != 0 or copy.segment_count != 1:
         return None
-    if deployment.registry().get(copy.model).max_merge > copy.num_outputs and broker.broker_depth(copy.queue):
+    registry = deployment.registry()
+    if copy.model not in registry:  # dropped from the registry since: the claim-first path says what to do
+        return None
+    if registry.get(copy.model).max_merge > copy.num_outputs and broker.broker_depth(copy.queue):
         return None  # the claim takes its merge partners with it: claim first
     return copy
 

@@ -156,6 +156,7 @@ def test_a_model_that_merges_begins_before_its_claim_only_when_nothing_else_wait
     assert denoise._copy_to_begin_from(str(job.pk), 1, row) is None  # a continuation claims first
     assert denoise._copy_to_begin_from(str(other.pk), 0, row) is None  # another job's row
     assert denoise._copy_to_begin_from(str(job.pk), 0, {k: v for k, v in row.items() if k != "steps"}) is None
+    assert denoise._copy_to_begin_from(str(job.pk), 0, row | {"model": "a-model-the-registry-dropped"}) is None
 
     broker.send_chunk(other.pk, 0, other.queue, other.priority, other.model)  # a job the claim may merge with
     try:
