@@ -379,9 +379,10 @@ CHECKPOINT_EVERY_SECONDS = env_float("GENSERVER_CHECKPOINT_EVERY", 0.0, minimum=
 # first step while the card's claim of the job goes to the database, and the claim's answer confirms the copy
 # before the second step: the step begins a round trip sooner (0.7 ms on SQLite, about 2 ms on a PostgreSQL
 # connection that idled). What it trades: a claim that fails (the job cancelled or taken meanwhile) or a row that
-# changed since (its total) throws that step away; and where the job's model merges, a first chunk begins so only
-# when no other message waits on its queue (one Redis read), since a merged batch is claimed together. False:
-# every chunk claims its job first.
+# changed since (its total) throws that step away; the card reads the job's cancel and new-total flags first (one
+# Redis round trip) and claims first when either is raised. Where the job's model merges, a first chunk begins so
+# only when no other message waits on its queue (one more Redis read), since a merged batch is claimed together.
+# False: every chunk claims its job first.
 FIRST_STEP_BEFORE_CLAIM = env_bool("GENSERVER_FIRST_STEP_BEFORE_CLAIM", True)
 # A running job's card learns of its cancel or new step total from an announcement (genserver/jobs/flags.py) and
 # reads both flags from Redis at least this often anyway: the longest a subscription that died without an error

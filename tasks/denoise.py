@@ -38,6 +38,7 @@ encode's finish: genserver/jobs/rows.py) begins its first step from that copy wh
 database on a thread of its own; the claim's answer confirms it before the second step (or, for a chunk of one
 step, before the boundary records anything). A claim that does not take the job (cancelled, taken, ended) throws
 the step away with nothing written; a row changed since the copy (its total) runs again from the claimed row.
+The card reads the job's flags first, and claims first if it was cancelled or re-totalled since the publish.
 Nothing of the job is written before its claim answers: its start waits for it on the boundary thread. A model
 that merges begins so only when nothing else waits on its queue, since the claim takes the batch with it.
 
@@ -214,8 +215,10 @@ def _run_members(members: list[_Member], worker: str, from_step: int, free_since
 
 def _copy_to_begin_from(job_id: str, from_step: int, row: dict | None) -> Job | None:
     """The message's copy of the job's row, when the first step may begin from it before the claim returns
-    (GENSERVER_FIRST_STEP_BEFORE_CLAIM): a first chunk, the copy whole and of this job, and no job its claim
-    would merge with it (a model that merges: nothing else waits on its queue)."""
+    (GENSERVER_FIRST_STEP_BEFORE_CLAIM): a first chunk, the copy whole and of this job, no cancel or new total
+    raised for it since (the claim would refuse the step, or run another: a cancelled job's message still comes
+    to a card, and a video's step is seconds of it), and no job its claim would merge with it (a model that
+    merges: nothing else waits on its queue)."""
     if row is None or from_step != 0 or not settings.FIRST_STEP_BEFORE_CLAIM:
         return None
     copy = rows.job_from_row(row)
@@ -223,6 +226,8 @@ def _copy_to_begin_from(job_id: str, from_step: int, row: dict | None) -> Job | 
         return None
     registry = deployment.registry()
     if copy.model not in registry:  # dropped from the registry since: the claim-first path says what to do
+        return None
+    if any(flags.read_flags(job_id)):  # one round trip; a flag raised after it is the claim's to find
         return None
     if registry.get(copy.model).max_merge > copy.num_outputs and broker.broker_depth(copy.queue):
         return None  # the claim takes its merge partners with it: claim first

@@ -12,8 +12,9 @@ import threading
 import pytest
 import torch
 
-from genserver.jobs import broker, events, rows
+from genserver.jobs import broker, events, flags, rows
 from genserver.jobs.models import Job, JobStage, JobStatus
+from genserver.redis_client import CANCEL_KEY, STEPS_KEY, client as redis_client
 from tests.support.broker import capture_sends, clear_broker
 from tests.tasks.test_denoise_boundary import job_with_one_step_chunks
 
@@ -108,7 +109,8 @@ def test_a_step_whose_claim_does_not_take_the_job_is_thrown_away(make_user, monk
     sent = capture_sends(monkeypatch, "send_encode", "send_chunk", "send_decode")
     job = job_with_one_step_chunks(make_user("refused").user, 3)
     row = message_row(job)
-    Job.objects.filter(pk=job.pk).update(cancel_requested=True)  # asked after the publish, before the claim
+    # Asked after the card read the flags, before its claim: the claim refuses what the step began.
+    Job.objects.filter(pk=job.pk).update(cancel_requested=True)
     sent.clear()
 
     card = Card(monkeypatch, gate=True)
@@ -158,6 +160,14 @@ def test_a_model_that_merges_begins_before_its_claim_only_when_nothing_else_wait
     assert denoise._copy_to_begin_from(str(job.pk), 0, {k: v for k, v in row.items() if k != "steps"}) is None
     assert denoise._copy_to_begin_from(str(job.pk), 0, row | {"model": "a-model-the-registry-dropped"}) is None
 
+    for raised in (lambda: flags.raise_cancel(job.pk), lambda: flags.raise_new_total(job.pk, 4)):
+        raised()  # the claim would refuse the step, or run another
+        try:
+            assert denoise._copy_to_begin_from(str(job.pk), 0, row) is None
+        finally:
+            redis_client().delete(CANCEL_KEY.format(job_id=job.pk), STEPS_KEY.format(job_id=job.pk))
+    assert denoise._copy_to_begin_from(str(job.pk), 0, row).pk == job.pk
+
     broker.send_chunk(other.pk, 0, other.queue, other.priority, other.model)  # a job the claim may merge with
     try:
         assert denoise._copy_to_begin_from(str(job.pk), 0, row) is None
@@ -169,8 +179,6 @@ def test_a_model_that_merges_begins_before_its_claim_only_when_nothing_else_wait
 
 def test_a_first_chunk_message_carries_the_row_and_shows_only_that_it_does(make_user):
     import base64
-
-    from genserver.redis_client import client as redis_client
 
     clear_broker()
     job = job_with_one_step_chunks(make_user("carried-row").user, 2)
