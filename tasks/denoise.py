@@ -53,11 +53,13 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 import time
 import traceback
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
+import redis
 from celery import shared_task
 from celery.worker import state as worker_state
 from django.conf import settings
@@ -79,6 +81,8 @@ from workers.runtime.base import DenoiseState
 
 from .common import card_encoder, denoise_queues, family_of, preload, request_of, storage, worker_id
 from .segments import SegmentCursor, job_id_of
+
+log = logging.getLogger(__name__)
 
 HEARTBEAT_EVERY_SECONDS = 1.0  # lease renewal + progress write; per step would hammer the DB on fast models
 # How often a running chunk asks whether a job published ahead (the lightest user's) waits for a card: more
@@ -227,10 +231,14 @@ def _copy_to_begin_from(job_id: str, from_step: int, row: dict | None) -> Job | 
     registry = deployment.registry()
     if copy.model not in registry:  # dropped from the registry since: the claim-first path says what to do
         return None
-    if any(flags.read_flags(job_id)):  # one round trip; a flag raised after it is the claim's to find
+    try:
+        if any(flags.read_flags(job_id)):  # one round trip; a flag raised after it is the claim's to find
+            return None
+        if registry.get(copy.model).max_merge > copy.num_outputs and broker.broker_depth(copy.queue):
+            return None  # the claim takes its merge partners with it: claim first
+    except redis.RedisError:  # the claim-first path needs neither read
+        log.warning("could not read job %s's flags or queue; claiming it first", job_id, exc_info=True)
         return None
-    if registry.get(copy.model).max_merge > copy.num_outputs and broker.broker_depth(copy.queue):
-        return None  # the claim takes its merge partners with it: claim first
     return copy
 
 

@@ -10,6 +10,7 @@ import json
 import threading
 
 import pytest
+import redis
 import torch
 
 from genserver.jobs import broker, events, flags, rows
@@ -167,6 +168,13 @@ def test_a_model_that_merges_begins_before_its_claim_only_when_nothing_else_wait
         finally:
             redis_client().delete(CANCEL_KEY.format(job_id=job.pk), STEPS_KEY.format(job_id=job.pk))
     assert denoise._copy_to_begin_from(str(job.pk), 0, row).pk == job.pk
+
+    def redis_down(*args):
+        raise redis.ConnectionError("Redis is restarting")
+
+    with monkeypatch.context() as down:
+        down.setattr(flags, "read_flags", redis_down)
+        assert denoise._copy_to_begin_from(str(job.pk), 0, row) is None  # the claim-first path needs no flag read
 
     broker.send_chunk(other.pk, 0, other.queue, other.priority, other.model)  # a job the claim may merge with
     try:
