@@ -187,7 +187,7 @@ def _run_chunk(task, job_id: str, from_step: int, free_since: float, model: str,
     if copy is not None:
         lead = _Member(copy, time.monotonic(), copy.checkpoint_key)
         lead.claim = _claim_beside_the_first_step(job_id, worker, from_step)
-        outcome = _run_members([lead], worker, from_step, free_since)
+        outcome = _run_members([lead], worker, free_since, measures_hop=True)
         if outcome != _REFUTED:
             return outcome
         job = lead.claimed  # claimed, but not the job the copy described: run again from the claimed row
@@ -199,14 +199,15 @@ def _run_chunk(task, job_id: str, from_step: int, free_since: float, model: str,
     if partners:
         count_merged_batch(1 + len(partners))
     members = [_Member(j, time.monotonic(), j.checkpoint_key) for j in [job, *partners]]
-    return _run_members(members, worker, from_step if copy is None else -1, free_since)
+    # A run again from the claimed row measures no HOP: its first step came after a thrown-away one.
+    return _run_members(members, worker, free_since, measures_hop=from_step == 0 and copy is None)
 
 
-def _run_members(members: list[_Member], worker: str, from_step: int, free_since: float) -> str:
-    """`_denoise` the members, their cancels watched meanwhile. `from_step` 0: the lead's first chunk, whose
+def _run_members(members: list[_Member], worker: str, free_since: float, *, measures_hop: bool) -> str:
+    """`_denoise` the members, their cancels watched meanwhile. `measures_hop`: the lead's first chunk, whose
     first step measures the HOP when its message found this card idle."""
     lead = members[0].job
-    found_idle = from_step == 0 and lead.published_at is not None and lead.published_at.timestamp() >= free_since
+    found_idle = measures_hop and lead.published_at is not None and lead.published_at.timestamp() >= free_since
     watch = flags.watch()
     for m in members:
         watch.track(m.job.pk)  # its first read (before its second step) is Redis's; then only what is announced
@@ -231,14 +232,20 @@ def _copy_to_begin_from(job_id: str, from_step: int, row: dict | None) -> Job | 
     registry = deployment.registry()
     if copy.model not in registry:  # dropped from the registry since: the claim-first path says what to do
         return None
+    # The job's first flags read is its watch's (one round trip), so the check before its second step reads no
+    # flag again; a flag raised after it is announced there, and the claim finds it too.
+    watch = flags.watch()
+    watch.track(job_id)
     try:
-        if any(flags.read_flags(job_id)):  # one round trip; a flag raised after it is the claim's to find
-            return None
-        if registry.get(copy.model).max_merge > copy.num_outputs and broker.broker_depth(copy.queue):
-            return None  # the claim takes its merge partners with it: claim first
+        if any(watch.current(job_id) or ()):
+            copy = None
+        elif registry.get(copy.model).max_merge > copy.num_outputs and broker.broker_depth(copy.queue):
+            copy = None  # the claim takes its merge partners with it: claim first
     except redis.RedisError:  # the claim-first path needs neither read
         log.warning("could not read job %s's flags or queue; claiming it first", job_id, exc_info=True)
-        return None
+        copy = None
+    if copy is None:
+        watch.untrack(job_id)  # the claim-first path tracks it again, and reads its flags afresh
     return copy
 
 

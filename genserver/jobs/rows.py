@@ -39,6 +39,7 @@ FIRST_STEP_FIELDS = (
 )
 
 _FIELDS: list[Field] = list(Job._meta.concrete_fields)
+_NAMES = [field.attname for field in _FIELDS]
 
 
 def row_of(job: Job) -> dict[str, Any]:
@@ -61,7 +62,7 @@ def job_from_row(row: dict[str, Any]) -> Job | None:
         values = [field.to_python(row[field.attname]) for field in _FIELDS]
     except (KeyError, TypeError, ValueError, ValidationError):  # ValidationError: a value not of the column's type
         return None
-    return Job.from_db(Job.objects.db, [field.attname for field in _FIELDS], values)
+    return Job.from_db(Job.objects.db, _NAMES, values)
 
 
 def same_first_steps(copy: Job, row: Job) -> bool:
