@@ -126,3 +126,31 @@ def test_a_segments_end_publishes_its_decode(django_user_model, sent):
     assert JobSegment.objects.get(job=job, index=0).checkpoint_key.endswith("step-00020.pt")
     assert sent == [("segment",)]
     assert Job.objects.get(pk=job.pk).lease_owner == CARD
+
+
+def test_a_yield_is_one_update_and_records_and_publishes_what_the_locked_path_does(django_user_model, sent):
+    owner = django_user_model.objects.create_user("yielded")
+    fast, locked = claimed_by_the_card(owner), claimed_by_the_card(owner)
+    for job, claimed in ((fast, fast), (locked, None)):
+        key = f"checkpoints/{job.pk}/step-00008.pt"
+        with CaptureQueriesContext(connection) as statements:
+            assert services.finish_chunk(job.pk, CARD, 8, key, None, chunk_seconds=0.2, claimed=claimed)
+        writes = [q["sql"] for q in statements.captured_queries if q["sql"].startswith('UPDATE "jobs_job"')]
+        assert len(writes) == 1, writes
+        assert ('"model" = ' in writes[0]) == (claimed is None)  # the compare-and-set, or the locked row's save
+    assert recorded(fast) == recorded(locked)
+    row = Job.objects.get(pk=fast.pk)
+    assert (row.lease_owner, row.lease_expires_at, row.stage, row.measured_step_seconds) == ("", None, "waiting", None)
+    assert sorted(map(str, sent)) == sorted(
+        str(("chunk", job.pk, 8, job.queue, Job.objects.get(pk=job.pk).priority, job.model)) for job in (fast, locked)
+    )
+
+
+def test_the_boundarys_statements_are_compiled_once_on_this_database():
+    """A boundary binds its values into SQL compiled at its first use (Django compiling the guard and the chunk's
+    fields was half of a kept boundary's record): a shape change that made one of them compile at every call (a
+    value derived from a named one, a field type the stand-ins cannot take) shows up here."""
+    from genserver.jobs.services import transitions
+
+    for statement in (transitions._KEPT_CHUNK, transitions._YIELDED_CHUNK, transitions._LAST_CHUNK):
+        assert statement.compiled()

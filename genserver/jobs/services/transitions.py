@@ -23,6 +23,7 @@ from genserver.scheduling.classes import priority_for
 from . import fairness, observe
 from ._common import (
     CompiledUpdate,
+    CompiledWrite,
     JobId,
     after_end,
     announce_on_commit,
@@ -376,22 +377,14 @@ def _record_chunk_alone(
         return False
     remaining = claimed.estimated_seconds * (claimed.total_steps - step) / claimed.total_steps
     priority = priority_for(claimed.duration_class, remaining, True, deployment.thresholds())
-    now = timezone.now()
+    chunk = _alone(claimed, worker, step, checkpoint_key, step_seconds, card_seconds)
     if keep_lease:
-        # An in-process chunk counts like a claimed one; the next chunk starts now.
-        lease: dict[str, Any] = {
-            "chunks_run": F("chunks_run") + 1,
-            "lease_expires_at": lease_until(),
-            "chunk_started_at": now,
-        }
-    else:
-        lease = {"lease_owner": "", "lease_expires_at": None, "published_at": now, "stage": JobStage.WAITING}
-    guard, chunk = _alone(claimed, worker, step, checkpoint_key, step_seconds, card_seconds, now)
-    recorded = Job.objects.filter(guard, pk=claimed.pk).update(**chunk, priority=priority, **lease)
-    if recorded and not keep_lease:
-        announce_on_commit(claimed.pk, "waiting")
-        transaction.on_commit(lambda: broker.send_chunk(claimed.pk, step, claimed.queue, priority, claimed.model))
-    return bool(recorded)
+        return _KEPT_CHUNK(claimed.pk, **chunk, priority=priority, lease_until=lease_until())
+    if not _YIELDED_CHUNK(claimed.pk, **chunk, priority=priority):
+        return False
+    announce_on_commit(claimed.pk, "waiting")
+    transaction.on_commit(lambda: broker.send_chunk(claimed.pk, step, claimed.queue, priority, claimed.model))
+    return True
 
 
 def _record_last_chunk(
@@ -403,18 +396,7 @@ def _record_last_chunk(
     the total reached exactly, and `_alone`'s guard. False otherwise (or the lease is gone)."""
     if step != claimed.total_steps or claimed.segment_count > 1:
         return False
-    now = timezone.now()
-    guard, chunk = _alone(claimed, worker, step, checkpoint_key, step_seconds, card_seconds, now)
-    job = update_returning(
-        claimed.pk,
-        guard,
-        **chunk,
-        status=JobStatus.DECODING,
-        stage=JobStage.WAITING,
-        lease_owner="",
-        lease_expires_at=None,
-        published_at=now,
-    )
+    job = _LAST_CHUNK(claimed.pk, **_alone(claimed, worker, step, checkpoint_key, step_seconds, card_seconds))
     if job is None:
         return False
     observe.transition(job.pk, JobStatus.DENOISING, JobStatus.DECODING, worker=worker, step=step)
@@ -424,35 +406,94 @@ def _record_last_chunk(
 
 
 def _alone(
-    claimed: Job,
-    worker: str,
-    step: int,
-    checkpoint_key: str,
-    step_seconds: float | None,
-    card_seconds: float,
-    now: datetime,
-) -> tuple[Q, dict[str, Any]]:
-    """A chunk recorded in one statement: its guard (this worker's lease, the step not recorded yet, no cancel
-    asked, the total, segments and queue still `claimed`'s: a change of steps goes the locked way, which
-    rescales) and the chunk's fields."""
+    claimed: Job, worker: str, step: int, checkpoint_key: str, step_seconds: float | None, card_seconds: float
+) -> dict[str, Any]:
+    """A chunk recorded in one statement: the named values of `_alone_shape`."""
+    return {
+        "worker": worker,
+        "step": step,
+        "steps": claimed.steps,
+        "segment_count": claimed.segment_count,
+        "queue": claimed.queue,
+        "checkpoint_key": checkpoint_key,
+        "step_seconds": step_seconds,
+        "card_seconds": card_seconds,
+        "now": timezone.now(),
+    }
+
+
+def _alone_shape(values: dict[str, Any]) -> tuple[Q, dict[str, Any]]:
+    """Its guard (this worker's lease, the step not recorded yet, no cancel asked, the total, segments and queue
+    still the claimed row's: a change of steps goes the locked way, which rescales) and the chunk's fields."""
     guard = Q(
-        lease_owner=worker,
+        lease_owner=values["worker"],
         status=JobStatus.DENOISING,
-        checkpoint_step__lt=step,
+        checkpoint_step__lt=values["step"],
         cancel_requested=False,
-        steps=claimed.steps,
-        segment_count=claimed.segment_count,
-        queue=claimed.queue,
+        steps=values["steps"],
+        segment_count=values["segment_count"],
+        queue=values["queue"],
     )
     chunk = {
-        "checkpoint_step": step,
-        "steps_done": step,
-        "checkpoint_key": checkpoint_key,
-        "measured_step_seconds": step_seconds,
-        "card_seconds": F("card_seconds") + card_seconds,
-        "updated_at": now,
+        "checkpoint_step": values["step"],
+        "steps_done": values["step"],
+        "checkpoint_key": values["checkpoint_key"],
+        "measured_step_seconds": values["step_seconds"],
+        "card_seconds": F("card_seconds") + values["card_seconds"],
+        "updated_at": values["now"],
     }
     return guard, chunk
+
+
+def _kept_chunk_shape(values: dict[str, Any]) -> tuple[Q, dict[str, Any]]:
+    """The card keeps the job: an in-process chunk counts like a claimed one, the next chunk starts now."""
+    guard, chunk = _alone_shape(values)
+    lease = {
+        "chunks_run": F("chunks_run") + 1,
+        "lease_expires_at": values["lease_until"],
+        "chunk_started_at": values["now"],
+    }
+    return guard, chunk | lease | {"priority": values["priority"]}
+
+
+def _yielded_chunk_shape(values: dict[str, Any]) -> tuple[Q, dict[str, Any]]:
+    """The card yields the job to better work: the lease let go, the job waiting for its next chunk's message."""
+    guard, chunk = _alone_shape(values)
+    lease = {"lease_owner": "", "lease_expires_at": None, "published_at": values["now"], "stage": JobStage.WAITING}
+    return guard, chunk | lease | {"priority": values["priority"]}
+
+
+def _last_chunk_shape(values: dict[str, Any]) -> tuple[Q, dict[str, Any]]:
+    """The job's last step: the lease let go, the job decoding (its decode's message published once this commits)."""
+    guard, chunk = _alone_shape(values)
+    decoding = {
+        "status": JobStatus.DECODING,
+        "stage": JobStage.WAITING,
+        "lease_owner": "",
+        "lease_expires_at": None,
+        "published_at": values["now"],
+    }
+    return guard, chunk | decoding
+
+
+# A card's chunk boundaries: compiled once per process (the named values are `_alone`'s, each stored as the field
+# named, and the kept and yielded boundaries' priority and lease).
+_ALONE_FIELDS = {
+    "worker": "lease_owner",
+    "step": "checkpoint_step",
+    "steps": "steps",
+    "segment_count": "segment_count",
+    "queue": "queue",
+    "checkpoint_key": "checkpoint_key",
+    "step_seconds": "measured_step_seconds",
+    "card_seconds": "card_seconds",
+    "now": "updated_at",
+}
+_KEPT_CHUNK = CompiledWrite(
+    _kept_chunk_shape, _ALONE_FIELDS | {"priority": "priority", "lease_until": "lease_expires_at"}
+)
+_YIELDED_CHUNK = CompiledWrite(_yielded_chunk_shape, _ALONE_FIELDS | {"priority": "priority"})
+_LAST_CHUNK = CompiledUpdate(_last_chunk_shape, _ALONE_FIELDS)
 
 
 def learn_from_chunk(job: Job, step_seconds: float | None, worker: str) -> None:
