@@ -368,11 +368,14 @@ class CompiledUpdate:
             return None
         connection = connections[alias]
         adapted = {
-            name: (self._adapt(name, first[name], connection), self._adapt(name, second[name], connection))
+            name: (
+                _comparable(self._adapt(name, first[name], connection)),
+                _comparable(self._adapt(name, second[name], connection)),
+            )
             for name in self._fields
         }
         positions: dict[str, list[int]] = {}
-        for index, pair in enumerate(zip(params, other_params)):
+        for index, pair in enumerate(zip(map(_comparable, params), map(_comparable, other_params))):
             if pair[0] == pair[1]:
                 continue  # a constant of the shape
             names = [name for name, both in adapted.items() if both == pair]
@@ -398,6 +401,12 @@ class CompiledUpdate:
             else:
                 values[name] = f"\x00stand-in {unique}"
         return values
+
+
+def _comparable(param: Any) -> Any:
+    """A parameter as `CompiledUpdate` compares it: a wrapper the driver's adaptation puts around a value (psycopg's
+    `Jsonb` for a JSONField on PostgreSQL, which has no equality of its own) by the value it wraps."""
+    return getattr(param, "obj", param)
 
 
 class CompiledWrite(CompiledUpdate):

@@ -518,33 +518,26 @@ def learn_from_chunk(job: Job, step_seconds: float | None, worker: str) -> None:
 def start_decoding(job_id: JobId, worker: str) -> Job | None:
     """Take the job's decode (its lease), and the job as the take left it, in one statement; None when it is not
     waiting for one (decoded already, held elsewhere, cancelled)."""
-    now = timezone.now()
-    job = update_returning(
-        job_id,
-        lease_free(now) & Q(status=JobStatus.DECODING, cancel_requested=False),
-        # chunk_started_at: its decode's start, as a chunk's (what is left of it counts in the ETAs behind it).
-        stage=JobStage.DECODING,
-        lease_owner=worker,
-        lease_expires_at=lease_until(),
-        chunk_started_at=now,
-    )
+    job = _START_DECODING(job_id, now=timezone.now(), worker=worker, lease_until=lease_until())
     if job is not None:
         announce_on_commit(job_id, "decoding")
     return job
 
 
+def _start_decoding_shape(values: dict[str, Any]) -> tuple[Q, dict[str, Any]]:
+    conditions = lease_free(values["now"]) & Q(status=JobStatus.DECODING, cancel_requested=False)
+    return conditions, {
+        "stage": JobStage.DECODING,
+        "lease_owner": values["worker"],
+        "lease_expires_at": values["lease_until"],
+        # Its decode's start, as a chunk's (what is left of it counts in the ETAs behind it).
+        "chunk_started_at": values["now"],
+    }
+
+
 def finish_decoding(job_id: JobId, worker: str, outputs: list[dict[str, str]]) -> bool:
     now = timezone.now()
-    job = update_returning(
-        job_id,
-        Q(lease_owner=worker, status=JobStatus.DECODING),
-        status=JobStatus.SUCCEEDED,
-        stage=JobStage.DONE,
-        outputs=outputs,
-        finished_at=now,
-        lease_owner="",
-        lease_expires_at=None,
-    )
+    job = _FINISH_DECODING(job_id, now=now, worker=worker, outputs=outputs)
     if job is None:
         return False
     observe.transition(job_id, JobStatus.DECODING, JobStatus.SUCCEEDED, worker=worker)
@@ -556,6 +549,26 @@ def finish_decoding(job_id: JobId, worker: str, outputs: list[dict[str, str]]) -
         learn_stage_seconds(job.model, DECODE, (now - job.chunk_started_at).total_seconds())
     after_end(job_id)
     return True
+
+
+def _finish_decoding_shape(values: dict[str, Any]) -> tuple[Q, dict[str, Any]]:
+    return Q(lease_owner=values["worker"], status=JobStatus.DECODING), {
+        "status": JobStatus.SUCCEEDED,
+        "stage": JobStage.DONE,
+        "outputs": values["outputs"],
+        "finished_at": values["now"],
+        "lease_owner": "",
+        "lease_expires_at": None,
+    }
+
+
+# Every job's tail (its decode taken, its outputs recorded): compiled once per process.
+_START_DECODING = CompiledUpdate(
+    _start_decoding_shape, {"now": "chunk_started_at", "worker": "lease_owner", "lease_until": "lease_expires_at"}
+)
+_FINISH_DECODING = CompiledUpdate(
+    _finish_decoding_shape, {"now": "finished_at", "worker": "lease_owner", "outputs": "outputs"}
+)
 
 
 def _group_size(worker: str) -> int:
