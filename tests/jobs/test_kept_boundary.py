@@ -146,12 +146,15 @@ def test_a_yield_is_one_update_and_records_and_publishes_what_the_locked_path_do
     )
 
 
-def test_the_boundarys_and_the_decodes_statements_are_compiled_once_on_this_database():
-    """A boundary, and a decode's take and finish, bind their values into SQL compiled at its first use (Django
-    compiling the guard and the chunk's fields was half of a kept boundary's record): a shape change that made one
-    of them compile at every call (a value derived from a named one, a field type the stand-ins cannot take, a
-    JSON value the driver wraps) shows up here."""
+def test_a_cards_statements_are_compiled_once_on_this_database():
+    """A boundary, a heartbeat, the first step's start, and an encode's or a decode's take and finish bind their
+    values into SQL compiled at its first use (Django compiling the guard and the chunk's fields was half of a kept
+    boundary's record): a shape change that made one of them compile at every call (a value derived from a named
+    one, a field type the stand-ins cannot take, a JSON value the driver wraps) shows up here."""
     from genserver.jobs.services import transitions
 
-    statements = ("_KEPT_CHUNK", "_YIELDED_CHUNK", "_LAST_CHUNK", "_START_DECODING", "_FINISH_DECODING")
-    assert [name for name in statements if not getattr(transitions, name).compiled()] == []
+    names = ("KEPT_CHUNK", "YIELDED_CHUNK", "LAST_CHUNK", "FIRST_STEP")
+    names += ("START_ENCODING", "FINISH_ENCODING", "START_DECODING", "FINISH_DECODING")
+    statements = {name: getattr(transitions, f"_{name}") for name in names}
+    statements |= {f"heartbeat {shape}": beat for shape, beat in transitions._HEARTBEATS.items()}
+    assert [name for name, statement in statements.items() if not statement.compiled()] == []

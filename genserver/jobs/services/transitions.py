@@ -7,6 +7,7 @@ workers or a redelivered message race and exactly one wins.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from datetime import datetime
 from typing import Any
 
@@ -31,7 +32,6 @@ from ._common import (
     end_if_cancelled,
     lease_free,
     lease_until,
-    update_returning,
 )
 from .deadlines import expire_if_overdue, not_overdue
 from .estimates import learn_stage_seconds, learn_step_time, rescale_to_total
@@ -43,18 +43,34 @@ def start_encoding(job_id: JobId, worker: str) -> Job | None:
     """Take the job's encode stage. None when it was cancelled, finished, is held elsewhere, or missed its
     start deadline (it ends `expired` here instead of running)."""
     now = timezone.now()
-    free = lease_free(now) & not_overdue(now) & Q(cancel_requested=False, held=False)
-    fields = dict(
-        status=JobStatus.ENCODING, stage=JobStage.ENCODING, lease_owner=worker, lease_expires_at=lease_until()
-    )
+    take = {"now": now, "worker": worker, "lease_until": lease_until()}
     # One UPDATE … RETURNING either way; the first says "from".
-    if job := update_returning(job_id, free & Q(status=JobStatus.QUEUED), **fields):
+    if job := _START_ENCODING(job_id, **take, status=JobStatus.QUEUED):
         observe.transition(job_id, JobStatus.QUEUED, JobStatus.ENCODING, worker=worker)
-    elif not (job := update_returning(job_id, free & Q(status=JobStatus.ENCODING), **fields)):  # a retried encode
+    elif not (job := _START_ENCODING(job_id, **take, status=JobStatus.ENCODING)):  # a retried encode
         expire_if_overdue(job_id, now)  # not taken: an overdue job ends here (the guard refused it)
         return None
     announce_on_commit(job_id, "encoding")
     return job
+
+
+def _start_encoding_shape(values: dict[str, Any]) -> tuple[Q, dict[str, Any]]:
+    now = values["now"]
+    free = lease_free(now) & not_overdue(now) & Q(cancel_requested=False, held=False, status=values["status"])
+    return free, {
+        "status": JobStatus.ENCODING,
+        "stage": JobStage.ENCODING,
+        "lease_owner": values["worker"],
+        "lease_expires_at": values["lease_until"],
+    }
+
+
+# The encode's take (on a miss, the way from submit to first step): compiled once per process; `status` is the one
+# it takes the job from (queued, or encoding for a retried encode).
+_START_ENCODING = CompiledUpdate(
+    _start_encoding_shape,
+    {"now": "lease_expires_at", "worker": "lease_owner", "lease_until": "lease_expires_at", "status": "status"},
+)
 
 
 def claim_encode_batch(job: Job, worker: str, limit: int) -> list[Job]:
@@ -82,17 +98,7 @@ def finish_encoding(job_id: JobId, worker: str, embeddings_key: str, claimed: Jo
     and the chunk's publish the first thing after it, on the path from submit to first step. Without it, or when a
     cancel arrived while it encoded, a locked read and save."""
     if claimed is not None:
-        now = timezone.now()
-        encoded = update_returning(
-            job_id,
-            Q(lease_owner=worker, status=JobStatus.ENCODING, cancel_requested=False),
-            embeddings_key=embeddings_key,
-            lease_owner="",
-            lease_expires_at=None,
-            status=JobStatus.DENOISING,
-            stage=JobStage.WAITING,
-            published_at=now,
-        )
+        encoded = _FINISH_ENCODING(job_id, worker=worker, embeddings_key=embeddings_key, now=timezone.now())
         if encoded is not None:
             transaction.on_commit(lambda: _first_chunk_published(encoded, claimed.published_at, worker))
             return True
@@ -109,6 +115,22 @@ def finish_encoding(job_id: JobId, worker: str, embeddings_key: str, claimed: Jo
         job.save()
         transaction.on_commit(lambda: _first_chunk_published(job, encode_published, worker))
     return True
+
+
+def _finish_encoding_shape(values: dict[str, Any]) -> tuple[Q, dict[str, Any]]:
+    return Q(lease_owner=values["worker"], status=JobStatus.ENCODING, cancel_requested=False), {
+        "embeddings_key": values["embeddings_key"],
+        "lease_owner": "",
+        "lease_expires_at": None,
+        "status": JobStatus.DENOISING,
+        "stage": JobStage.WAITING,
+        "published_at": values["now"],
+    }
+
+
+_FINISH_ENCODING = CompiledUpdate(
+    _finish_encoding_shape, {"worker": "lease_owner", "embeddings_key": "embeddings_key", "now": "published_at"}
+)
 
 
 def _first_chunk_published(job: Job, encode_published: datetime | None, worker: str) -> None:
@@ -235,9 +257,12 @@ def record_first_step(job_id: JobId, at: datetime) -> None:
     """The job's first step began `at`: its `started_at`, and its `started` event, once (a job retried from its
     start does not start again). The denoise task writes it beside that step rather than before it: the claim has
     just renewed the lease, and a retry resets the progress itself (`fail_attempt`)."""
-    if Job.objects.filter(pk=job_id, started_at__isnull=True).update(started_at=at):
+    if _FIRST_STEP(job_id, at=at):
         emit_on_commit(job_id, "started")
         observe.first_step(job_id, at)
+
+
+_FIRST_STEP = CompiledWrite(lambda v: (Q(started_at__isnull=True), {"started_at": v["at"]}), {"at": "started_at"})
 
 
 def heartbeat(job_id: JobId, worker: str, steps_done: int | None = None, *, chunk_starts: bool = False) -> bool:
@@ -247,16 +272,41 @@ def heartbeat(job_id: JobId, worker: str, steps_done: int | None = None, *, chun
     the next chunk starts now, which the queue picture counts what is left of it from (`chunk_started_at`).
     False when the lease was lost (the reaper gave the job to another worker): stop working.
     """
-    now = timezone.now()
-    fields: dict[str, Any] = {"lease_expires_at": lease_until()}
-    if steps_done is not None:
-        fields["steps_done"] = steps_done
-    if chunk_starts:
-        fields["chunk_started_at"] = now
-    renewed = Job.objects.filter(pk=job_id, lease_owner=worker, status__in=ACTIVE).update(**fields)
+    beat = _HEARTBEATS[steps_done is not None, chunk_starts]
+    renewed = beat(job_id, worker=worker, lease_until=lease_until(), steps_done=steps_done, now=timezone.now())
     if renewed and steps_done:
         announce_on_commit(job_id, "progress")
-    return bool(renewed)
+    return renewed
+
+
+def _heartbeat_shape(progress: bool, chunk_starts: bool) -> Callable[[dict[str, Any]], tuple[Q, dict[str, Any]]]:
+    """A heartbeat's statement: the lease renewed, and the progress and the next chunk's start where given."""
+
+    def shape(values: dict[str, Any]) -> tuple[Q, dict[str, Any]]:
+        fields: dict[str, Any] = {"lease_expires_at": values["lease_until"]}
+        if progress:
+            fields["steps_done"] = values["steps_done"]
+        if chunk_starts:
+            fields["chunk_started_at"] = values["now"]
+        return Q(lease_owner=values["worker"], status__in=ACTIVE), fields
+
+    return shape
+
+
+# Every running job's, once a second (and at a kept boundary between checkpoints): compiled once per process.
+_HEARTBEATS = {
+    (progress, chunk_starts): CompiledWrite(
+        _heartbeat_shape(progress, chunk_starts),
+        {
+            "worker": "lease_owner",
+            "lease_until": "lease_expires_at",
+            "steps_done": "steps_done",
+            "now": "chunk_started_at",
+        },
+    )
+    for progress in (False, True)
+    for chunk_starts in (False, True)
+}
 
 
 def resume_from_earlier_checkpoint(job_id: JobId, worker: str, lost_key: str, step: int, key: str) -> bool:
