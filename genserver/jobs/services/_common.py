@@ -303,11 +303,11 @@ def _insert_statement(alias: str) -> str:
     return statement
 
 
-class CompiledUpdate:
-    """An `update_returning` of a fixed shape whose SQL Django compiles once per process and database, for a
+class _CompiledShape:
+    """An UPDATE of one job of a fixed shape whose SQL Django compiles once per process and database, for a
     statement on a card's path (a chunk's claim: compiling its conditions took 1.4 ms of the 10-11 ms from
-    submit to first step on the CPU stack). Each call binds its values to the compiled parameters; `CompiledWrite`
-    is the same without the returned row.
+    submit to first step on the CPU stack). Each call binds its values to the compiled parameters. Its two kinds:
+    `CompiledUpdate` returns the row as the update left it, `CompiledWrite` whether it changed one.
 
     `build(values)` returns (conditions, update values) from the named values, as the call would pass them to
     `update_returning`; `fields` names the Job field each value is stored or compared as ("job_id": the key).
@@ -319,13 +319,6 @@ class CompiledUpdate:
     def __init__(self, build: Callable[[dict[str, Any]], tuple[Q, dict[str, Any]]], fields: dict[str, str]):
         self._build, self._fields = build, {"job_id": "id", **fields}
         self._templates: dict[str, tuple[str, list[Any], dict[str, list[int]]] | None] = {}
-
-    def __call__(self, job_id: JobId, **named: Any) -> Job | None:
-        bound = self._bound(job_id, named)
-        if bound is None:
-            conditions, values = self._build(named)
-            return update_returning(job_id, conditions, **values)
-        return _returned_job(*bound)
 
     def _bound(self, job_id: JobId, named: dict[str, Any]) -> tuple[str, list[Any]] | None:
         """The kept statement and its parameters with this call's values bound; None when nothing is kept."""
@@ -342,7 +335,7 @@ class CompiledUpdate:
         return statement, bound
 
     def _sql(self, job_id: JobId, conditions: Q, values: dict[str, Any]) -> tuple[str, list[Any]]:
-        return _update_returning_sql(job_id, conditions, values)
+        raise NotImplementedError
 
     def compiled(self) -> bool:
         """Whether the statement is kept compiled on the current database (compiling it now if not yet tried)."""
@@ -409,12 +402,27 @@ def _comparable(param: Any) -> Any:
     return getattr(param, "obj", param)
 
 
-class CompiledWrite(CompiledUpdate):
-    """A `CompiledUpdate` whose caller needs only whether the row changed: `Job.objects.filter(…).update(…)` of a
-    fixed shape, compiled once (a kept chunk boundary's record: compiling it took a third to a half of the record's
-    time on PostgreSQL, more than half on SQLite), without the RETURNING of every column and its conversions."""
+class CompiledUpdate(_CompiledShape):
+    """`update_returning` of a fixed shape, compiled once: the row as the update left it, None when the conditions
+    did not hold."""
 
-    def __call__(self, job_id: JobId, **named: Any) -> bool:  # type: ignore[override]
+    def __call__(self, job_id: JobId, **named: Any) -> Job | None:
+        bound = self._bound(job_id, named)
+        if bound is None:
+            conditions, values = self._build(named)
+            return update_returning(job_id, conditions, **values)
+        return _returned_job(*bound)
+
+    def _sql(self, job_id: JobId, conditions: Q, values: dict[str, Any]) -> tuple[str, list[Any]]:
+        return _update_returning_sql(job_id, conditions, values)
+
+
+class CompiledWrite(_CompiledShape):
+    """`Job.objects.filter(…).update(…)` of a fixed shape, compiled once, for a caller that needs only whether the
+    row changed (a kept chunk boundary's record: compiling it took a third to a half of the record's time on
+    PostgreSQL, more than half on SQLite): no RETURNING of every column and its conversions."""
+
+    def __call__(self, job_id: JobId, **named: Any) -> bool:
         bound = self._bound(job_id, named)
         if bound is None:
             conditions, values = self._build(named)

@@ -507,23 +507,20 @@ def _kept_chunk_shape(values: dict[str, Any]) -> tuple[Q, dict[str, Any]]:
 
 
 def _yielded_chunk_shape(values: dict[str, Any]) -> tuple[Q, dict[str, Any]]:
-    """The card yields the job to better work: the lease let go, the job waiting for its next chunk's message."""
+    """The card yields the job to better work: it waits for its next chunk's message."""
     guard, chunk = _alone_shape(values)
-    lease = {"lease_owner": "", "lease_expires_at": None, "published_at": values["now"], "stage": JobStage.WAITING}
-    return guard, chunk | lease | {"priority": values["priority"]}
+    return guard, chunk | _handed_on(values) | {"priority": values["priority"]}
 
 
 def _last_chunk_shape(values: dict[str, Any]) -> tuple[Q, dict[str, Any]]:
-    """The job's last step: the lease let go, the job decoding (its decode's message published once this commits)."""
+    """The job's last step: it waits decoding (its decode's message published once this commits)."""
     guard, chunk = _alone_shape(values)
-    decoding = {
-        "status": JobStatus.DECODING,
-        "stage": JobStage.WAITING,
-        "lease_owner": "",
-        "lease_expires_at": None,
-        "published_at": values["now"],
-    }
-    return guard, chunk | decoding
+    return guard, chunk | _handed_on(values) | {"status": JobStatus.DECODING}
+
+
+def _handed_on(values: dict[str, Any]) -> dict[str, Any]:
+    """The card lets the job go: the lease released, the job waiting for the message published now."""
+    return {"lease_owner": "", "lease_expires_at": None, "published_at": values["now"], "stage": JobStage.WAITING}
 
 
 # A card's chunk boundaries: compiled once per process (the named values are `_alone`'s, each stored as the field
