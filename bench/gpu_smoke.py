@@ -158,7 +158,7 @@ def smoke_one(
     last, save_2 = run_chunk_timed(timer, storage, state, request.steps)
     check_finite(spec, state)
     outputs, decode_s = timed(
-        lambda: stages.decode(family, storage, request, embeddings_ref=encoded.key, checkpoint_ref=last.checkpoint_key),
+        lambda: stages.decode(family, storage, request, checkpoint_ref=last.checkpoint_key),
         device,
     )
     if not outputs:

@@ -262,9 +262,7 @@ def run_round(bench: ModelBench, storage: LocalStorage, steps: int, round_index:
             key = save_checkpoint(bench, storage, state, keep)
             state, restore_s = timed(partial(stages.load_state, family, storage, request, miss.key, key))
     final_key = save_checkpoint(bench, storage, state, keep)
-    _, decode_s = timed(
-        lambda: stages.decode(family, storage, request, embeddings_ref=miss.key, checkpoint_ref=final_key)
-    )
+    _, decode_s = timed(lambda: stages.decode(family, storage, request, checkpoint_ref=final_key))
     _, vae_s = timed(lambda: family.decode(state))
     for prefix in ("checkpoints", "previews", "outputs"):
         storage.delete_prefix(f"{prefix}/{request.job_id}")

@@ -30,7 +30,6 @@ def decode(self, job_id: str, model: str = "") -> str:
                 family_of(job, "decode"),
                 storage(),
                 request_of(job),
-                embeddings_ref=job.embeddings_key,
                 checkpoint_ref=job.checkpoint_key,
             )
     except Exception:  # noqa: BLE001 - any decode error is recorded on the job, which is retried or fails

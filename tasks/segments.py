@@ -114,7 +114,6 @@ def decode_segment(self, job_id: str, index: int) -> str:
                 job_id=str(job.pk),
                 index=index,
                 frames=segment.frames,
-                embeddings_ref=job.embeddings_key,
                 checkpoint_ref=segment.checkpoint_key,
             )
     except Exception:  # noqa: BLE001 - recorded on the segment, retried

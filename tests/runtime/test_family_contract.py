@@ -23,6 +23,7 @@ import torch
 from PIL import Image
 
 from genserver.registry import load_registry
+from genserver.storage import LocalStorage
 from tests.runtime.conftest import (
     RESUME_CASES,
     assert_same_scheduler_state,
@@ -34,8 +35,11 @@ from tests.runtime.conftest import (
 )
 from tests.runtime.families import CASES, COMMON_PARTS, FamilyCase, leaves_in, pictures, tensors_in
 from tests.support.runtime import NoVAE
+from workers.runtime import stages
 from workers.runtime.base import Family, GenerationRequest
+from workers.runtime.common import png_bytes
 from workers.runtime.tiny_models import TINY_MODELS, ensure_tiny_models
+from workers.runtime.video import poster
 
 ALL = list(CASES.values())
 BY_FAMILY = [CASES["tiny-sd"], CASES["tiny-flux"], CASES["tiny-wan"]]  # one checkpoint of each family
@@ -327,6 +331,30 @@ def test_decode_returns_one_rgb_picture_per_output(load_family: Callable[..., Fa
         for frame in pictures(output, request):
             assert isinstance(frame, Image.Image)
             assert frame.mode == "RGB" and frame.size == (96, 64)
+
+
+@pytest.mark.parametrize("case", BY_FAMILY, ids=str)
+def test_the_decode_stage_reads_the_checkpoint_alone(
+    load_family: Callable[..., Family], case: FamilyCase, tmp_path: Path
+) -> None:
+    # The decode worker's stage: the job's last checkpoint in, its outputs stored. The prompt's embeddings
+    # are stored nowhere, so a read of them would fail the decode: a VAE needs the latents only.
+    family = load_family(case.model)
+    video = case.family == "wan"
+    request = make_request(case.model, width=96, height=64, steps=2, **({"num_frames": 5} if video else {}))
+    state = family.prepare(request, embed(family, request))
+    run_to_end(family, state)
+    storage = LocalStorage(tmp_path)
+    outputs = stages.decode(family, storage, request, checkpoint_ref=stages.save_checkpoint(family, storage, state))
+    decoded = family.decode(state)[0]
+    if video:
+        assert [o["content_type"] for o in outputs] == ["video/mp4", "image/png"]
+        assert storage.get(outputs[1]["key"]) == png_bytes(poster(decoded))
+    else:
+        assert [o["content_type"] for o in outputs] == ["image/png"]
+        assert storage.get(outputs[0]["key"]) == png_bytes(decoded)
+    with pytest.raises(stages.CheckpointUnreadable, match="no checkpoint to decode"):
+        stages.decode(family, storage, request, checkpoint_ref="")
 
 
 @pytest.mark.parametrize(

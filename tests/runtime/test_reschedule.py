@@ -148,7 +148,7 @@ def test_stop_early_decodes_the_saved_x0_estimate(
     assert torch.equal(data["denoised"], state.extra["denoised"].cpu())
     # The job's record now says 2 steps: decode restores the 6-step state and decodes its x0 estimate.
     stopped = dataclasses.replace(request, steps=2)
-    outputs = stages.decode(family, storage, stopped, embeddings_ref=embeddings_key, checkpoint_ref=key)
+    outputs = stages.decode(family, storage, stopped, checkpoint_ref=key)
     assert len(outputs) == (2 if model == "tiny-wan" else 1)
     decoded = pixels(family.decode(stages.load_state(family, storage, stopped, embeddings_key, key)))
     finished = dataclasses.replace(state, request=stopped, latents=data["denoised"], extra={})

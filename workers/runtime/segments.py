@@ -17,7 +17,7 @@ from genserver.storage import Storage
 
 from .base import Family, GenerationRequest
 from .common import png_bytes
-from .stages import load_state
+from .stages import final_state
 from .video import DEFAULT_FPS, encode_mp4, poster
 
 
@@ -52,11 +52,10 @@ def decode_segment(
     job_id: str,
     index: int,
     frames: int,
-    embeddings_ref: str,
     checkpoint_ref: str,
 ) -> tuple[str, str]:
     """Decode a segment's final latents into its MP4 clip (`frames` frames) and poster; (clip, poster) keys."""
-    state = load_state(family, storage, request, embeddings_ref, checkpoint_ref)
+    state = final_state(family, storage, request, checkpoint_ref)
     results = family.decode(state)
     clip = _frames_of(results[0], frames)
     key = storage.put(clip_key(job_id, index), encode_mp4(clip, fps=DEFAULT_FPS))

@@ -68,7 +68,21 @@ def load_state(
     embeddings = _embeddings(storage, embeddings_ref, request, encoder)
     if not checkpoint_ref:
         return family.prepare(request, embeddings)
-    data = read_checkpoint(storage, checkpoint_ref)
+    return _restored(family, request, embeddings, read_checkpoint(storage, checkpoint_ref))
+
+
+def final_state(family: Family, storage: Storage, request: GenerationRequest, checkpoint_ref: str) -> DenoiseState:
+    """The state a decode turns into pixels: restored from the job's last checkpoint, without its prompt
+    embeddings (a VAE needs the latents only; reading them cost a storage read, a Wan prompt's 4 MB, and made
+    the decode fail where they were gone)."""
+    if not checkpoint_ref:
+        raise CheckpointUnreadable(f"job {request.job_id} has no checkpoint to decode: its denoising never saved one")
+    return _restored(family, request, {}, read_checkpoint(storage, checkpoint_ref))
+
+
+def _restored(
+    family: Family, request: GenerationRequest, embeddings: dict[str, Any], data: dict[str, Any]
+) -> DenoiseState:
     if int(data.get("steps", request.steps)) != request.steps:
         return restore_for_new_total(family, request, embeddings, data)
     return family.restore(request, embeddings, data)
@@ -295,7 +309,7 @@ def save_checkpoint(family: Family, storage: Storage, state: DenoiseState) -> st
 
 
 def decode(
-    family: Family, storage: Storage, request: GenerationRequest, *, embeddings_ref: str, checkpoint_ref: str
+    family: Family, storage: Storage, request: GenerationRequest, *, checkpoint_ref: str
 ) -> list[dict[str, str]]:
     """Final outputs saved through storage; returns [{key, content_type}].
 
@@ -303,7 +317,7 @@ def decode(
     family yields one list of frames per output (an H.264 MP4 each, followed
     by its poster frame as a PNG).
     """
-    state = load_state(family, storage, request, embeddings_ref, checkpoint_ref)
+    state = final_state(family, storage, request, checkpoint_ref)
     outputs = []
     for index, result in enumerate(family.decode(state)):
         if isinstance(result, list):
