@@ -192,9 +192,10 @@ def segment_payload(job, index: int) -> dict[str, Any]:
 # --- enqueue (job service side) -----------------------------------------------------------
 
 
-def emit(job_id, event: str, segment: int | None = None) -> None:
+def emit(job_id, event: str, segment: int | None = None, row: Any = None) -> None:
     """Publish `event` of the job to the `webhooks` queue if it has a webhook URL (`segment`: the
-    index a `segment` event is for; the payload then carries it under "segment").
+    index a `segment` event is for; the payload then carries it under "segment"). `row`: the job as the
+    transition that made the event true left it, when the caller has it (no read then; most jobs have no URL).
 
     Called after the transition committed. Best effort: a broker error is logged,
     never raised into the worker that made the transition.
@@ -202,8 +203,8 @@ def emit(job_id, event: str, segment: int | None = None) -> None:
     from genserver.jobs.models import Job
 
     try:
-        job = Job.objects.filter(pk=job_id).exclude(webhook_url="").first()
-        if job is None or event not in job.webhook_events:
+        job = row if row is not None else Job.objects.filter(pk=job_id).exclude(webhook_url="").first()
+        if job is None or not job.webhook_url or event not in job.webhook_events:
             return  # no webhook, or not an event it asked for
         if event == "preview" and not _preview_due(job.pk):
             return  # a preview was sent less than WEBHOOK_PREVIEW_SECONDS ago; a later one supersedes this

@@ -13,10 +13,12 @@ from datetime import UTC, datetime, timedelta
 import pytest
 from django.contrib.auth import get_user_model
 from django.contrib.auth.models import Group
+from django.db import connection
 from django.test import Client
+from django.test.utils import CaptureQueriesContext
 from django.utils import timezone
 
-from genserver.jobs import selectors, services
+from genserver.jobs import events, selectors, services
 from genserver.jobs.models import Job, Quota
 from tests.support.api import submit
 
@@ -270,6 +272,30 @@ def test_settlement_replaces_the_estimate_with_the_measured_time_when_the_job_en
     row.refresh_from_db()
     assert row.status == "cancelled" and row.charged_card_seconds == pytest.approx(0.25)
     assert selectors.usage_of(alice.user).card_seconds_today == pytest.approx(0.25)
+
+
+def test_a_decode_settles_the_charge_in_its_own_statement_and_reads_the_row_no_more(make_user, monkeypatch):
+    """The decode worker's end: the success's UPDATE … RETURNING settles the charge, and after_end takes the row it
+    returned (status, checkpoint, webhook, owner and queue) instead of a settle and three re-reads. The stream's
+    event renders the row on the worker's event thread (its own read, under the job's lock): counted apart."""
+    published = []
+    monkeypatch.setattr(events, "publish_soon", lambda job_id, kind: published.append((str(job_id), kind)))
+    alice = make_user("alice")
+    job_id = submit(alice).json()["id"]
+    Job.objects.filter(pk=job_id).update(status="denoising", stage="waiting")
+    assert services.claim_chunk(job_id, "card0@test:1", 0) is not None
+    total = Job.objects.get(pk=job_id).steps
+    assert services.finish_chunk(job_id, "card0@test:1", total, "checkpoints/x/step-00001.pt", None, chunk_seconds=0.5)
+    assert services.start_decoding(job_id, "decode@test:1") is not None
+    with CaptureQueriesContext(connection) as statements:
+        assert services.finish_decoding(job_id, "decode@test:1", [])
+    row = Job.objects.get(pk=job_id)
+    assert row.status == "succeeded" and row.charged_card_seconds == pytest.approx(0.5)
+    of_the_job = [
+        q["sql"] for q in statements.captured_queries if job_id in q["sql"] or job_id.replace("-", "") in q["sql"]
+    ]
+    assert len(of_the_job) == 1 and of_the_job[0].lstrip().upper().startswith("UPDATE"), of_the_job
+    assert published == [(job_id, "succeeded")]
 
 
 def test_a_chunk_without_its_own_time_counts_its_step_time(make_user):

@@ -102,13 +102,20 @@ def delete_job_files(job_id: JobId) -> None:
         storage.delete_prefix(f"{kind}/{job_id}")
 
 
-def after_end(job_id: JobId) -> None:
+def after_end(job_id: JobId, ended: Job | None = None) -> None:
     """Once a job is terminal (called after the transition committed): settle its quota charge (the
     measured card time replaces the estimate), drop its checkpoints (a failed job keeps its latest, so
     the admin's retry resumes there, until retention removes it after FAILED_CHECKPOINT_TTL_SECONDS) and
-    cancel flag, and publish its webhook event (succeeded, failed, cancelled or expired)."""
-    quotas.settle(job_id)
-    status, kept = Job.objects.filter(pk=job_id).values_list("status", "checkpoint_key").first() or ("", "")
+    cancel flag, and publish its webhook event (succeeded, failed, cancelled or expired).
+
+    `ended`: the row as a terminal transition's `UPDATE … RETURNING` left it, a statement that also settled the
+    charge (`quotas.settled_charge`): no settle and no re-read of what it returned."""
+    if ended is None:
+        quotas.settle(job_id)
+        row = Job.objects.filter(pk=job_id).values_list("status", "checkpoint_key", "owner_id", "queue").first()
+        status, kept, placement = (row[0], row[1], (row[2], row[3])) if row else ("", "", None)
+    else:
+        status, kept, placement = ended.status, ended.checkpoint_key, (ended.owner_id, ended.queue)
     drop_checkpoints(job_id, keep=kept if status == JobStatus.FAILED else "")
     try:
         redis_client().delete(CANCEL_KEY.format(job_id=job_id))
@@ -116,14 +123,16 @@ def after_end(job_id: JobId) -> None:
         pass
     if status in TERMINAL:
         events.publish_soon(job_id, status)  # the stream's last event: open streams end on it
-        webhooks.emit(job_id, status)
-    release_for(job_id)
+        webhooks.emit(job_id, status, row=ended)
+    if placement is not None:
+        release_for(job_id, placement)
 
 
-def release_for(job_id: JobId) -> None:
+def release_for(job_id: JobId, placement: tuple[Any, str] | None = None) -> None:
     """The job left its owner's fair window (it started or ended): publish the owner's best held jobs of
-    its queue that now fit. A failure is logged: the reaper releases them on its next pass."""
-    row = Job.objects.filter(pk=job_id).values_list("owner_id", "queue").first()
+    its queue that now fit (`placement`: its (owner id, queue), when the caller has them). A failure is logged:
+    the reaper releases them on its next pass."""
+    row = placement or Job.objects.filter(pk=job_id).values_list("owner_id", "queue").first()
     if row is None:
         return
     try:

@@ -198,4 +198,9 @@ def _oldest_of_last(owner: Any, limit: int, now: datetime, window_seconds: float
 
 def settle(job_id: Any) -> None:
     """Once a job is terminal: its charge becomes its measured card time (idempotent)."""
-    Job.objects.filter(pk=job_id, status__in=TERMINAL).update(charged_card_seconds=F("card_seconds"))
+    Job.objects.filter(pk=job_id, status__in=TERMINAL).update(**settled_charge())
+
+
+def settled_charge() -> dict[str, Any]:
+    """What `settle` assigns, for a terminal transition to carry in its own statement (no settle after it)."""
+    return {"charged_card_seconds": F("card_seconds")}

@@ -21,7 +21,7 @@ from genserver.jobs.models import ACTIVE, Job, JobStage, JobStatus
 from genserver.redis_client import DECODE, LEAD_IN, STEP, TAIL
 from genserver.scheduling.classes import priority_for
 
-from . import fairness, observe
+from . import fairness, observe, quotas
 from ._common import (
     CompiledUpdate,
     CompiledWrite,
@@ -594,7 +594,7 @@ def finish_decoding(job_id: JobId, worker: str, outputs: list[dict[str, str]]) -
         learn_stage_seconds(job.model, TAIL, (now - job.published_at).total_seconds())
     if job.chunk_started_at is not None:
         learn_stage_seconds(job.model, DECODE, (now - job.chunk_started_at).total_seconds())
-    after_end(job_id)
+    after_end(job_id, ended=job)
     return True
 
 
@@ -606,6 +606,7 @@ def _finish_decoding_shape(values: dict[str, Any]) -> tuple[Q, dict[str, Any]]:
         "finished_at": values["now"],
         "lease_owner": "",
         "lease_expires_at": None,
+        **quotas.settled_charge(),  # its quota charge settled here: after_end does not
     }
 
 
