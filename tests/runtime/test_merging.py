@@ -202,11 +202,13 @@ def test_jobs_at_another_step_are_refused(load_family: Callable[..., Family]) ->
 
 
 def test_simulated_merged_step_takes_the_batch_time(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The simulated backend sleeps once per merged step, for the cost model's merged time."""
+    """The simulated backend sleeps once per merged step, for the cost model's merged time: its arithmetic is part
+    of that time (here a clock that only sleeps move: the step's sleep is the whole of it)."""
     spec = load_registry().get("sdxl-turbo-sim")
     family = SimulatedFamily(spec, "cpu", tmp_path)
     slept: list[float] = []
     monkeypatch.setattr("workers.runtime.simulated.time.sleep", slept.append)
+    monkeypatch.setattr("workers.runtime.simulated.time.perf_counter", lambda: sum(slept))
     requests = [
         make_request("sdxl-turbo-sim", job_id=str(i), seed=i, width=512, height=512, steps=4, guidance_scale=0.0)
         for i in range(4)
@@ -221,6 +223,22 @@ def test_simulated_merged_step_takes_the_batch_time(tmp_path: Path, monkeypatch:
     states = [big.prepare(r, big.encode([(r.prompt, "")])[0]) for r in requests]
     big.step_many(states)
     assert slept[-1] == pytest.approx(4 * big.step_seconds(requests[0]))  # compute-bound: no saving
+
+
+def test_a_simulated_steps_arithmetic_is_inside_its_modelled_time(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """The arithmetic stands in for the card's work: a step that took `spent` seconds of it sleeps what is left of its
+    modelled time, and nothing where the arithmetic took longer."""
+    family = SimulatedFamily(load_registry().get("sdxl-sim"), "cpu", tmp_path, time_scale=0.5)
+    request = make_request("sdxl-sim", width=512, height=512, steps=4)
+    modelled = family.step_seconds(request) * 0.5
+    for spent, left in ((0.25 * modelled, 0.75 * modelled), (2 * modelled, 0.0)):
+        readings = iter([100.0, 100.0 + spent])  # when the step began, and when its arithmetic was done
+        slept: list[float] = []
+        monkeypatch.setattr("workers.runtime.simulated.time.perf_counter", readings.__next__)
+        monkeypatch.setattr("workers.runtime.simulated.time.sleep", slept.append)
+        state = family.prepare(request, family.encode([(request.prompt, "")])[0])
+        family.step(state)
+        assert state.step == 1 and slept == [pytest.approx(left)]
 
 
 def test_a_merged_chunks_time_is_shared_by_the_members_rows(tmp_path: Path) -> None:
