@@ -39,11 +39,22 @@ def test_metrics_move_by_what_the_jobs_did(stack, ops, api):
     chunks = sum(j.chunks_run for j in jobs)
 
     def worker_side_recorded():
-        # The worker observes the delay right after its last transition commits: wait for it, not a sleep.
+        # The workers observe these after the job has moved on, so a job seen `succeeded` is no sign of them: the
+        # decode worker the delay right after its last transition commits; the card its last chunk's step time,
+        # checkpoint bytes and boundary only after that chunk's commit published the decode (tasks/denoise.py),
+        # and the wait on its event thread, behind the job's events. Wait for them all, not a sleep.
         now = scrape(ops)
-        return moved(before, now, "genserver_job_delay_seconds_count", **{"class": cls}) >= 2 and now
+        card = ("genserver_step_seconds", "genserver_checkpoint_bytes", "genserver_chunk_boundary_seconds")
+        return (
+            all(
+                moved(before, now, f"{histogram}_count", **{"class": cls}) >= 2
+                for histogram in ("genserver_job_delay_seconds", "genserver_job_wait_seconds")
+            )
+            and all(moved(before, now, f"{histogram}_count", model=model) >= chunks for histogram in card)
+            and now
+        )
 
-    after = wait_for(worker_side_recorded, what="the worker's delay observations")
+    after = wait_for(worker_side_recorded, what="the workers' observations of both jobs")
     assert moved(before, after, "genserver_submits_total", **{"class": cls, "outcome": "accepted", "reason": ""}) == 2
     assert moved(before, after, "genserver_jobs", status="succeeded") == 2
     for histogram in ("genserver_job_wait_seconds", "genserver_job_delay_seconds"):
