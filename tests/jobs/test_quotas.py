@@ -298,6 +298,33 @@ def test_a_decode_settles_the_charge_in_its_own_statement_and_reads_the_row_no_m
     assert published == [(job_id, "succeeded")]
 
 
+def test_a_cancel_the_card_sees_settles_the_charge_with_its_unrecorded_chunks_in_one_statement(make_user, monkeypatch):
+    """The card stopped at a cancel flag after 0.25 s recorded and 0.5 s since (a checkpoint interval's unrecorded
+    chunks): the cancel's UPDATE bills the 0.5 s and settles the charge to both (its right-hand sides read the row
+    as it was, so the settle adds the 0.5 s itself); after it only after_end's work, none of it on the row."""
+    published = []
+    monkeypatch.setattr(events, "publish_soon", lambda job_id, kind: published.append((str(job_id), kind)))
+    alice = make_user("alice")
+    job_id = submit(alice).json()["id"]
+    Job.objects.filter(pk=job_id).update(status="denoising", stage="waiting")
+    assert services.claim_chunk(job_id, "card0@test:1", 0) is not None
+    assert services.finish_chunk(
+        job_id, "card0@test:1", 1, "checkpoints/x/step-00001.pt", None, chunk_seconds=0.25, keep_lease=True
+    )
+    with CaptureQueriesContext(connection) as statements:
+        assert services.finish_cancelled(job_id, "card0@test:1", chunk_seconds=0.5)
+    row = Job.objects.get(pk=job_id)
+    assert row.status == "cancelled" and row.card_seconds == pytest.approx(0.75)
+    assert row.charged_card_seconds == pytest.approx(0.75)
+    of_the_job = [
+        q["sql"] for q in statements.captured_queries if job_id in q["sql"] or job_id.replace("-", "") in q["sql"]
+    ]
+    assert [q.lstrip().split()[0].upper() for q in of_the_job] == ["SELECT", "UPDATE"], of_the_job  # its status before
+    assert published == [(job_id, "cancelled")]
+    assert not services.finish_cancelled(job_id, "card0@test:1")  # ended: nothing more to do, nothing billed twice
+    assert Job.objects.get(pk=job_id).card_seconds == pytest.approx(0.75)
+
+
 def test_a_chunk_without_its_own_time_counts_its_step_time(make_user):
     alice = make_user("alice")
     job_id = submit(alice).json()["id"]

@@ -201,6 +201,8 @@ def settle(job_id: Any) -> None:
     Job.objects.filter(pk=job_id, status__in=TERMINAL).update(**settled_charge())
 
 
-def settled_charge() -> dict[str, Any]:
-    """What `settle` assigns, for a terminal transition to carry in its own statement (no settle after it)."""
-    return {"charged_card_seconds": F("card_seconds")}
+def settled_charge(added_seconds: float = 0.0) -> dict[str, Any]:
+    """What `settle` assigns, for a terminal transition to carry in its own statement (no settle after it).
+    `added_seconds`: the card seconds that statement adds to the job's own (its right-hand sides read the row as
+    it was before the statement)."""
+    return {"charged_card_seconds": F("card_seconds") + added_seconds if added_seconds else F("card_seconds")}

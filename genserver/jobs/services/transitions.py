@@ -32,6 +32,7 @@ from ._common import (
     end_if_cancelled,
     lease_free,
     lease_until,
+    update_returning,
 )
 from .deadlines import expire_if_overdue, not_overdue
 from .estimates import learn_stage_seconds, learn_step_time, rescale_to_total
@@ -634,15 +635,20 @@ def finish_cancelled(job_id: JobId, worker: str, chunk_seconds: float = 0.0) -> 
     """The worker holding a job saw its cancel flag and stopped. `chunk_seconds`: the denoising it ran since its
     last recorded chunk (a checkpoint interval's unrecorded chunks), billed as `finish_chunk` bills a chunk."""
     before = Job.objects.filter(pk=job_id, lease_owner=worker).values_list("status", flat=True).first()
-    done = Job.objects.filter(pk=job_id, lease_owner=worker, status__in=ACTIVE).update(
+    added = chunk_seconds * _group_size(worker)
+    job = update_returning(
+        job_id,
+        Q(lease_owner=worker, status__in=ACTIVE),
         status=JobStatus.CANCELLED,
         stage=JobStage.CANCELLED,
         finished_at=timezone.now(),
         lease_owner="",
         lease_expires_at=None,
-        card_seconds=F("card_seconds") + chunk_seconds * _group_size(worker),
+        card_seconds=F("card_seconds") + added,
+        **quotas.settled_charge(added),  # its charge settled here: after_end does not
     )
-    if done:
-        observe.transition(job_id, before or "", JobStatus.CANCELLED, worker=worker)
-        after_end(job_id)
-    return bool(done)
+    if job is None:
+        return False
+    observe.transition(job_id, before or "", JobStatus.CANCELLED, worker=worker)
+    events.in_background(after_end, job_id, job)  # the card's next job does not wait for it (finish_decoding's)
+    return True
