@@ -274,16 +274,32 @@ def test_settlement_replaces_the_estimate_with_the_measured_time_when_the_job_en
     assert selectors.usage_of(alice.user).card_seconds_today == pytest.approx(0.25)
 
 
-def test_a_decode_settles_the_charge_in_its_own_statement_and_reads_the_row_no_more(make_user, monkeypatch):
-    """The decode worker's end: the success's UPDATE … RETURNING settles the charge, and after_end takes the row it
-    returned (status, checkpoint, webhook, owner and queue) instead of a settle and three re-reads. The stream's
-    event renders the row on the worker's event thread (its own read, under the job's lock): counted apart."""
-    published = []
-    monkeypatch.setattr(events, "publish_soon", lambda job_id, kind: published.append((str(job_id), kind)))
-    alice = make_user("alice")
-    job_id = submit(alice).json()["id"]
+@pytest.fixture
+def published(monkeypatch) -> list[tuple[str, str]]:
+    """The job events published, instead of rendered: a worker renders them on its event thread (its own read of the
+    row, under the job's lock), which a count of the transition's statements leaves apart."""
+    seen: list[tuple[str, str]] = []
+    monkeypatch.setattr(events, "publish_soon", lambda job_id, kind: seen.append((str(job_id), kind)))
+    return seen
+
+
+def _claimed_job(make_user) -> str:
+    """A new job of a new user, denoising on card0 (claimed)."""
+    job_id = submit(make_user("alice")).json()["id"]
     Job.objects.filter(pk=job_id).update(status="denoising", stage="waiting")
     assert services.claim_chunk(job_id, "card0@test:1", 0) is not None
+    return job_id
+
+
+def _naming(job_id: str, statements: CaptureQueriesContext) -> list[str]:
+    """The captured statements that name the job (its key as PostgreSQL or SQLite writes it)."""
+    return [q["sql"] for q in statements.captured_queries if job_id in q["sql"] or job_id.replace("-", "") in q["sql"]]
+
+
+def test_a_decode_settles_the_charge_in_its_own_statement_and_reads_the_row_no_more(make_user, published):
+    """The decode worker's end: the success's UPDATE … RETURNING settles the charge, and after_end takes the row it
+    returned (status, checkpoint, webhook, owner and queue) instead of a settle and three re-reads."""
+    job_id = _claimed_job(make_user)
     total = Job.objects.get(pk=job_id).steps
     assert services.finish_chunk(job_id, "card0@test:1", total, "checkpoints/x/step-00001.pt", None, chunk_seconds=0.5)
     assert services.start_decoding(job_id, "decode@test:1") is not None
@@ -291,23 +307,16 @@ def test_a_decode_settles_the_charge_in_its_own_statement_and_reads_the_row_no_m
         assert services.finish_decoding(job_id, "decode@test:1", [])
     row = Job.objects.get(pk=job_id)
     assert row.status == "succeeded" and row.charged_card_seconds == pytest.approx(0.5)
-    of_the_job = [
-        q["sql"] for q in statements.captured_queries if job_id in q["sql"] or job_id.replace("-", "") in q["sql"]
-    ]
+    of_the_job = _naming(job_id, statements)
     assert len(of_the_job) == 1 and of_the_job[0].lstrip().upper().startswith("UPDATE"), of_the_job
     assert published == [(job_id, "succeeded")]
 
 
-def test_a_cancel_the_card_sees_settles_the_charge_with_its_unrecorded_chunks_in_one_statement(make_user, monkeypatch):
+def test_a_cancel_the_card_sees_settles_the_charge_with_its_unrecorded_chunks_in_one_statement(make_user, published):
     """The card stopped at a cancel flag after 0.25 s recorded and 0.5 s since (a checkpoint interval's unrecorded
     chunks): the cancel's UPDATE bills the 0.5 s and settles the charge to both (its right-hand sides read the row
     as it was, so the settle adds the 0.5 s itself); after it only after_end's work, none of it on the row."""
-    published = []
-    monkeypatch.setattr(events, "publish_soon", lambda job_id, kind: published.append((str(job_id), kind)))
-    alice = make_user("alice")
-    job_id = submit(alice).json()["id"]
-    Job.objects.filter(pk=job_id).update(status="denoising", stage="waiting")
-    assert services.claim_chunk(job_id, "card0@test:1", 0) is not None
+    job_id = _claimed_job(make_user)
     assert services.finish_chunk(
         job_id, "card0@test:1", 1, "checkpoints/x/step-00001.pt", None, chunk_seconds=0.25, keep_lease=True
     )
@@ -316,9 +325,7 @@ def test_a_cancel_the_card_sees_settles_the_charge_with_its_unrecorded_chunks_in
     row = Job.objects.get(pk=job_id)
     assert row.status == "cancelled" and row.card_seconds == pytest.approx(0.75)
     assert row.charged_card_seconds == pytest.approx(0.75)
-    of_the_job = [
-        q["sql"] for q in statements.captured_queries if job_id in q["sql"] or job_id.replace("-", "") in q["sql"]
-    ]
+    of_the_job = _naming(job_id, statements)
     assert [q.lstrip().split()[0].upper() for q in of_the_job] == ["SELECT", "UPDATE"], of_the_job  # its status before
     assert published == [(job_id, "cancelled")]
     assert not services.finish_cancelled(job_id, "card0@test:1")  # ended: nothing more to do, nothing billed twice

@@ -128,6 +128,15 @@ def after_end(job_id: JobId, ended: Job | None = None) -> None:
         release_for(job_id, placement)
 
 
+def after_end_soon(ended: Job) -> None:
+    """`after_end` of a job a worker's terminal `UPDATE … RETURNING` just ended (`ended`, its charge settled in that
+    statement), on the worker's event thread: the worker's next task does not wait for it (2.6 ms a job with local
+    storage, 17 ms on an S3 API's list and delete of the checkpoints). What a crash before it runs leaves, the purge
+    (the files) and the reaper (the held jobs) repair, as for a crash just after the commit. At once in a process
+    without that thread (the API, a test)."""
+    events.in_background(after_end, ended.pk, ended)
+
+
 def release_for(job_id: JobId, placement: tuple[Any, str] | None = None) -> None:
     """The job left its owner's fair window (it started or ended): publish the owner's best held jobs of
     its queue that now fit (`placement`: its (owner id, queue), when the caller has them). A failure is logged:

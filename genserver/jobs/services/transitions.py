@@ -26,7 +26,7 @@ from ._common import (
     CompiledUpdate,
     CompiledWrite,
     JobId,
-    after_end,
+    after_end_soon,
     announce_on_commit,
     emit_on_commit,
     end_if_cancelled,
@@ -595,11 +595,7 @@ def finish_decoding(job_id: JobId, worker: str, outputs: list[dict[str, str]]) -
         learn_stage_seconds(job.model, TAIL, (now - job.published_at).total_seconds())
     if job.chunk_started_at is not None:
         learn_stage_seconds(job.model, DECODE, (now - job.chunk_started_at).total_seconds())
-    # The rest of its end (its checkpoints dropped, its cancel flag, its last event and webhook, its owner's held
-    # jobs released) on the worker's event thread: the next decode does not wait for it (2.6 ms a job with local
-    # storage, 17 ms on an S3 API's list and delete). Its charge is settled already; what a crash before it
-    # leaves, the purge (the files) and the reaper (the held jobs) repair, as for a crash just after the commit.
-    events.in_background(after_end, job_id, job)
+    after_end_soon(job)
     return True
 
 
@@ -650,5 +646,5 @@ def finish_cancelled(job_id: JobId, worker: str, chunk_seconds: float = 0.0) -> 
     if job is None:
         return False
     observe.transition(job_id, before or "", JobStatus.CANCELLED, worker=worker)
-    events.in_background(after_end, job_id, job)  # the card's next job does not wait for it (finish_decoding's)
+    after_end_soon(job)
     return True
